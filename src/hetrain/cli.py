@@ -1,0 +1,159 @@
+"""The ``hetrain`` command line (SPEC §7): ``plan``, ``evaluate``, ``simulate``, ``train``,
+``profile``.
+
+Each command's body lives in :mod:`hetrain.commands` and is imported only when that command
+runs; only ``train`` and ``profile`` import torch. Any bad input (an
+:class:`~hetrain.errors.InputError` or a usage error) prints one line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hetrain.errors import InputError
+
+app = typer.Typer(
+    name="hetrain",
+    help="Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+ClusterOpt = Annotated[Path, typer.Option("--cluster", help="cluster file (YAML/JSON, SPEC §7)")]
+ModelOpt = Annotated[Path, typer.Option("--model", help="model profile (JSON, SPEC §7)")]
+BatchOpt = Annotated[int, typer.Option("--batch", help="global batch B (samples per iteration)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
+OptStateOpt = Annotated[
+    float,
+    typer.Option(
+        "--optimizer-state-factor",
+        help="bytes of optimizer state per parameter byte (2 Adam, 1 SGD+momentum, 0 SGD)",
+    ),
+]
+
+
+def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
+    """Parse ``["money=0.5", "energy=2"]`` into ``{"money": 0.5, "energy": 2.0}``.
+
+    Raises:
+        InputError: an item is not ``name=number`` with name ``money`` or ``energy`` and a
+            finite number >= 0.
+    """
+    import math
+
+    out: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in ("money", "energy"):
+            raise InputError(option, item, "expected money=NUMBER or energy=NUMBER")
+        try:
+            number = float(value)
+        except ValueError:
+            raise InputError(option, name, f"expected a number, got {value!r}") from None
+        if not math.isfinite(number) or number < 0:
+            raise InputError(option, name, f"expected a finite number >= 0, got {value}")
+        out[name] = number
+    return out
+
+
+@app.command()
+def plan(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    batch: BatchOpt,
+    optimizer_state_factor: OptStateOpt = 2.0,
+    v: Annotated[float, typer.Option("--V", help="weight V of the iteration time")] = 1.0,
+    queue: Annotated[
+        list[str] | None,
+        typer.Option("--queue", help="virtual queue backlog, e.g. money=Q (repeatable)"),
+    ] = None,
+    schedule: Annotated[str, typer.Option("--schedule", help="1f1b or gpipe")] = "1f1b",
+    json_out: JsonOpt = False,
+) -> None:
+    """Print the best plan for one slot (minimum T, or minimum V*T + sum_j Q_j y_j)."""
+    from hetrain.commands.plan import run_plan
+
+    raise typer.Exit(
+        run_plan(
+            cluster=cluster,
+            model=model,
+            batch=batch,
+            optimizer_state_factor=optimizer_state_factor,
+            v=v,
+            queues=parse_key_values("--queue", queue),
+            schedule=schedule,
+            json_out=json_out,
+        )
+    )
+
+
+@app.command()
+def evaluate(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    batch: BatchOpt,
+    plan: Annotated[Path, typer.Option("--plan", help="plan file (JSON, SPEC §7)")],
+    optimizer_state_factor: OptStateOpt = 2.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Print SPEC §3's figures for a given plan (exit 1 if some device runs out of memory)."""
+    from hetrain.commands.plan import run_evaluate
+
+    raise typer.Exit(
+        run_evaluate(
+            cluster=cluster,
+            model=model,
+            batch=batch,
+            plan=plan,
+            optimizer_state_factor=optimizer_state_factor,
+            json_out=json_out,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the typer app, turning bad input into one line + exit 2.
+
+    Returns the exit status (also used by tests that call the CLI in-process).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        rv = app(args=args, prog_name="hetrain", standalone_mode=False)
+    except InputError as exc:
+        print(f"hetrain: error: {exc}", file=sys.stderr)
+        return _exit(2, argv)
+    except typer.Exit as exc:
+        return _exit(int(exc.exit_code or 0), argv)
+    except typer.Abort:
+        print("hetrain: aborted", file=sys.stderr)
+        return _exit(130, argv)
+    except SystemExit as exc:
+        return _exit(exc.code if isinstance(exc.code, int) else 1, argv)
+    except Exception as exc:
+        # typer's (vendored click) usage errors: ClickException subclasses with exit_code 2
+        if not hasattr(exc, "format_message") or not hasattr(exc, "exit_code"):
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            print(exc.format_message())
+            return _exit(0, argv)
+        message = " ".join(str(exc.format_message()).split())
+        print(f"hetrain: error: {message}", file=sys.stderr)
+        return _exit(int(exc.exit_code) or 2, argv)
+    return _exit(int(rv or 0) if isinstance(rv, int) else 0, argv)
+
+
+def _exit(code: int, argv: list[str] | None) -> int:
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

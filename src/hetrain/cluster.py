@@ -1,0 +1,169 @@
+"""Cluster files (SPEC §7) and the numeric cluster state the cost model reads (SPEC §2).
+
+A :class:`ClusterSpec` is what the user writes (YAML/JSON, user units: tflops, GiB, Gbit/s,
+USD/hour, ms). A :class:`ClusterState` is the same devices at one slot in SI units, as numpy
+arrays indexed by device position in the cluster file; traces (:mod:`hetrain.trace`) change it
+slot by slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hetrain._io import check_finite_tree, read_structured
+from hetrain.errors import InputError, from_validation_error
+
+GBPS_TO_BYTES_PER_S = 1e9 / 8.0  # 1 Gbit/s = 1.25e8 bytes/s
+GIB = float(2**30)
+
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
+
+
+class LinksSpec(BaseModel):
+    """``links`` of a cluster file: intra-node bandwidth (Gbit/s) and per-link latency (µs)."""
+
+    model_config = _STRICT
+    intra_node_gbps: float = Field(800.0, gt=0)
+    latency_us: float = Field(20.0, ge=0)
+
+
+class DeviceSpec(BaseModel):
+    """One device of a cluster file (SPEC §7). ``node`` defaults to the device's own id."""
+
+    model_config = _STRICT
+    id: str = Field(min_length=1)
+    node: str | None = None
+    tflops: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    nic_gbps: float = Field(gt=0)
+    power_w: float = Field(0.0, ge=0)
+    price_per_hour: float = Field(0.0, ge=0)
+    microbatch_overhead_ms: float = Field(0.0, ge=0)
+
+    @property
+    def node_id(self) -> str:
+        return self.node if self.node is not None else self.id
+
+
+class ClusterSpec(BaseModel):
+    """A whole cluster file: ``{"links": {...}, "devices": [...]}`` (SPEC §7).
+
+    Raises:
+        ValueError (via pydantic): unknown keys, negative or non-finite numbers, no devices,
+        duplicate device ids.
+    """
+
+    model_config = _STRICT
+    links: LinksSpec = Field(default_factory=LinksSpec)
+    devices: list[DeviceSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> ClusterSpec:
+        seen: dict[str, int] = {}
+        for i, d in enumerate(self.devices):
+            if d.id in seen:
+                raise ValueError(
+                    f"devices[{i}].id: duplicate device id {d.id!r} (also devices[{seen[d.id]}])"
+                )
+            seen[d.id] = i
+        return self
+
+    @property
+    def ids(self) -> list[str]:
+        return [d.id for d in self.devices]
+
+    def state(self) -> ClusterState:
+        """The SI-unit :class:`ClusterState` of this cluster with every device available."""
+        nodes: dict[str, int] = {}
+        node_idx = [nodes.setdefault(d.node_id, len(nodes)) for d in self.devices]
+        n = len(self.devices)
+        return ClusterState(
+            ids=tuple(self.ids),
+            node=np.asarray(node_idx, dtype=np.int64),
+            speed_flops=np.array([d.tflops * 1e12 for d in self.devices]),
+            memory_bytes=np.array([d.memory_gib * GIB for d in self.devices]),
+            nic_bytes_per_s=np.array([d.nic_gbps * GBPS_TO_BYTES_PER_S for d in self.devices]),
+            power_w=np.array([d.power_w for d in self.devices]),
+            price_per_s=np.array([d.price_per_hour / 3600.0 for d in self.devices]),
+            kappa_s=np.array([d.microbatch_overhead_ms * 1e-3 for d in self.devices]),
+            available=np.ones(n, dtype=bool),
+            intra_node_bytes_per_s=self.links.intra_node_gbps * GBPS_TO_BYTES_PER_S,
+            latency_s=self.links.latency_us * 1e-6,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """Cluster state at one slot, SI units, arrays of shape ``(D,)`` in cluster-file order.
+
+    Attributes:
+        ids: device ids, length D.
+        node: node index per device (devices with equal index share a node).
+        speed_flops: effective speed ``s_d`` in FLOP/s.
+        memory_bytes: memory ``M_d`` in bytes.
+        nic_bytes_per_s: NIC bandwidth ``nic_d`` in bytes/s.
+        power_w: power ``W_d`` in watts.
+        price_per_s: price ``π_d`` in currency per second.
+        kappa_s: fixed cost ``κ_d`` per micro-batch and stage, seconds.
+        available: whether the device may be used in this slot.
+        intra_node_bytes_per_s: bandwidth between two devices of one node, bytes/s.
+        latency_s: latency ``lat`` of every link, seconds.
+    """
+
+    ids: tuple[str, ...]
+    node: np.ndarray
+    speed_flops: np.ndarray
+    memory_bytes: np.ndarray
+    nic_bytes_per_s: np.ndarray
+    power_w: np.ndarray
+    price_per_s: np.ndarray
+    kappa_s: np.ndarray
+    available: np.ndarray
+    intra_node_bytes_per_s: float
+    latency_s: float
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.ids)
+
+    def index(self) -> dict[str, int]:
+        """Map device id -> position."""
+        return {d: i for i, d in enumerate(self.ids)}
+
+    def link_bandwidth(self, d: int, e: int) -> float:
+        """``bw(d, e)`` of SPEC §2 in bytes/s: intra-node if ``d`` and ``e`` share a node, else
+        ``min(nic_d, nic_e)``."""
+        if self.node[d] == self.node[e]:
+            return float(self.intra_node_bytes_per_s)
+        return float(min(self.nic_bytes_per_s[d], self.nic_bytes_per_s[e]))
+
+    def with_changes(self, **arrays: Any) -> ClusterState:
+        """A copy with some fields replaced (e.g. ``speed_flops=..., available=...``)."""
+        return replace(self, **arrays)
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Load and validate a cluster file (YAML or JSON, SPEC §7).
+
+    Raises:
+        InputError: missing/unreadable file, bad syntax, or any invalid field (one line naming
+            the file, the field and the expectation).
+    """
+    raw = read_structured(path)
+    return cluster_from_dict(raw, str(path))
+
+
+def cluster_from_dict(raw: Any, source: str = "<cluster>") -> ClusterSpec:
+    """Validate an already-parsed cluster object; see :func:`load_cluster`."""
+    if not isinstance(raw, dict):
+        raise InputError(source, "", "expected a mapping with keys 'links' and 'devices'")
+    check_finite_tree(source, raw)
+    try:
+        return ClusterSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise from_validation_error(source, exc) from None
