@@ -118,6 +118,129 @@ def evaluate(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# simulate  (body: hetrain.commands.simulate; owner: controller/simulator work, issue 4)
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def simulate(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    batch: BatchOpt,
+    trace: Annotated[Path | None, typer.Option("--trace", help="trace CSV (SPEC §7)")] = None,
+    slots: Annotated[int, typer.Option("--slots", help="number of slots (iterations)")] = 100,
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            help="lyapunov, greedy, dp-even, dp-proportional, pipeline or static-hybrid",
+        ),
+    ] = "lyapunov",
+    v: Annotated[float, typer.Option("--V", help="weight V of the iteration time")] = 1.0,
+    budget: Annotated[
+        list[str] | None,
+        typer.Option("--budget", help="long-run budget per iteration, money=X or energy=X"),
+    ] = None,
+    optimizer_state_factor: OptStateOpt = 2.0,
+    csv_out: Annotated[
+        Path | None, typer.Option("--csv-out", help="write per-slot rows to this CSV")
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
+    from hetrain.commands.simulate import run_simulate
+
+    raise typer.Exit(
+        run_simulate(
+            cluster=cluster,
+            model=model,
+            batch=batch,
+            trace=trace,
+            slots=slots,
+            policy=policy,
+            v=v,
+            budgets=parse_key_values("--budget", budget),
+            optimizer_state_factor=optimizer_state_factor,
+            csv_out=csv_out,
+            json_out=json_out,
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# train  (body: hetrain.commands.train; owner: runtime work, issues 3 and 6)
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def train(
+    example: Annotated[str, typer.Option("--example", help="charlm or digits")] = "charlm",
+    workers: Annotated[int, typer.Option("--workers", help="local ranks (devices w0..)")] = 4,
+    steps: Annotated[int | None, typer.Option("--steps", help="iterations to run")] = None,
+    plan: Annotated[Path | None, typer.Option("--plan", help="fixed plan (no re-planning)")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    batch: Annotated[int | None, typer.Option("--batch", help="global batch B")] = None,
+    lr: Annotated[float | None, typer.Option("--lr")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or float64")] = "float32",
+    slowdown: Annotated[
+        list[str] | None, typer.Option("--slowdown", help="DEVICE=FACTOR (repeatable)")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="trace CSV, 1 slot = 1 step")
+    ] = None,
+    cluster: Annotated[Path | None, typer.Option("--cluster", help="cluster file")] = None,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSONL file")] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir")] = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every")] = 0,
+    max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+) -> None:
+    """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
+    from hetrain.commands.train import run_train
+
+    raise typer.Exit(
+        run_train(
+            example=example,
+            workers=workers,
+            steps=steps,
+            plan=plan,
+            seed=seed,
+            batch=batch,
+            lr=lr,
+            optimizer=optimizer,
+            dtype=dtype,
+            slowdown=slowdown or [],
+            trace=trace,
+            cluster=cluster,
+            metrics_out=metrics_out,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            max_restarts=max_restarts,
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# profile  (body: hetrain.commands.profile; owner: profiling work, issues 2 and 5)
+# --------------------------------------------------------------------------------------------
+
+
+@app.command()
+def profile(
+    example: Annotated[str, typer.Option("--example", help="example model name")] = "charlm",
+    out: Annotated[Path | None, typer.Option("--out", help="write the profile JSON here")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="samples used to profile")] = 8,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="also time layers and fit speed and overhead")
+    ] = False,
+) -> None:
+    """Build a SPEC §7 model profile from an example model (FLOPs, activation and param bytes)."""
+    from hetrain.commands.profile import run_profile
+
+    raise typer.Exit(run_profile(example=example, out=out, batch=batch, measure=measure))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the typer app, turning bad input into one line + exit 2.
 
