@@ -69,3 +69,9 @@ def from_validation_error(source: str, exc: Any) -> InputError:
         if isinstance(value, (int, float, str, bool)) and len(repr(value)) <= 40:
             msg = f"{msg}, got {value!r}"
     return InputError(source, field, msg)
+
+
+class NoFeasiblePlanError(ValueError):
+    """No arrangement of the available devices can hold the model (memory), or no device is
+    available. Commands turn it into an :class:`InputError` naming the model file (SPEC §7: "a
+    model that fits on no arrangement of the devices" is bad input, exit 2)."""
