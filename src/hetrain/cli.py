@@ -214,6 +214,14 @@ def train(
         float | None, typer.Option("--grad-clip-norm", help="clip the global gradient norm")
     ] = None,
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 autocast of forward passes")] = False,
+    lr_schedule: Annotated[
+        str, typer.Option("--lr-schedule", help="cosine (to 10% at the end) or constant")
+    ] = "cosine",
+    warmup_steps: Annotated[
+        int | None, typer.Option("--warmup-steps", help="linear LR warm-up steps")
+    ] = None,
+    weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
+    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum")] = 0.0,
     nnodes: Annotated[int, typer.Option("--nnodes", help="nodes (each runs this command)")] = 1,
     rdzv_endpoint: Annotated[
         str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
@@ -263,6 +271,10 @@ def train(
             microbatch_size=microbatch_size,
             grad_clip_norm=grad_clip_norm,
             bf16=bf16,
+            lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps,
+            weight_decay=weight_decay,
+            momentum=momentum,
             nnodes=nnodes,
             rdzv_endpoint=rdzv_endpoint,
             rdzv_id=rdzv_id,

@@ -286,7 +286,7 @@ def encode_chars(text: str) -> torch.Tensor:
 
 def charlm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all characters: logits ``(N, T, V)``, targets ``(N, T)``."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
@@ -349,7 +349,7 @@ def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
 
 def digits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy: logits ``(N, 10)``, targets ``(N,)`` int64."""
-    return F.cross_entropy(logits.float(), targets)
+    return F.cross_entropy(logits, targets)
 
 
 def digits_task(seed: int = 0) -> Task:
