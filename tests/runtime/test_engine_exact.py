@@ -107,14 +107,15 @@ def _train(rank, world, model_name, opt_name, dtype, plans, change_at, steps):
     )
     data = data_fn()
     losses, norms = [], []
+    moved = 0
     for t in range(steps):
         if t == change_at:
-            worker.apply_plan(plan_from_dict(plans[1]))
+            moved = worker.apply_plan(plan_from_dict(plans[1])).transfers
         x, y = _batch(data, t)
         result = worker.step(x, y, t)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    return losses, norms, worker.full_state_dict()
+    return losses, norms, worker.full_state_dict(), moved
 
 
 def _group(devices, stages, mb, batch):
@@ -122,11 +123,13 @@ def _group(devices, stages, mb, batch):
 
 
 # Digits CNN has 6 layers; the char-GPT here has 4 (embedding, 2 blocks, head).
+# case -> (model, optimizer, dtype, world size, plans, step of the plan change or None)
 CASES = {
     # pure data parallel, uneven shares and micro-batch sizes (last micro-batch smaller)
     "dp-uneven-sgd": (
         "digits",
         "sgd",
+        "float64",
         3,
         [
             {
@@ -137,18 +140,22 @@ CASES = {
                 ]
             }
         ],
+        None,
     ),
     # pure pipeline, 3 stages, 5 micro-batches (last one of 4 rows)
     "pipeline-1f1b-adamw": (
         "digits",
         "adamw",
+        "float64",
         3,
         [{"groups": [_group(["w0", "w1", "w2"], [[0, 2], [2, 4], [4, 6]], 5, 24)]}],
+        None,
     ),
     # hybrid: two pipelines with different splits, uneven shares
     "hybrid-gpipe-sgd": (
         "digits",
         "sgd",
+        "float64",
         4,
         [
             {
@@ -159,11 +166,13 @@ CASES = {
                 ],
             }
         ],
+        None,
     ),
     # hybrid with an idle group (b_g = 0) that must stay in step; int64 token inputs
     "hybrid-idle-charlm-adamw": (
         "charlm",
         "adamw",
+        "float64",
         4,
         [
             {
@@ -174,19 +183,77 @@ CASES = {
                 ]
             }
         ],
+        None,
     ),
+    # float32 tolerances, 1F1B pipeline of the transformer next to a single-device group
+    "hybrid-float32-charlm-sgd": (
+        "charlm",
+        "sgd",
+        "float32",
+        3,
+        [
+            {
+                "groups": [
+                    _group(["w0", "w1"], [[0, 3], [3, 4]], 3, 15),
+                    _group(["w2"], [[0, 4]], 9, 9),
+                ]
+            }
+        ],
+        None,
+    ),
+    # mid-run plan change: every layer and its AdamW state moves (new groups, new splits)
+    "change-hybrid-adamw": (
+        "digits",
+        "adamw",
+        "float64",
+        4,
+        [
+            {
+                "groups": [
+                    _group(["w0", "w1"], [[0, 3], [3, 6]], 4, 14),
+                    _group(["w2", "w3"], [[0, 1], [1, 6]], 3, 10),
+                ]
+            },
+            {
+                "schedule": "gpipe",
+                "groups": [
+                    _group(["w3", "w0", "w1"], [[0, 2], [2, 4], [4, 6]], 3, 20),
+                    _group(["w2"], [[0, 6]], 4, 4),
+                ],
+            },
+        ],
+        2,
+    ),
+    # mid-run plan change with SGD momentum: pipeline -> data parallel leaving a rank unused
+    "change-pipeline-to-dp-sgd": (
+        "charlm",
+        "sgd",
+        "float64",
+        3,
+        [
+            {"groups": [_group(["w0", "w1", "w2"], [[0, 1], [1, 3], [3, 4]], 6, 24)]},
+            {"groups": [_group(["w2"], [[0, 4]], 5, 13), _group(["w1"], [[0, 4]], 11, 11)]},
+        ],
+        3,
+    ),
+}
+
+TOLERANCES = {
+    "float64": {"rtol": 1e-9, "atol": 1e-12},
+    "float32": {"rtol": 1e-4, "atol": 1e-6},
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_plan_trains_like_one_process(case, tmp_path):
-    model_name, opt_name, world, plans = CASES[case]
+    model_name, opt_name, dtype_name, world, plans, change_at = CASES[case]
+    dtype = getattr(torch, dtype_name)
     results = run_ranks(
-        _train, world, tmp_path, args=(model_name, opt_name, torch.float64, plans, None, STEPS)
+        _train, world, tmp_path, args=(model_name, opt_name, dtype, plans, change_at, STEPS)
     )
-    ref_losses, ref_state = _reference(model_name, opt_name, torch.float64, STEPS)
-    tol = {"rtol": 1e-9, "atol": 1e-12}
-    for losses, _, _ in results:  # the same loss on every rank
+    ref_losses, ref_state = _reference(model_name, opt_name, dtype, STEPS)
+    tol = TOLERANCES[dtype_name]
+    for losses, *_ in results:  # the same loss on every rank
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
     assert max(results[0][1]) > CLIP  # clipping was active
     state = results[0][2]
@@ -194,3 +261,58 @@ def test_plan_trains_like_one_process(case, tmp_path):
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, **tol, msg=key)
     assert all(r[2] is None for r in results[1:])
+    if change_at is not None:  # layers really moved between ranks
+        assert results[0][3] >= 4
+
+
+def _checkpoint_roundtrip(rank, world, plans, steps, switch_at):
+    build, data_fn, loss_fn = MODELS["digits"]
+    data = data_fn()
+    torch.manual_seed(0)
+    spec = SPECS["adamw"]
+    worker = Worker(
+        build(),
+        plan_from_dict(plans[0]),
+        f"w{rank}",
+        loss_fn,
+        spec,
+        dtype=torch.float64,
+        grad_clip_norm=CLIP,
+    )
+    losses = [worker.step(*_batch(data, t), t).loss for t in range(switch_at)]
+    saved = worker.layer_state_dict()
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, saved)
+    merged = {}
+    for part in gathered:
+        assert not set(part) & set(merged)  # each layer saved by exactly one rank
+        merged.update(part)
+    torch.manual_seed(123)  # different initial weights: everything must come from `merged`
+    resumed = Worker(
+        build(),
+        plan_from_dict(plans[1]),
+        f"w{rank}",
+        loss_fn,
+        spec,
+        dtype=torch.float64,
+        grad_clip_norm=CLIP,
+    )
+    resumed.load_layer_state_dict(merged)
+    losses += [resumed.step(*_batch(data, t), t).loss for t in range(switch_at, steps)]
+    return losses, sorted(merged), resumed.full_state_dict()
+
+
+def test_layer_state_dict_resumes_exactly_under_another_plan(tmp_path):
+    plans = [
+        {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 5, 16), _group(["w2"], [[0, 6]], 8, 8)]},
+        {"groups": [_group(["w2", "w0", "w1"], [[0, 1], [1, 5], [5, 6]], 7, 24)]},
+    ]
+    results = run_ranks(_checkpoint_roundtrip, 3, tmp_path, args=(plans, 4, 2))
+    ref_losses, ref_state = _reference("digits", "adamw", torch.float64, 4)
+    tol = TOLERANCES["float64"]
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), **tol)
+    keys = results[0][1]
+    assert {k[len("layers.") :] for k in keys if k.startswith("layers.")} == set(ref_state)
+    assert "optim.0.0.weight.exp_avg_sq" in keys and "optim.5.bias.step" in keys
+    for key, value in ref_state.items():
+        torch.testing.assert_close(results[0][2][key], value, **tol, msg=key)
