@@ -88,6 +88,17 @@ def test_slowdown_mid_training_triggers_replan(tmp_path):
     assert result["metrics"]["val_loss"] < 1.386  # better than chance (ln 4)
 
 
+def _work_share(plan, device):
+    """Samples x layers of ``device`` over the total (layers of this MLP are similar)."""
+    total = mine = 0
+    for g in plan["groups"]:
+        for d, (start, end) in zip(g["devices"], g["stages"], strict=True):
+            total += g["batch"] * (end - start)
+            if d == device:
+                mine += g["batch"] * (end - start)
+    return mine / total
+
+
 def _plan_at(events, step):
     plans = [e for e in events if e["event"] == "plan" and e["step"] <= step]
     return plans[-1]["plan"]

@@ -64,12 +64,14 @@ class SpeedEstimates:
     :class:`_Median3Ewma` per device.
     """
 
-    def __init__(self, ids: Sequence[str]) -> None:
+    def __init__(self, ids: Sequence[str], kappa_s: Sequence[float] | None = None) -> None:
         self.ids = tuple(ids)
         try:
             from hetrain.calibration import ClusterEstimator
 
-            self._cluster = ClusterEstimator(self.ids, alpha=0.3, max_consecutive_outliers=2)
+            self._cluster = ClusterEstimator(
+                self.ids, kappa_s=kappa_s, alpha=0.1, max_consecutive_outliers=2
+            )
             self._fallback = None
         except ImportError:  # the calibration module is not on this branch yet
             self._cluster = None
@@ -292,6 +294,8 @@ class Adapter:
         horizon_steps: steps over which a gain must pay back the migration.
         cooldown_steps: steps to wait after a change before the next one.
         confirm_steps: consecutive steps on which a change must look worth it (noise guard).
+        replan_threshold: relative move of a speed estimate that triggers the planner.
+        replan_every_steps: run the planner at least this often.
         warmup_steps: steps to measure before the first decision.
         optimizer_state_factor: ``o`` for the migration bytes.
     """
@@ -306,14 +310,22 @@ class Adapter:
     cooldown_steps: int = 3
     warmup_steps: int = 2
     confirm_steps: int = 3
+    replan_threshold: float = 0.15
+    replan_every_steps: int = 50
     optimizer_state_factor: float = 2.0
     estimates: SpeedEstimates = field(init=False)
     _votes: int = field(default=0, init=False)
+    _candidate: Plan | None = field(default=None, init=False)
+    _source: str = field(default="", init=False)
+    _planned_speeds: Any = field(default=None, init=False)
+    _last_plan_step: int = field(default=-(10**9), init=False)
     _last_change: int = field(default=-(10**9), init=False)
     _observed_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.estimates = SpeedEstimates(self.base_state.ids)
+        self.estimates = SpeedEstimates(
+            self.base_state.ids, [float(k) for k in self.base_state.kappa_s]
+        )
 
     def observe(self, plan: Plan, compute_time_s: Mapping[str, float]) -> None:
         """Feed one iteration: ``compute_time_s[device]`` = measured compute seconds of that
@@ -334,19 +346,41 @@ class Adapter:
         """The base state with the measured speeds."""
         return self.estimates.apply(self.base_state)
 
+    def _speeds_moved(self, state: ClusterState) -> bool:
+        """Whether some speed estimate moved by more than ``replan_threshold`` (relative)
+        since the last planner call (the planner costs ~0.1-0.2 s, too much for every step)."""
+        if self._planned_speeds is None:
+            return True
+        rel = np.abs(state.speed_flops - self._planned_speeds) / self._planned_speeds
+        return bool(np.any(rel > self.replan_threshold))
+
     def decide(self, step: int, current: Plan) -> Decision | None:
-        """A new plan for ``step`` or None (keep ``current``)."""
+        """A new plan for ``step`` or None (keep ``current``).
+
+        The planner runs when the speed estimates moved (see :meth:`_speeds_moved`) or every
+        ``replan_every_steps``; a candidate it returns is kept and re-checked against fresh
+        estimates (cheap cost-model evaluations) until it has looked worth it on
+        ``confirm_steps`` consecutive steps, or stops looking so."""
         if (
             self._observed_steps < self.warmup_steps
             or step - self._last_change < self.cooldown_steps
         ):
             return None
         state = self.observed_state()
-        candidate, source = propose_plan(
-            state, self.profile, current, config=self.config, policy=self.policy, slot=step
-        )
-        if _same_plan(candidate, current):
-            return None
+        if self._candidate is None:
+            due = step - self._last_plan_step >= self.replan_every_steps
+            if not (self._speeds_moved(state) or due):
+                return None
+            self._planned_speeds = state.speed_flops.copy()
+            self._last_plan_step = step
+            candidate, source = propose_plan(
+                state, self.profile, current, config=self.config, policy=self.policy, slot=step
+            )
+            candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
+            if _same_plan(candidate, current):
+                return None
+            self._candidate, self._source, self._votes = candidate, source, 0
+        candidate, source = self._candidate, self._source
         t_cur = predict_iteration_time_s(current, state, self.profile, self.config)
         t_new = predict_iteration_time_s(candidate, state, self.profile, self.config)
         mig = migration_time_estimate_s(
@@ -355,12 +389,12 @@ class Adapter:
         if source != "policy":
             horizon = max(min(self.steps - step, self.horizon_steps), 0)
             if not (t_new < (1 - self.min_gain) * t_cur and (t_cur - t_new) * horizon > mig):
-                self._votes = 0
+                self._candidate = None
                 return None
             self._votes += 1
             if self._votes < self.confirm_steps:
                 return None
-        self._votes = 0
+        self._candidate = None
         self._last_change = step
         return Decision(
             plan=candidate,
@@ -370,6 +404,33 @@ class Adapter:
             migration_time_s=mig,
             structure_changed=candidate.structure() != current.structure(),
         )
+
+
+def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
+    """``plan`` with every device of ``devices`` it does not name added as an idle
+    single-device group (``b_g = 0``), so that every rank is named (the engine's first plan
+    must name all ranks; idle ranks keep a full replica's layout), and single-device groups
+    running their share as one micro-batch (``μ_g = b_g``: with one stage, splitting only adds
+    ``κ`` per micro-batch, SPEC §3)."""
+    plan = plan.model_copy(
+        update={
+            "groups": tuple(
+                g.model_copy(update={"microbatch_size": g.batch})
+                if g.num_stages == 1 and g.batch > 0
+                else g
+                for g in plan.groups
+            )
+        }
+    )
+    named = set(plan.devices)
+    extra = tuple(
+        GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
+        for d in devices
+        if d not in named
+    )
+    if not extra:
+        return plan
+    return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
