@@ -70,7 +70,7 @@ class SpeedEstimates:
             from hetrain.calibration import ClusterEstimator
 
             self._cluster = ClusterEstimator(
-                self.ids, kappa_s=kappa_s, alpha=0.1, max_consecutive_outliers=2
+                self.ids, kappa_s=kappa_s, alpha=0.1, threshold=6.0, max_consecutive_outliers=3
             )
             self._fallback = None
         except ImportError:  # the calibration module is not on this branch yet
@@ -296,6 +296,9 @@ class Adapter:
         confirm_steps: consecutive steps on which a change must look worth it (noise guard).
         replan_threshold: relative move of a speed estimate that triggers the planner.
         replan_every_steps: run the planner at least this often.
+        async_planning: run the planner in a background thread of rank 0 (the exhaustive
+            search takes ~0.1-1 s; training goes on meanwhile and the candidate is checked
+            against the estimates of the step when it arrives).
         warmup_steps: steps to measure before the first decision.
         optimizer_state_factor: ``o`` for the migration bytes.
     """
@@ -310,8 +313,9 @@ class Adapter:
     cooldown_steps: int = 3
     warmup_steps: int = 2
     confirm_steps: int = 3
-    replan_threshold: float = 0.15
-    replan_every_steps: int = 50
+    replan_threshold: float = 0.3
+    replan_every_steps: int = 100
+    async_planning: bool = True
     optimizer_state_factor: float = 2.0
     estimates: SpeedEstimates = field(init=False)
     _votes: int = field(default=0, init=False)
@@ -319,6 +323,7 @@ class Adapter:
     _source: str = field(default="", init=False)
     _planned_speeds: Any = field(default=None, init=False)
     _last_plan_step: int = field(default=-(10**9), init=False)
+    _pending: Any = field(default=None, init=False)
     _last_change: int = field(default=-(10**9), init=False)
     _observed_steps: int = field(default=0, init=False)
 
@@ -368,14 +373,30 @@ class Adapter:
             return None
         state = self.observed_state()
         if self._candidate is None:
-            due = step - self._last_plan_step >= self.replan_every_steps
-            if not (self._speeds_moved(state) or due):
-                return None
-            self._planned_speeds = state.speed_flops.copy()
-            self._last_plan_step = step
-            candidate, source = propose_plan(
-                state, self.profile, current, config=self.config, policy=self.policy, slot=step
-            )
+            if self._pending is not None:
+                if not self._pending.done():
+                    return None
+                future, self._pending = self._pending, None
+                candidate, source = future.result()
+            else:
+                due = step - self._last_plan_step >= self.replan_every_steps
+                if not (self._speeds_moved(state) or due):
+                    return None
+                self._planned_speeds = state.speed_flops.copy()
+                self._last_plan_step = step
+                if self.async_planning and self.policy is None:
+                    self._pending = _executor().submit(
+                        propose_plan, state, self.profile, current, config=self.config
+                    )
+                    return None
+                candidate, source = propose_plan(
+                    state,
+                    self.profile,
+                    current,
+                    config=self.config,
+                    policy=self.policy,
+                    slot=step,
+                )
             candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
             if _same_plan(candidate, current):
                 return None
@@ -404,6 +425,19 @@ class Adapter:
             migration_time_s=mig,
             structure_changed=candidate.structure() != current.structure(),
         )
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """One background thread for planner calls (created on first use, daemon)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-planner")
+    return _EXECUTOR
 
 
 def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:

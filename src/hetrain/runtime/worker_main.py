@@ -470,6 +470,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     progress = _Progress(job.steps, start_step) if (lead and job.progress) else None
     next_plan_id = int(plan.plan_id) + 1
     replans = 0
+    adapt_time_s = 0.0  # rank 0's time in the adapter (estimates + planner), all steps
     timelines: list[dict[str, Any]] = []
     last_loss = float("nan")
     step_times: list[float] = []
@@ -520,10 +521,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
                 if adapter is not None and step + 1 < job.steps:
+                    t_adapt = time.perf_counter()
                     adapter.observe(
                         plan, {d: r[0] for d, r in zip(job.devices, table, strict=True)}
                     )
                     decision = adapter.decide(step + 1, plan)
+                    adapt_time_s += time.perf_counter() - t_adapt
             if job.adaptive and world > 1:
                 # a one-element flag every step; the plan object only when it changed
                 flag = torch.tensor([1 if (lead and decision is not None) else 0])
@@ -608,6 +611,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "quality": job.task.quality_line(quality),
         "quality_reached": job.task.quality_reached(quality),
         "replans": replans,
+        "adapt_time_s": adapt_time_s,
         "final_plan": plan.to_json_dict(),
         "wall_time_s": wall,
         "mean_iteration_time_s": float(np.mean(step_times)) if step_times else None,
