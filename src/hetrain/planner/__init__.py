@@ -21,10 +21,10 @@ from hetrain.costmodel import TrainingConfig
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
 from hetrain.planner.search import (
-    EXHAUSTIVE_MAX_DEVICES,
     Candidate,
     SearchContext,
     candidate_to_plan,
+    exhaustive_is_small,
     exhaustive_search,
     plan_objective,
     pruned_search,
@@ -98,7 +98,7 @@ def best_plan(
         if groups:
             best = solve_structure(ctx, groups)
     best = pruned_search(ctx, best, deadline=deadline)
-    if len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES:
+    if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf

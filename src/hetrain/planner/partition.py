@@ -150,52 +150,58 @@ def _stage_matrices(
     optimizer_state_factor: float,
     schedule: str,
     n_design: int,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per stage k, matrices over ``(i, j)`` (stage = layers ``[i, j)``), shape
-    ``(L + 1, L + 1)``: the summed time ``C_k + E_k`` and the max ``max(C_k, E_k)`` (inf where
-    not allowed: empty, out of position, or out of memory at ``n_design``)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage k, over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
+    the summed time ``C_k + E_k`` and the max ``max(C_k, E_k)`` (inf where not allowed:
+    empty, out of position, or out of memory at ``n_design``)."""
     num_layers = prefix.num_layers
     k_stages = len(devices)
     idx = np.arange(num_layers + 1)
-    i, j = idx[:, None], idx[None, :]
+    i, j = idx[None, :, None], idx[None, None, :]
+    kk = np.arange(k_stages)[:, None, None]
     mu = microbatch_size
-    flops = prefix.train_flops[j] - prefix.train_flops[i]
-    theta = prefix.param_bytes[j] - prefix.param_bytes[i]
-    act = prefix.act_mem_bytes[j] - prefix.act_mem_bytes[i]
-    bw = link_bandwidths_bytes_per_s(state, devices) if k_stages > 1 else np.zeros(0)
+    flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
+    theta = (prefix.param_bytes[None, :] - prefix.param_bytes[:, None])[None]
+    act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
     n_d = max(int(n_design), 1)
-    sums, maxes = [], []
-    for k, d in enumerate(devices):
-        compute = mu * flops / state.speed_flops[d] + state.kappa_s[d]
-        alive = n_d if schedule == "gpipe" else min(n_d, k_stages - k)
-        ok = (j > i) & (i >= k) & (j <= num_layers - (k_stages - 1 - k))
-        ok &= theta * (2.0 + optimizer_state_factor) + (alive * mu) * act <= state.memory_bytes[d]
-        if k == k_stages - 1:
-            ok &= j == num_layers
-            total, worst = compute, compute
-        else:
-            last = np.clip(idx - 1, 0, num_layers - 1)
-            transfer = mu * prefix.boundary_bytes[last] / bw[k] + 2.0 * state.latency_s
-            total = compute + transfer[None, :]
-            worst = np.maximum(compute, transfer[None, :])
-        sums.append(np.where(ok, total, np.inf))
-        maxes.append(np.where(ok, worst, np.inf))
-    return sums, maxes
+    speed = state.speed_flops[devices][:, None, None]
+    kappa = state.kappa_s[devices][:, None, None]
+    limit = state.memory_bytes[devices][:, None, None]
+    compute = mu * flops / speed + kappa
+    if schedule == "gpipe":
+        alive = np.full((k_stages, 1, 1), n_d)
+    else:
+        alive = np.minimum(n_d, k_stages - kk)
+    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
+    ok &= theta * (2.0 + optimizer_state_factor) + (alive * mu) * act <= limit
+    last_stage = kk == k_stages - 1
+    ok &= ~last_stage | (j == num_layers)
+    if k_stages > 1:
+        bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
+        last = np.clip(idx - 1, 0, num_layers - 1)
+        transfer = mu * prefix.boundary_bytes[last][None, :] / bw[:, None] + 2.0 * state.latency_s
+        transfer[-1] = 0.0
+        transfer = transfer[:, None, :]
+        total = compute + transfer
+        worst = np.maximum(compute, transfer)
+    else:
+        total = worst = compute
+    return np.where(ok, total, np.inf), np.where(ok, worst, np.inf)
 
 
-def _min_sum_split(
-    sums: list[np.ndarray], maxes: list[np.ndarray], beta: float
-) -> np.ndarray | None:
+def _min_sum_split(sums: np.ndarray, maxes: np.ndarray, beta: float) -> np.ndarray | None:
     """Min-sum DP over split points with every stage/boundary time ``≤ beta``; bounds of shape
     ``(K + 1,)`` or None when infeasible."""
-    n1 = sums[0].shape[0]
+    n1 = sums.shape[1]
+    masked = np.where(maxes <= beta, sums, np.inf)
     best = np.full(n1, np.inf)
     best[0] = 0.0
     choices = []
-    for s, m in zip(sums, maxes, strict=True):
-        cand = best[:, None] + np.where(m <= beta, s, np.inf)
+    cols = np.arange(n1)
+    for s in masked:
+        cand = best[:, None] + s
         arg = np.argmin(cand, axis=0)
-        best = cand[arg, np.arange(n1)]
+        best = cand[arg, cols]
         choices.append(arg)
     if not np.isfinite(best[-1]):
         return None
@@ -225,6 +231,7 @@ def envelope_splits(
     n_design: int,
     *,
     exact: bool | None = None,
+    n_cap: int | None = None,
     ladder: int = 8,
     ladder_ratio: float = 1.25,
 ) -> SplitTable:
@@ -234,7 +241,9 @@ def envelope_splits(
     Args:
         devices: device indices in pipeline order, shape ``(K,)``.
         exact: use every distinct stage/boundary time as a candidate ``β`` (exact envelope);
-            default: exact when there are at most 256 candidates.
+            default: exact when there are at most 24 candidates.
+        n_cap: the most micro-batches the group can ever be given (``max_microbatches`` is
+            capped there before dominated splits are dropped); default ``n_design``.
         ladder, ladder_ratio: otherwise ``β* · ratio^t`` for ``t < ladder`` plus ``β = ∞``.
 
     Returns:
@@ -254,7 +263,7 @@ def envelope_splits(
         empty = np.zeros((0, k_stages + 1), dtype=np.int64)
         return split_table(state, prefix, devices, empty, microbatch_size,
                            optimizer_state_factor, schedule)  # fmt: skip
-    values = np.unique(np.concatenate([m[np.isfinite(m)] for m in maxes]))
+    values = np.unique(maxes[np.isfinite(maxes)])
     values = values[values >= beta_star]
     if exact is None:
         exact = len(values) <= 256
@@ -276,8 +285,8 @@ def envelope_splits(
     table = split_table(
         state, prefix, devices, bounds, microbatch_size, optimizer_state_factor, schedule
     )
-    # every split found fits n_design micro-batches, and no more are ever needed
-    capped = np.minimum(table.max_microbatches, max(int(n_design), 1))
+    cap = max(int(n_design if n_cap is None else n_cap), 1)
+    capped = np.minimum(table.max_microbatches, cap)
     return pareto(
         SplitTable(table.bounds, table.fill_s, table.bottleneck_s, capped, table.microbatch_size)
     )

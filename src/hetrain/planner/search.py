@@ -5,7 +5,7 @@ Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
 ``y_energy = T Σ_{used} W_d``, it equals ``T · (V + Σ_{d used} c_d)`` with the per-device
 weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of iteration).
 
-* **Exhaustive** (at most :data:`EXHAUSTIVE_MAX_DEVICES` available devices): every subset,
+* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``): every subset,
   every split of it into groups, every order inside each group; per group every split of the
   layers (or the exact envelope when there are too many), every ``μ ≤ B`` when ``B`` is small;
   for several groups every combination of splits (sync depends on them), each with exact
@@ -52,9 +52,10 @@ from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
 from hetrain.profile import ProfileArrays
 
 EXHAUSTIVE_MAX_DEVICES = 4
+EXHAUSTIVE_MAX_LAYERS = 8
+EXHAUSTIVE_MAX_BATCH = 64
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
-ALL_MU_MAX_BATCH = 32  # every micro-batch size 1..B when B is at most this
 
 
 @dataclass
@@ -104,14 +105,15 @@ class SearchContext:
         """``V + Σ_{d} c_d`` over ``devices``."""
         return self.v + float(np.sum(self.weight_per_device[devices]))
 
-    def mu_candidates(self) -> list[int]:
-        """Every ``μ ≤ B`` for small ``B``, else powers of two ``≤ B`` and ``B``."""
-        b = self.batch
-        if b <= ALL_MU_MAX_BATCH:
+    def mu_candidates(self, cap: int | None = None, *, every: bool = False) -> list[int]:
+        """Micro-batch sizes tried first: every ``μ ≤ B`` with ``every`` (exhaustive search);
+        else powers of two (``B ≤ 64``) or of four, at most ``cap``. The pruned search then
+        refines ``μ`` around the shares it found."""
+        b = self.batch if cap is None else max(1, min(self.batch, cap))
+        if every:
             return list(range(1, b + 1))
-        out = {1 << i for i in range(int(math.log2(b)) + 1)}
-        out.add(b)
-        return sorted(out)
+        base = 2 if self.batch <= 64 else 4
+        return [base**i for i in range(int(math.log(b, base) + 1e-9) + 1)]
 
     def signature(self, devices: np.ndarray) -> tuple:
         """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
@@ -144,7 +146,7 @@ class SearchContext:
         cfg = self.config
         n_design = -(-self.batch // mu)
         k = len(devices)
-        if count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
+        if k == 1 or count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
             table = split_table(
                 self.state, self.prefix, devices,
                 enumerate_splits(self.prefix.num_layers, k), mu,
@@ -162,10 +164,19 @@ class SearchContext:
                     mu,
                 )
             )
-        return envelope_splits(
-            self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
-            n_design,
-        )  # fmt: skip
+        # memory is checked at a design number of micro-batches: the most the group could
+        # be given (every split found then fits any share); when nothing fits that many, the
+        # next lower level (halving; under 1F1B levels above K are equivalent to K)
+        top = min(n_design, k) if cfg.schedule == "1f1b" else n_design
+        level = top
+        while True:
+            table = envelope_splits(
+                self.state, self.prefix, devices, mu, cfg.optimizer_state_factor,
+                cfg.schedule, level, n_cap=n_design,
+            )  # fmt: skip
+            if len(table) or level <= 1:
+                return table
+            level = max(1, level // 2)
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
@@ -204,7 +215,7 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
     devs = np.asarray(devices, dtype=np.int64)
     k = len(devs)
     num_layers = ctx.prefix.num_layers
-    mus = ctx.mu_candidates()
+    mus = ctx.mu_candidates(every=True)
     if count_splits(num_layers, k) <= ALL_SPLITS_MAX:
         bounds = enumerate_splits(num_layers, k)
     else:
@@ -235,6 +246,17 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
             per_split.append(opts)
     ctx.option_cache[key] = per_split
     return per_split
+
+
+def exhaustive_is_small(ctx: SearchContext) -> bool:
+    """Whether the exact search runs: at most :data:`EXHAUSTIVE_MAX_DEVICES` available
+    devices, :data:`EXHAUSTIVE_MAX_LAYERS` layers and a batch of at most
+    :data:`EXHAUSTIVE_MAX_BATCH`."""
+    return (
+        len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES
+        and ctx.prefix.num_layers <= EXHAUSTIVE_MAX_LAYERS
+        and ctx.batch <= EXHAUSTIVE_MAX_BATCH
+    )
 
 
 def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) -> Candidate | None:
@@ -350,6 +372,44 @@ def _score(
     groups: Sequence[np.ndarray],
     opts: Sequence[GroupOptions],
     sol: ShareSolution,
+    entry_of: Sequence[int] | None = None,
+) -> Candidate | None:
+    """Candidate of a share solution: sync of the groups that stay active, objective from the
+    actual active set. With ``entry_of`` (groups with equal options share an entry), also try
+    giving every member of an entry the split and μ of its member with the largest share —
+    no group gets slower (fewer micro-batches on the same split) and aligned splits can keep
+    the all-reduce inside a node — and keep the better of the two."""
+    cand = _score_one(ctx, groups, opts, sol)
+    if entry_of is None or cand is None:
+        return cand
+    option = sol.option.copy()
+    times = sol.group_times_s.copy()
+    changed = False
+    for e in set(entry_of):
+        members = [g for g in range(len(groups)) if entry_of[g] == e and sol.shares[g] > 0]
+        if len(members) < 2:
+            continue
+        lead = max(members, key=lambda g: sol.shares[g])
+        p = option[lead]
+        for g in members:
+            if option[g] != p:
+                o = opts[g]
+                n = -(-int(sol.shares[g]) // int(o.microbatch_size[p]))
+                option[g] = p
+                times[g] = o.fill_s[p] + (n - 1) * o.bottleneck_s[p]
+                changed = True
+    if not changed:
+        return cand
+    aligned = ShareSolution(float(times.max()), sol.shares, option, times)
+    other = _score_one(ctx, groups, opts, aligned)
+    return other if other is not None and other.objective < cand.objective else cand
+
+
+def _score_one(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    sol: ShareSolution,
 ) -> Candidate | None:
     active = [g for g in range(len(groups)) if sol.shares[g] > 0]
     if not active:
@@ -402,18 +462,19 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
         out.append(("node-groups", [tuple(n[:num_layers]) for n in nodes]))
         for k in depths(biggest - 1):
             out.append((f"node-pipelines-{k}", [c for n in nodes for c in chunks(n, k)]))
-    # pipelines across nodes: device j of K nodes of the same make-up
+    # pipelines across nodes: device j of each of K nodes (nodes ranked by make-up, fastest
+    # first); groups of equal make-up get equal splits, so a layer's owners sit on one node
+    # per chunk and the all-reduce stays inside it when there is one chunk
     kind = {d: ctx.signature(np.array([d]))[0] for d in avail}
-    buckets: dict[tuple, list[list[int]]] = {}
-    for n in nodes:
-        buckets.setdefault(tuple(kind[d] for d in n), []).append(n)
-    for k in depths(max(len(b) for b in buckets.values())):
+    ranked = sorted(nodes, key=lambda n: (-len(n), [-s.speed_flops[d] for d in n], n[0]))
+    for k in depths(len(ranked)):
         groups = []
-        for same in buckets.values():
-            for start in range(0, len(same), k):
-                part = same[start : start + k]
-                for j in range(len(part[0])):
-                    groups.append(tuple(n[j] for n in part))
+        for start in range(0, len(ranked), k):
+            part = ranked[start : start + k]
+            width = min(len(n) for n in part)
+            for j in range(width):
+                groups.append(tuple(n[j] for n in part))
+            groups.extend((d,) for n in part for d in n[width:])
         out.append((f"cross-node-{k}", groups))
     # kind-homogeneous pipelines, nodes kept together
     by_kind: dict[tuple, list[int]] = {}
@@ -446,13 +507,18 @@ def solve_structure(
     """Solve one structure (pruned mode): envelope splits per group, shares with identical
     groups merged, idle groups over prefixes ranked by throughput per weight, ``μ`` refined."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
-    mus = ctx.mu_candidates()
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
     for g, devs in enumerate(garr):
         entries.setdefault(ctx.signature(devs), []).append(g)
     keys = list(entries)
-    opts = [ctx.envelope_options(garr[entries[k][0]], mus) for k in keys]
+    # a group rarely gets more than a few times the average share, and a pipeline of K
+    # stages wants about K micro-batches or more: larger μ are left to the refinement
+    opts = []
+    for k in keys:
+        devs = garr[entries[k][0]]
+        cap = -(-4 * ctx.batch // (len(garr) * len(devs)))
+        opts.append(ctx.envelope_options(devs, ctx.mu_candidates(cap)))
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
         return best
@@ -470,7 +536,8 @@ def solve_structure(
         return cand
     new_opts = list(opts)
     for i, more in extra.items():
-        more = sorted(m for m in more if m not in mus and 1 <= m <= ctx.batch)
+        have = set(opts[i].microbatch_size.tolist())
+        more = sorted(m for m in more if m not in have and 1 <= m <= ctx.batch)
         if more:
             add = ctx.envelope_options(garr[entries[keys[i]][0]], more)
             new_opts[i] = _merge([opts[i], add])
@@ -527,7 +594,8 @@ def _solve_entries(
         if sol is None:
             continue
         member_opts = [opts[i] for i, m in take for _ in range(m)]
-        cand = _score(ctx, [garr[g] for g in members], member_opts, sol)
+        entry_of = [i for i, m in take for _ in range(m)]
+        cand = _score(ctx, [garr[g] for g in members], member_opts, sol, entry_of)
         if cand is not None and (best is None or cand.objective < best.objective):
             best = cand
     return best

@@ -186,7 +186,7 @@ class ShareProblem:
         """Exact integer shares minimising ``max_g T_g``; None when ``B`` samples cannot be
         placed (memory)."""
         members = int(self.counts.sum())
-        if members * (self.batch + 1) ** 2 <= 400_000:
+        if members * (self.batch + 1) ** 2 <= 100_000:
             return self._solve_dp()
         return self._solve_bisection()
 

@@ -1,0 +1,96 @@
+"""Planning time and plan quality (T / T_LB) for 4 .. 1024 devices, beside the SPEC §6
+baseline plans (issue 2).
+
+Mixed device kinds (A100-40, V100-16, GH-96; 4 GPUs per node) with speeds, memories and links
+from ../shared/data/sailor, models OPT-350 (26 layers), GPT-Neo-2.7 (34), OPT-30 (50). Global batch B = 8 per device. Prints, per size: cold planning time (best of 3),
+warm re-plan time (warm_start = the previous plan, speeds perturbed by up to ±5 %), T / T_LB of
+the planner and of each baseline ("infeasible" where its layers fit no device).
+
+Targets (issue 2, this 2-core machine): <= 50 ms at 16 devices, <= 2 s at 1024, and T / T_LB
+no worse than the best feasible baseline at every size.
+
+Run: PYTHONPATH=src python bench/planner_scaling.py [--sizes 4 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _sailor_inputs import sailor_cluster, sailor_profile  # noqa: E402
+
+from hetrain.cluster import cluster_from_dict  # noqa: E402
+from hetrain.costmodel import TrainingConfig, evaluate_plan  # noqa: E402
+from hetrain.planner import baselines, best_plan  # noqa: E402
+from hetrain.profile import profile_from_dict  # noqa: E402
+
+PATTERN = ["A100-40", "V100-16", "V100-16", "GH-96"]
+SETUPS = {
+    4: ("OPT-350", 2),
+    16: ("GPT-Neo-2.7", 4),
+    64: ("GPT-Neo-2.7", 4),
+    256: ("OPT-30", 4),
+    1024: ("OPT-30", 4),
+}
+
+
+def instance(size: int):
+    model, per_node = SETUPS[size]
+    kinds = ["A100-40", "V100-16"] if size == 4 else PATTERN
+    nodes = [(kinds[i % len(kinds)], per_node) for i in range(size // per_node)]
+    cluster = cluster_from_dict(sailor_cluster(model, nodes))
+    profile = profile_from_dict(sailor_profile(model))
+    return model, cluster.state(), profile.arrays(), TrainingConfig(batch=8 * size)
+
+
+def ratio(plan, state, profile, config) -> str:
+    if plan is None:
+        return "infeasible"
+    ev = evaluate_plan(plan, state, profile, config)
+    return f"{ev.ratio_to_lower_bound:.3f}" if ev.fits else "infeasible"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=list(SETUPS))
+    args = parser.parse_args()
+    names = ["dp-even", "dp-proportional", "pipeline", "static-hybrid"]
+    makers = [baselines.dp_even_plan, baselines.dp_proportional_plan, baselines.pipeline_plan,
+              baselines.static_hybrid_plan]  # fmt: skip
+    header = f"{'devices':>7} {'model':>12} {'L':>3} {'B':>5} {'plan ms':>8} {'warm ms':>8} " \
+             f"{'T/T_LB':>7} {'groups':>9} " + " ".join(f"{n:>15}" for n in names)  # fmt: skip
+    print(header)
+    rng = np.random.default_rng(0)
+    for size in args.sizes:
+        model, state, profile, config = instance(size)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            plan = best_plan(state, profile, config)
+            times.append(time.perf_counter() - t0)
+        noisy = state.with_changes(speed_flops=state.speed_flops * rng.uniform(0.95, 1.05, size))
+        warm = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            best_plan(noisy, profile, config, warm_start=plan, time_budget_s=0.0)
+            warm.append(time.perf_counter() - t0)
+        ours = evaluate_plan(plan, state, profile, config).ratio_to_lower_bound
+        base = [ratio(m(state, profile, config), state, profile, config) for m in makers]
+        sizes = sorted({len(g.devices) for g in plan.groups})
+        shape = f"{len(plan.groups)}x{'/'.join(map(str, sizes))}"
+        print(f"{size:>7} {model:>12} {profile.num_layers:>3} {config.batch:>5} "
+              f"{min(times) * 1e3:>8.1f} {min(warm) * 1e3:>8.1f} {ours:>7.3f} {shape:>9} "
+              + " ".join(f"{b:>15}" for b in base), flush=True)  # fmt: skip
+        feasible = [float(b) for b in base if b != "infeasible"]
+        if feasible and ours > min(feasible) * (1 + 1e-9):
+            print(f"  WORSE than the best baseline ({min(feasible):.3f})")
+
+
+if __name__ == "__main__":
+    main()
