@@ -2,7 +2,8 @@
 baseline plans (issue 2).
 
 Mixed device kinds (A100-40, V100-16, GH-96; 4 GPUs per node) with speeds, memories and links
-from ../shared/data/sailor, models OPT-350 (26 layers), GPT-Neo-2.7 (34), OPT-30 (50). Global batch B = 8 per device. Prints, per size: cold planning time (best of 3),
+from ../shared/data/sailor, models OPT-350 (26 layers), GPT-Neo-2.7 (34), OPT-30 (50).
+Global batch B = 8 per device. Prints, per size: cold planning time (best of 3),
 warm re-plan time (warm_start = the previous plan, speeds perturbed by up to ±5 %), T / T_LB of
 the planner and of each baseline ("infeasible" where its layers fit no device).
 
