@@ -25,7 +25,8 @@ def _random_group(seed: int):
         for i in range(k)
     ]  # fmt: skip
     layers = [
-        {"fwd_flops": float(rng.uniform(1e8, 3e9)), "activation_bytes": float(rng.uniform(1e4, 1e7)),
+        {"fwd_flops": float(rng.uniform(1e8, 3e9)),
+         "activation_bytes": float(rng.uniform(1e4, 1e7)),
          "param_bytes": float(rng.uniform(1e6, 1e8))}
         for _ in range(num_layers)
     ]  # fmt: skip
