@@ -142,6 +142,33 @@ def max_microbatches(
     return nk.min(axis=1)
 
 
+@dataclass(frozen=True)
+class _StageMatrices:
+    """Per stage k over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
+    ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)`` (inf where out of position),
+    and the memory terms ``fixed`` (``θ (2 + o)``, bytes) and ``per_alive`` (``μ Σ m``, bytes
+    per micro-batch held alive), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+
+    total: np.ndarray
+    worst: np.ndarray
+    fixed: np.ndarray
+    per_alive: np.ndarray
+    limit: np.ndarray
+    schedule: str
+
+    def masked(self, n_design: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(total, worst)`` with stages that do not fit ``n_design`` micro-batches set to
+        inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe)."""
+        k_stages = self.total.shape[0]
+        n_d = max(int(n_design), 1)
+        if self.schedule == "gpipe":
+            alive = np.full((k_stages, 1, 1), n_d)
+        else:
+            alive = np.minimum(n_d, k_stages - np.arange(k_stages))[:, None, None]
+        ok = self.fixed + alive * self.per_alive <= self.limit
+        return np.where(ok, self.total, np.inf), np.where(ok, self.worst, np.inf)
+
+
 def _stage_matrices(
     state: ClusterState,
     prefix: ProfilePrefix,
@@ -149,11 +176,9 @@ def _stage_matrices(
     microbatch_size: int,
     optimizer_state_factor: float,
     schedule: str,
-    n_design: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage k, over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
-    the summed time ``C_k + E_k`` and the max ``max(C_k, E_k)`` (inf where not allowed:
-    empty, out of position, or out of memory at ``n_design``)."""
+) -> _StageMatrices:
+    """The :class:`_StageMatrices` of one group and ``μ`` (same formulas as
+    :func:`hetrain.costmodel.stage_times_s` / :func:`~hetrain.costmodel.stage_memory_bytes`)."""
     num_layers = prefix.num_layers
     k_stages = len(devices)
     idx = np.arange(num_layers + 1)
@@ -163,19 +188,11 @@ def _stage_matrices(
     flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
     theta = (prefix.param_bytes[None, :] - prefix.param_bytes[:, None])[None]
     act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
-    n_d = max(int(n_design), 1)
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    limit = state.memory_bytes[devices][:, None, None]
     compute = mu * flops / speed + kappa
-    if schedule == "gpipe":
-        alive = np.full((k_stages, 1, 1), n_d)
-    else:
-        alive = np.minimum(n_d, k_stages - kk)
     ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
-    ok &= theta * (2.0 + optimizer_state_factor) + (alive * mu) * act <= limit
-    last_stage = kk == k_stages - 1
-    ok &= ~last_stage | (j == num_layers)
+    ok &= (kk != k_stages - 1) | (j == num_layers)
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)
@@ -186,7 +203,16 @@ def _stage_matrices(
         worst = np.maximum(compute, transfer)
     else:
         total = worst = compute
-    return np.where(ok, total, np.inf), np.where(ok, worst, np.inf)
+    # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
+    # and every split found is re-checked exactly by split_table
+    return _StageMatrices(
+        total=np.where(ok, total, np.inf),
+        worst=np.where(ok, worst, np.inf),
+        fixed=theta * (2.0 + optimizer_state_factor),
+        per_alive=mu * act,
+        limit=state.memory_bytes[devices][:, None, None],
+        schedule=schedule,
+    )
 
 
 def _min_sum_split(sums: np.ndarray, maxes: np.ndarray, beta: float) -> np.ndarray | None:
@@ -236,7 +262,9 @@ def envelope_splits(
     ladder_ratio: float = 1.25,
 ) -> SplitTable:
     """The splits on the lower envelope of ``T_g(n) = A + (n − 1) M`` for one group and one
-    ``μ`` (see the module docstring), memory checked at ``n_design`` micro-batches.
+    ``μ`` (see the module docstring), memory checked at ``n_design`` micro-batches (or, when
+    nothing fits that many, at the first of ``n_design / 2, / 4, ..., 1`` where a split fits;
+    ``max_microbatches`` of every split is its exact limit).
 
     Args:
         devices: device indices in pipeline order, shape ``(K,)``.
@@ -255,18 +283,29 @@ def envelope_splits(
     if k_stages > num_layers:
         return split_table(state, prefix, devices, np.zeros((0, k_stages + 1), np.int64),
                            microbatch_size, optimizer_state_factor, schedule)  # fmt: skip
-    sums, maxes = _stage_matrices(
-        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule, n_design
+    empty = np.zeros((0, k_stages + 1), dtype=np.int64)
+    params = prefix.param_bytes[-1] * (2.0 + optimizer_state_factor)
+    if params > float(np.sum(state.memory_bytes[devices])):
+        return split_table(state, prefix, devices, empty, microbatch_size,
+                           optimizer_state_factor, schedule)  # fmt: skip
+    mats = _stage_matrices(
+        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule
     )
-    beta_star = _least_bottleneck(maxes)
+    # memory at n_design; when nothing fits, lower levels (halving) down to one micro-batch
+    level = max(int(n_design), 1)
+    while True:
+        sums, maxes = mats.masked(level)
+        beta_star = _least_bottleneck(maxes)
+        if np.isfinite(beta_star) or level == 1:
+            break
+        level = max(1, level // 2)
     if not np.isfinite(beta_star):
-        empty = np.zeros((0, k_stages + 1), dtype=np.int64)
         return split_table(state, prefix, devices, empty, microbatch_size,
                            optimizer_state_factor, schedule)  # fmt: skip
     values = np.unique(maxes[np.isfinite(maxes)])
     values = values[values >= beta_star]
     if exact is None:
-        exact = len(values) <= 256
+        exact = len(values) <= 24
     if exact:
         betas = values
     else:

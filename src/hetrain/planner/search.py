@@ -46,6 +46,7 @@ from hetrain.planner.partition import (
     count_splits,
     enumerate_splits,
     envelope_splits,
+    pareto,
     split_table,
 )
 from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
@@ -129,18 +130,68 @@ class SearchContext:
         )
         return per, links
 
-    def envelope_options(self, devices: np.ndarray, mus: Sequence[int]) -> GroupOptions:
-        """Envelope splits of a group for each ``μ`` in ``mus`` (cached by signature)."""
+    def approx_signature(self, devices: np.ndarray) -> tuple:
+        """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
+        significant digits: groups that differ by measurement noise share their *splits*
+        (their times are still computed exactly)."""
+        s = self.state
+        per = tuple(
+            (
+                int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
+                float(f"{s.kappa_s[d]:.3g}"),
+                float(f"{s.memory_bytes[d]:.3g}"),
+            )
+            for d in devices
+        )
+        links = (
+            tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
+            if len(devices) > 1
+            else ()
+        )
+        return per, links
+
+    def envelope_options(
+        self,
+        devices: np.ndarray,
+        mus: Sequence[int],
+        fixed_bounds: np.ndarray | None = None,
+    ) -> GroupOptions:
+        """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
+        :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
+        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
         sig = self.signature(devices)
+        fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
         tables = []
         for mu in mus:
-            key = ("env", sig, int(mu))
+            mu = int(mu)
+            key = ("env", sig, mu, fixed_key)
             table = self.option_cache.get(key)
             if table is None:
-                table = self._splits(devices, int(mu))
+                if fixed_bounds is not None:
+                    bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
+                else:
+                    akey = ("bounds", self.approx_signature(devices), mu)
+                    bounds = self.option_cache.get(akey)
+                    if bounds is None:
+                        bounds = self._splits(devices, mu).bounds
+                        self.option_cache[akey] = bounds
+                table = self._timed(devices, bounds, mu)
                 self.option_cache[key] = table
             tables.append(table)
         return GroupOptions.from_tables(tables, len(devices))
+
+    def _timed(self, devices: np.ndarray, bounds: np.ndarray, mu: int) -> SplitTable:
+        """Exact times and memory limits of given splits for these devices (dominated and
+        non-fitting splits dropped)."""
+        cfg = self.config
+        table = split_table(self.state, self.prefix, devices, bounds, mu,
+                            cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
+        keep = table.max_microbatches >= 1
+        n_cap = -(-self.batch // mu)
+        return pareto(
+            SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
+                       np.minimum(table.max_microbatches[keep], n_cap), mu)
+        )  # fmt: skip
 
     def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
         cfg = self.config
@@ -152,8 +203,6 @@ class SearchContext:
                 enumerate_splits(self.prefix.num_layers, k), mu,
                 cfg.optimizer_state_factor, cfg.schedule,
             )  # fmt: skip
-            from hetrain.planner.partition import pareto
-
             keep = table.max_microbatches >= 1
             return pareto(
                 SplitTable(
@@ -165,18 +214,13 @@ class SearchContext:
                 )
             )
         # memory is checked at a design number of micro-batches: the most the group could
-        # be given (every split found then fits any share); when nothing fits that many, the
-        # next lower level (halving; under 1F1B levels above K are equivalent to K)
+        # be given (every split found then fits any share; under 1F1B levels above K are
+        # equivalent to K), lower levels when nothing fits (see envelope_splits)
         top = min(n_design, k) if cfg.schedule == "1f1b" else n_design
-        level = top
-        while True:
-            table = envelope_splits(
-                self.state, self.prefix, devices, mu, cfg.optimizer_state_factor,
-                cfg.schedule, level, n_cap=n_design,
-            )  # fmt: skip
-            if len(table) or level <= 1:
-                return table
-            level = max(1, level // 2)
+        return envelope_splits(
+            self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
+            top, n_cap=n_design,
+        )  # fmt: skip
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
@@ -503,46 +547,54 @@ def solve_structure(
     best: Candidate | None = None,
     *,
     refine: bool = True,
+    fixed_bounds: Sequence[np.ndarray | None] | None = None,
 ) -> Candidate | None:
-    """Solve one structure (pruned mode): envelope splits per group, shares with identical
-    groups merged, idle groups over prefixes ranked by throughput per weight, ``μ`` refined."""
+    """Solve one structure (pruned mode): envelope splits per group (or the given
+    ``fixed_bounds`` per group, e.g. a warm start's stages), shares with identical groups
+    merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
+    around the shares found. Returns the better of this structure's solution and ``best``."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
+    fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
     for g, devs in enumerate(garr):
-        entries.setdefault(ctx.signature(devs), []).append(g)
+        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+        entries.setdefault((ctx.signature(devs), fk), []).append(g)
     keys = list(entries)
     # a group rarely gets more than a few times the average share, and a pipeline of K
     # stages wants about K micro-batches or more: larger μ are left to the refinement
     opts = []
     for k in keys:
-        devs = garr[entries[k][0]]
-        cap = -(-4 * ctx.batch // (len(garr) * len(devs)))
-        opts.append(ctx.envelope_options(devs, ctx.mu_candidates(cap)))
+        g0 = entries[k][0]
+        cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
+        opts.append(ctx.envelope_options(garr[g0], ctx.mu_candidates(cap), fixed[g0]))
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
         return best
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, best)
-    if cand is None or cand is best or not refine:
+    # this structure's own solution (pruned only against a loose bound), then refined
+    bound = None if best is None else best.objective * 1.5
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound)
+    if cand is not None and refine:
+        extra: dict[int, set[int]] = {}
+        entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
+        index_of = {tuple(int(x) for x in garr[g]): g for g in range(len(garr))}
+        for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
+            i = entry_of[index_of[tuple(int(x) for x in devs)]]
+            n = -(-b // mu)
+            ns = {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}
+            extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
+        new_opts = list(opts)
+        for i, more in extra.items():
+            have = set(opts[i].microbatch_size.tolist())
+            more = sorted(m for m in more if m not in have and 1 <= m <= ctx.batch)
+            if more:
+                g0 = entries[keys[i]][0]
+                add = ctx.envelope_options(garr[g0], more, fixed[g0])
+                new_opts[i] = _merge([opts[i], add])
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound)
+    if cand is not None and (best is None or cand.objective < best.objective):
         return cand
-    # refine μ around the shares found: ceil(b/n) for n near the chosen count
-    extra: dict[int, set[int]] = {}
-    for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-        key = ctx.signature(devs)
-        n = -(-b // mu)
-        ns = {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}
-        extra.setdefault(keys.index(key), set()).update(-(-b // m) for m in ns if m >= 1)
-    if not extra:
-        return cand
-    new_opts = list(opts)
-    for i, more in extra.items():
-        have = set(opts[i].microbatch_size.tolist())
-        more = sorted(m for m in more if m not in have and 1 <= m <= ctx.batch)
-        if more:
-            add = ctx.envelope_options(garr[entries[keys[i]][0]], more)
-            new_opts[i] = _merge([opts[i], add])
-    refined = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand)
-    return refined
+    return best
 
 
 def _solve_entries(
@@ -553,7 +605,10 @@ def _solve_entries(
     opts: Sequence[GroupOptions],
     feasible: Sequence[int],
     best: Candidate | None,
+    bound: float | None = None,
 ) -> Candidate | None:
+    """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
+    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [float(np.max(opts[i].microbatch_size / opts[i].bottleneck_s)) for i in feasible]
@@ -583,13 +638,14 @@ def _solve_entries(
         members = [g for i, m in take for g in entries[keys[i]][:m]]
         used = np.concatenate([garr[g] for g in members])
         t_floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[used]))
-        if best is not None and t_floor * ctx.weight(used) >= best.objective:
+        limit = min(
+            best.objective if best is not None else np.inf, bound if bound is not None else np.inf
+        )
+        if t_floor * ctx.weight(used) >= limit:
             continue
         problem = ShareProblem([opts[i] for i, _ in take], ctx.batch, [m for _, m in take])
-        if best is not None:
-            lp = problem.lp_bound_s()
-            if lp * ctx.v >= best.objective:
-                continue
+        if np.isfinite(limit) and problem.lp_bound_s() * ctx.weight(used) >= limit:
+            continue
         sol = problem.solve()
         if sol is None:
             continue
