@@ -7,7 +7,8 @@ kind on its usual server size) and the shipped profiles examples/profiles/opt-35
 layers), gpt-neo-2.7b.json (34) and resnet50-pipedream.json (39). ``--sailor``: the earlier
 inputs built straight from ../shared/data/sailor (A100-40/V100-16/GH-96, 4 per node; OPT-350,
 GPT-Neo-2.7 and OPT-30 with 50 layers; see bench/_sailor_inputs.py).
-Global batch B = 8 per device. Prints, per size: cold planning time (best of 3),
+Global batch B = 8 per device. Prints, per size: cold planning time (best of 3; wall and process CPU time, since the
+2 cores are shared),
 warm re-plan time (warm_start = the previous plan, speeds perturbed by up to ±5 %), T / T_LB of
 the planner and of each baseline ("infeasible" where its layers fit no device).
 
@@ -86,17 +87,18 @@ def main() -> None:
     names = ["dp-even", "dp-proportional", "pipeline", "static-hybrid"]
     makers = [baselines.dp_even_plan, baselines.dp_proportional_plan, baselines.pipeline_plan,
               baselines.static_hybrid_plan]  # fmt: skip
-    header = f"{'devices':>7} {'model':>18} {'L':>3} {'B':>5} {'plan ms':>8} {'warm ms':>8} " \
+    header = f"{'devices':>7} {'model':>18} {'L':>3} {'B':>5} {'plan ms':>8} {'cpu ms':>7} {'warm ms':>8} " \
              f"{'T/T_LB':>7} {'groups':>9} " + " ".join(f"{n:>15}" for n in names)  # fmt: skip
     print(header)
     rng = np.random.default_rng(0)
     for size in args.sizes:
         model, state, profile, config = instance(size, args.sailor, args.jitter)
-        times = []
+        times, cpu = [], []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = best_plan(state, profile, config)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         noisy = state.with_changes(speed_flops=state.speed_flops * rng.uniform(0.95, 1.05, size))
         warm = []
         for _ in range(3):
@@ -108,7 +110,7 @@ def main() -> None:
         sizes = sorted({len(g.devices) for g in plan.groups})
         shape = f"{len(plan.groups)}x{'/'.join(map(str, sizes))}"
         print(f"{size:>7} {model:>18} {profile.num_layers:>3} {config.batch:>5} "
-              f"{min(times) * 1e3:>8.1f} {min(warm) * 1e3:>8.1f} {ours:>7.3f} {shape:>9} "
+              f"{min(times) * 1e3:>8.1f} {min(cpu) * 1e3:>7.1f} {min(warm) * 1e3:>8.1f} {ours:>7.3f} {shape:>9} "
               + " ".join("     infeasible" if b is None else f"{b:>15.3f}" for b in base),
               flush=True)  # fmt: skip
         feasible = [b for b in base if b is not None]

@@ -292,13 +292,21 @@ def envelope_splits(
         state, prefix, devices, microbatch_size, optimizer_state_factor, schedule
     )
     # memory at n_design; when nothing fits, lower levels (halving) down to one micro-batch
-    level = max(int(n_design), 1)
-    while True:
+    # (one micro-batch first: when even that does not fit, nothing does)
+    levels = [1] if n_design <= 1 else [1, int(n_design)]
+    while levels[-1] > 2:
+        levels.append(levels[-1] // 2)
+    for tried, level in enumerate(levels):
         sums, maxes = mats.masked(level)
         beta_star = _least_bottleneck(maxes)
-        if np.isfinite(beta_star) or level == 1:
+        if tried == 0 and not np.isfinite(beta_star):
             break
-        level = max(1, level // 2)
+        if tried > 0 and np.isfinite(beta_star):
+            break
+    else:
+        level = 1
+        sums, maxes = mats.masked(level)
+        beta_star = _least_bottleneck(maxes)
     if not np.isfinite(beta_star):
         return split_table(state, prefix, devices, empty, microbatch_size,
                            optimizer_state_factor, schedule)  # fmt: skip
