@@ -55,6 +55,11 @@ def warm_structure(
     return groups, bounds
 
 
+def _kept(group, state: ClusterState) -> bool:
+    index = state.index()
+    return any(d in index and state.available[index[d]] for d in group.devices)
+
+
 def best_plan(
     state: ClusterState,
     profile: ProfileArrays,
@@ -106,7 +111,8 @@ def best_plan(
     if warm_start is not None:
         groups, bounds = warm_structure(warm_start, state)
         if groups:
-            best = solve_structure(ctx, groups, fixed_bounds=bounds)
+            mus = [g.microbatch_size for g in warm_start.groups if _kept(g, state)]
+            best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
             if deadline is None or time.perf_counter() < deadline:
                 best = solve_structure(ctx, groups, best)
     best = pruned_search(ctx, best, deadline=deadline)

@@ -550,9 +550,11 @@ def solve_structure(
     *,
     refine: bool = True,
     fixed_bounds: Sequence[np.ndarray | None] | None = None,
+    extra_mus: Sequence[int | None] | None = None,
 ) -> Candidate | None:
     """Solve one structure (pruned mode): envelope splits per group (or the given
-    ``fixed_bounds`` per group, e.g. a warm start's stages), shares with identical groups
+    ``fixed_bounds`` per group, e.g. a warm start's stages; ``extra_mus``: a μ per group to
+    try as well, e.g. the warm start's), shares with identical groups
     merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
     around the shares found. Returns the better of this structure's solution and ``best``."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
@@ -569,7 +571,10 @@ def solve_structure(
     for k in keys:
         g0 = entries[k][0]
         cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
-        opts.append(ctx.envelope_options(garr[g0], ctx.mu_candidates(cap), fixed[g0]))
+        mus = set(ctx.mu_candidates(cap))
+        if extra_mus is not None:
+            mus.update(int(extra_mus[g]) for g in entries[k] if extra_mus[g] is not None)
+        opts.append(ctx.envelope_options(garr[g0], sorted(mus), fixed[g0]))
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
         return best
