@@ -55,11 +55,6 @@ def warm_structure(
     return groups, bounds
 
 
-def _kept(group, state: ClusterState) -> bool:
-    index = state.index()
-    return any(d in index and state.available[index[d]] for d in group.devices)
-
-
 def best_plan(
     state: ClusterState,
     profile: ProfileArrays,
@@ -111,7 +106,12 @@ def best_plan(
     if warm_start is not None:
         groups, bounds = warm_structure(warm_start, state)
         if groups:
-            mus = [g.microbatch_size for g in warm_start.groups if _kept(g, state)]
+            index = state.index()
+            mus = [
+                g.microbatch_size
+                for g in warm_start.groups
+                if any(d in index and state.available[index[d]] for d in g.devices)
+            ]
             best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
             if deadline is None or time.perf_counter() < deadline:
                 best = solve_structure(ctx, groups, best)
@@ -121,7 +121,9 @@ def best_plan(
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:
-        objective, _ = plan_objective(ctx, plan)
+        # the search's objective is the cost model's (an upper bound when the exhaustive
+        # search idled a group); re-evaluate exactly where that is cheap
+        objective = plan_objective(ctx, plan)[0] if len(ctx.available) <= 64 else best.objective
     if include_baselines and (deadline is None or time.perf_counter() < deadline):
         from hetrain.planner import baselines
 

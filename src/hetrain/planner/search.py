@@ -431,8 +431,11 @@ def _score(
     option = sol.option.copy()
     times = sol.group_times_s.copy()
     changed = False
-    for e in set(entry_of):
-        members = [g for g in range(len(groups)) if entry_of[g] == e and sol.shares[g] > 0]
+    by_entry: dict[int, list[int]] = {}
+    for g, e in enumerate(entry_of):
+        if sol.shares[g] > 0:
+            by_entry.setdefault(e, []).append(g)
+    for members in by_entry.values():
         if len(members) < 2:
             continue
         lead = max(members, key=lambda g: sol.shares[g])
@@ -571,9 +574,13 @@ def solve_structure(
     for k in keys:
         g0 = entries[k][0]
         cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
-        mus = set(ctx.mu_candidates(cap))
-        if extra_mus is not None:
-            mus.update(int(extra_mus[g]) for g in entries[k] if extra_mus[g] is not None)
+        old_mus = {int(extra_mus[g]) for g in entries[k] if extra_mus is not None
+                   and extra_mus[g] is not None}  # fmt: skip
+        if fixed[g0] is not None and old_mus:
+            # warm start with its stages kept: the previous μ and its neighbours (refined below)
+            mus = {m for o in old_mus for m in (max(1, o // 2), o, 2 * o) if m <= ctx.batch}
+        else:
+            mus = set(ctx.mu_candidates(cap)) | old_mus
         opts.append(ctx.envelope_options(garr[g0], sorted(mus), fixed[g0]))
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
@@ -588,7 +595,8 @@ def solve_structure(
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
             i = entry_of[index_of[tuple(int(x) for x in devs)]]
             n = -(-b // mu)
-            ns = {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}
+            ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
+                else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
         new_opts = list(opts)
         for i, more in extra.items():
@@ -629,9 +637,14 @@ def _solve_entries(
     if total <= 24:
         sizes = list(range(total, 0, -1))
     else:
-        sizes = sorted({total, *[max(1, int(round(total * f))) for f in
-                                 (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)],
-                        1, 2, 4, 8}, reverse=True)  # fmt: skip
+        # without queues only the slowest groups are worth idling (sync); with queues
+        # the cost makes much smaller active sets worth trying
+        fractions = (
+            (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05) if queues else (0.95, 0.85, 0.7)
+        )
+        small = (1, 2, 4, 8) if queues else ()
+        sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
+                       reverse=True)  # fmt: skip
     speeds = ctx.state.speed_flops
     for size in sizes:
         # the first `size` members in ranked order
@@ -674,6 +687,8 @@ def pruned_search(
     """Solve every candidate structure (plus ``extra_structures``); stop early at
     ``deadline`` (``time.perf_counter()`` value) once one solution exists."""
     best = incumbent
+    if deadline is not None and best is not None and time.perf_counter() > deadline:
+        return best
     structures = [list(s) for s in extra_structures] + [g for _, g in candidate_structures(ctx)]
     for groups in structures:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
