@@ -80,9 +80,17 @@ def _dp_plan(
     devs = avail[fits >= 1]
     if not len(devs):
         return None
-    w = np.ones(len(devs)) if weights_of == "even" else state.speed_flops[devs].astype(float)
-    shares = _largest_remainder(w, config.batch)
-    mus = _fitting_mu(state, profile, config, devs, shares)
+    while True:
+        w = np.ones(len(devs)) if weights_of == "even" else state.speed_flops[devs].astype(float)
+        shares = _largest_remainder(w, config.batch)
+        mus = _fitting_mu(state, profile, config, devs, shares)
+        # (GPipe: a share's activations may not fit even when one sample does; drop those)
+        bad = (shares > 0) & (mus < 1)
+        if not np.any(bad):
+            break
+        devs = devs[~bad]
+        if not len(devs):
+            return None
     groups = []
     for d, b, mu in zip(devs, shares, mus, strict=True):
         if b <= 0:
