@@ -28,7 +28,7 @@ def _data(batch, seed=0):
     return torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _measure(rank, world, plan, emulation, steps):
+def _measure(rank, world, plan, emulation, steps, autocast=False):
     torch.manual_seed(0)
     worker = Worker(
         digits_cnn(channels=16, hidden=64),
@@ -37,15 +37,16 @@ def _measure(rank, world, plan, emulation, steps):
         F.cross_entropy,
         OptimizerSpec("sgd", lr=0.05),
         emulation=emulation,
+        autocast_bf16=autocast,
     )
     x, y = _data(plan_from_dict(plan).global_batch)
     return [gather_measurements(worker.step(x, y, t)) for t in range(steps)]
 
 
 def test_slowdown_grows_measured_compute_time(tmp_path):
-    plan = {"groups": [_group(["w0"], [[0, 6]], 32, 32), _group(["w1"], [[0, 6]], 32, 32)]}
+    plan = {"groups": [_group(["w0"], [[0, 6]], 64, 128), _group(["w1"], [[0, 6]], 64, 128)]}
     emulation = Emulation(slowdown={"w1": 3.0})
-    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 4))[0]
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 6))[0]
     assert [m["device_id"] for m in steps[0]] == ["w0", "w1"]
     fast = sum(s[0]["compute_time_s"] for s in steps[1:])
     slow = sum(s[1]["compute_time_s"] for s in steps[1:])
@@ -53,7 +54,7 @@ def test_slowdown_grows_measured_compute_time(tmp_path):
     for s in steps:
         assert s[0]["emulated_compute_time_s"] == 0.0
         own = s[1]["compute_time_s"] - s[1]["emulated_compute_time_s"]
-        assert s[1]["emulated_compute_time_s"] >= 1.5 * own  # slept ~2x its own compute
+        assert s[1]["emulated_compute_time_s"] >= 1.99 * own  # slept (3 - 1) x its compute
         assert s[0]["loss"] == s[1]["loss"]
 
 
@@ -138,3 +139,19 @@ def test_check_exact_layers_accepts_eval_mode_and_zero_dropout():
     with pytest.raises(ValueError, match="layer 2"):
         check_exact_layers(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3)))
     assert issubclass(InputError, ValueError)
+
+
+def test_bf16_autocast_sends_bf16_activations_and_tracks_float32(tmp_path):
+    plan = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 8, 32)]}
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, None, 3, True))[0]
+    torch.manual_seed(0)
+    model = digits_cnn(channels=16, hidden=64)
+    opt = OptimizerSpec("sgd", lr=0.05).build(model.parameters())
+    x, y = _data(32)
+    for s in steps:
+        assert s[1]["bytes_received"] == 4 * 8 * 64 * 2  # bfloat16 activations
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        assert s[0]["loss"] == pytest.approx(loss.item(), rel=3e-2)

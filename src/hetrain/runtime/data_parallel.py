@@ -43,18 +43,26 @@ class Bucket:
         return tuple(sorted((self.active[0], *self.idle)))
 
 
-def build_buckets(layout: Layout) -> list[Bucket]:
+def build_buckets(
+    layout: Layout, layer_bytes: list[int] | None = None, cap_bytes: int | None = None
+) -> list[Bucket]:
     """Buckets of ``layout``: maximal runs of consecutive layers whose owners (active and idle)
-    are equal."""
+    are equal, split at layer boundaries so that a bucket exceeds ``cap_bytes`` (of
+    ``layer_bytes[l]`` parameter bytes per layer) only when one layer does."""
     buckets: list[Bucket] = []
+    size = 0
     for layer in range(layout.num_layers):
         active = layout.active_owners[layer]
         idle = tuple(r for r in layout.owners[layer] if r not in active)
-        if buckets and buckets[-1].active == active and buckets[-1].idle == idle:
+        nbytes = 0 if layer_bytes is None else layer_bytes[layer]
+        fits = cap_bytes is None or size + nbytes <= cap_bytes
+        if buckets and buckets[-1].active == active and buckets[-1].idle == idle and fits:
+            size += nbytes
             prev = buckets[-1]
             buckets[-1] = Bucket(prev.layers + (layer,), active, idle)
         else:
             buckets.append(Bucket((layer,), active, idle))
+            size = nbytes
     return buckets
 
 

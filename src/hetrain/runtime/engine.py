@@ -38,7 +38,9 @@ class StepResult:
         grad_norm: global L2 norm of the combined gradient before clipping (every layer counted
             once).
         compute_time_s: forward + backward time of this rank's stage over all its
-            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it).
+            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it, the
+            time actually slept; ``compute_time_s - emulated_compute_time_s`` is the real
+            compute, which the sleeps are ``factor - 1`` times).
         send_recv_time_s: time blocked in pipeline send/recv (emulated link delay included).
         link_time_s: peer device -> time blocked receiving from it.
         sync_time_s: gradient all-reduce/broadcast time; ``sync_bytes`` all-reduced.
@@ -143,6 +145,11 @@ class Worker:
         autocast_bf16: run forward passes under ``torch.autocast(dtype=bfloat16)``.
         device: torch device of this rank (default: CPU for gloo, the current CUDA device for
             NCCL).
+        allow_unused_ranks: accept ranks whose device the plan does not name (e.g. a device
+            that joins later); they hold nothing until a plan uses them. Default False: the
+            plan must name every rank (world size = the plan's device count).
+        bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
+            consecutive layers with the same owners is split at layer boundaries above it).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -165,6 +172,8 @@ class Worker:
         grad_clip_norm: float | None = None,
         autocast_bf16: bool = False,
         device: torch.device | str | None = None,
+        allow_unused_ranks: bool = False,
+        bucket_cap_bytes: int = 64 * 2**20,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -183,7 +192,12 @@ class Worker:
         dist.all_gather_object(gathered, str(device_id))
         self.device_id = str(device_id)
         check_exact_layers(layers)
-        self.layout: Layout = build_layout(plan, tuple(gathered), len(layers), require_all=True)
+        if bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.layout: Layout = build_layout(
+            plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
+        )
         self.layers = layers.to(dtype=dtype)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -201,7 +215,10 @@ class Worker:
             else:
                 layer.to("meta")
         self._groups = GroupCache()
-        self._buckets = build_buckets(self.layout)
+        self._layer_bytes = [
+            sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in self.layers
+        ]
+        self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
 
     def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
@@ -382,7 +399,7 @@ class Worker:
                 self.layers[index].to("meta")
                 del self.optimizers[index]
         self.layout = new
-        self._buckets = build_buckets(new)
+        self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 

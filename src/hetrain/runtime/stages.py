@@ -214,8 +214,9 @@ def run_stage(
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
             dt = time.perf_counter() - t0
-            timers.emulated_compute_s += slow_down(emulation, device_id, dt)
-            timers.forward_time_s += time.perf_counter() - t0
+            slept = slow_down(emulation, device_id, dt)
+            timers.emulated_compute_s += slept
+            timers.forward_time_s += dt + slept
             if last:
                 loss_sum += y.detach().to(torch.float64)
             else:
@@ -232,8 +233,9 @@ def run_stage(
                 torch.autograd.backward(y, grad)
             _sync(device)
             dt = time.perf_counter() - t0
-            timers.emulated_compute_s += slow_down(emulation, device_id, dt)
-            timers.backward_time_s += time.perf_counter() - t0
+            slept = slow_down(emulation, device_id, dt)
+            timers.emulated_compute_s += slept
+            timers.backward_time_s += dt + slept
             if not first and x.requires_grad:
                 gx = x.grad if x.grad is not None else torch.zeros_like(x)
                 p2p.send(gx, prev_rank)
