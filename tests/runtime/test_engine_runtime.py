@@ -155,3 +155,19 @@ def test_bf16_autocast_sends_bf16_activations_and_tracks_float32(tmp_path):
         loss.backward()
         opt.step()
         assert s[0]["loss"] == pytest.approx(loss.item(), rel=3e-2)
+
+
+def test_gradient_traffic_is_proportional_to_the_parameters_a_rank_holds(tmp_path):
+    # group 0 pipelines layers [0, 4) | [4, 6); group 1 holds everything on one rank
+    plan = {
+        "groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 4, 12), _group(["w2"], [[0, 6]], 6, 6)]
+    }
+    steps = run_ranks(_measure, 3, tmp_path, args=(plan, None, 1))[0]
+    model = digits_cnn(channels=16, hidden=64)
+    layer_bytes = [sum(p.numel() * 4 for p in layer.parameters()) for layer in model]
+    ranks = steps[0]
+    assert ranks[0]["sync_bytes"] == sum(layer_bytes[:4])
+    assert ranks[1]["sync_bytes"] == sum(layer_bytes[4:])
+    assert ranks[2]["sync_bytes"] == sum(layer_bytes)
+    assert [r["batch"] for r in ranks] == [12, 12, 6]
+    assert ranks[0]["num_microbatches"] == 3 and ranks[1]["stage"] == (4, 6)
