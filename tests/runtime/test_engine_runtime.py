@@ -46,11 +46,10 @@ def _measure(rank, world, plan, emulation, steps, autocast=False):
 def test_slowdown_grows_measured_compute_time(tmp_path):
     plan = {"groups": [_group(["w0"], [[0, 6]], 64, 128), _group(["w1"], [[0, 6]], 64, 128)]}
     emulation = Emulation(slowdown={"w1": 3.0})
-    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 6))[0]
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 8))[0]
     assert [m["device_id"] for m in steps[0]] == ["w0", "w1"]
-    fast = sum(s[0]["compute_time_s"] for s in steps[1:])
-    slow = sum(s[1]["compute_time_s"] for s in steps[1:])
-    assert slow / fast > 2.0  # factor 3, loose bound (shared CPU)
+    ratios = sorted(s[1]["compute_time_s"] / s[0]["compute_time_s"] for s in steps[1:])
+    assert ratios[len(ratios) // 2] > 2.0  # median over 7 steps; factor 3, loose (shared CPU)
     for s in steps:
         assert s[0]["emulated_compute_time_s"] == 0.0
         own = s[1]["compute_time_s"] - s[1]["emulated_compute_time_s"]

@@ -220,6 +220,7 @@ class Worker:
         ]
         self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(self.layout)
 
     def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
         """The layer's own optimizer (None for a layer without parameters)."""
@@ -264,7 +265,9 @@ class Worker:
             for p in self.layers[index].parameters():
                 p.grad = None
         timers = Timers()
-        p2p = P2P(self.device, self.layout.devices, self.rank, timers, self.emulation)
+        p2p = P2P(
+            self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
+        )
         pos = self.layout.position(self.rank)
         loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
         group = stage = None
@@ -401,6 +404,7 @@ class Worker:
         self.layout = new
         self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(new)
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------- state
