@@ -104,6 +104,9 @@ def _bad_inputs(rank, world):
     attempt(
         "dropout", lambda: make({"groups": [_group(["w0", "w1"], [[0, 1], [1, 3]], 2, 8)]}, drop)
     )
+    uneven = [_group(["w0"], [[0, 6]], 2, 4 + rank), _group(["w1"], [[0, 6]], 2, 4 - rank)]
+    attempt("plans", lambda: make({"groups": uneven}))
+    attempt("models", lambda: make({"groups": full}, digits_cnn(4, 8 + rank)))
     worker = make({"groups": full})
     attempt(
         "replan",
@@ -128,6 +131,8 @@ def test_bad_plans_and_layers_raise_clear_errors_on_every_rank(tmp_path):
     assert "layer 0" in r["batchnorm"][1] and "BatchNorm2d" in r["batchnorm"][1]
     assert r["dropout"][0] == "ValueError" and "layer 1" in r["dropout"][1]
     assert r["replan"][0] == "InputError" and "'w7'" in r["replan"][1]
+    assert r["plans"][0] == "ValueError" and "different plans" in r["plans"][1]
+    assert r["models"][0] == "ValueError" and "different model structures" in r["models"][1]
     assert r["batch"][0] == "ValueError" and "global batch of 8 rows" in r["batch"][1]
     assert math.isfinite(r["after"]) and r["after"] > 0
 

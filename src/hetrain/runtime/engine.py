@@ -10,6 +10,8 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -120,6 +122,35 @@ def check_exact_layers(layers: nn.Sequential) -> None:
                 )
 
 
+def _plan_digest(plan: Plan) -> str:
+    """Hash of what the engine executes (groups, stages, shares, micro-batches, schedule)."""
+    body = json.dumps([plan.schedule, [g.model_dump(mode="json") for g in plan.groups]])
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _structure_digest(layers: nn.Sequential) -> str:
+    """Hash of the chain's layer count, parameter/buffer names, shapes and dtypes."""
+    items = [
+        (i, k, tuple(v.shape), str(v.dtype))
+        for i, layer in enumerate(layers)
+        for k, v in layer.state_dict().items()
+    ]
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def _check_agreement(gathered: list[Any], mine: tuple, names: tuple[str, ...]) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks were given different plans
+    or models (``gathered[r] = (device_id, digest, ...)``), instead of hanging later."""
+    for position, name in enumerate(names, start=1):
+        values = {g[position] for g in gathered}
+        if len(values) > 1:
+            by_rank = ", ".join(f"rank {r} ({g[0]}): {g[position]}" for r, g in enumerate(gathered))
+            raise ValueError(
+                f"ranks were given different {name}s ({by_rank}); every rank "
+                f"must pass the same {name}"
+            )
+
+
 def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -189,7 +220,10 @@ class Worker:
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, str(device_id))
+        mine = (str(device_id), _plan_digest(plan), _structure_digest(layers))
+        dist.all_gather_object(gathered, mine)
+        _check_agreement(gathered, mine, ("plan", "model structure"))
+        gathered = [g[0] for g in gathered]
         self.device_id = str(device_id)
         check_exact_layers(layers)
         if bucket_cap_bytes <= 0:
@@ -376,6 +410,9 @@ class Worker:
             InputError: the plan names unknown devices or does not cover the layers.
         """
         t0 = time.perf_counter()
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
+        _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
         old = self.layout
         transfers = plan_transfers(old, new)
