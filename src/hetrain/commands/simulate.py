@@ -69,6 +69,7 @@ def run_simulate(
     optimizer_state_factor: float,
     csv_out: Path | None,
     json_out: bool,
+    plan: Path | None = None,
 ) -> int:
     """Run ``hetrain simulate``; print the SPEC §7 summary (``--json``) or a short report.
 
@@ -88,7 +89,7 @@ def run_simulate(
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if slots < 1:
         raise InputError("--slots", "", f"expected an integer >= 1, got {slots}")
-    if policy not in POLICY_NAMES:
+    if policy not in POLICY_NAMES and plan is None:
         raise InputError(
             "--policy", "", f"expected one of {', '.join(POLICY_NAMES)}, got {policy!r}"
         )
@@ -119,7 +120,22 @@ def run_simulate(
                 f"expected at least the minimum feasible budget {least:.6g} per iteration "
                 f"(the cheapest plan's {name}, averaged over the trace), got {value:g}",
             )
-    pol = make_policy(policy, profile, config, v=v, budgets=budgets or None)
+    if plan is not None:
+        from hetrain.control.policies import FixedPlanPolicy
+        from hetrain.plan import load_plan
+
+        fixed = load_plan(plan)
+        fixed.validate_for(spec.ids, profile.num_layers, batch, str(plan))
+        from hetrain.costmodel import evaluate_plan
+
+        ev = evaluate_plan(fixed, spec.state(), profile, config)
+        if not ev.fits:
+            raise InputError(
+                str(plan), "groups", f"device {ev.out_of_memory[0]!r} runs out of memory"
+            )
+        pol = FixedPlanPolicy(fixed)
+    else:
+        pol = make_policy(policy, profile, config, v=v, budgets=budgets or None)
     result = simulate(pol, timeline, profile, config, slots=slots, budgets=budgets)
     if csv_out is not None:
         result.write_csv(csv_out)

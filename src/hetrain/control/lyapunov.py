@@ -7,7 +7,8 @@ Before slot ``t`` the controller picks the plan that minimises the drift-plus-pe
 ``V·T(t) + Σ_j Q̂_j(t) · y_j(t)`` where, so that ``V`` is dimensionless and one knob fits every
 cluster, the queue and the penalty are normalised: ``Q̂_j = T_ref Q_j / ȳ_j²`` seconds per unit
 of resource j (equivalently the constraint ``y_j/ȳ_j ≤ 1`` with backlog ``Q_j/ȳ_j`` "budgets"
-and penalty ``T/T_ref``; ``T_ref`` is the lower bound ``T_LB`` of the first slot). Positive
+and penalty ``T/T_ref``; ``T_ref`` is the running mean of the measured iteration time, the lower
+bound ``T_LB`` before the first measurement). Positive
 rescaling of a constraint keeps Neely's guarantees (average within ``O(1/V)`` of optimal, backlog
 ``O(V)``) under his assumptions; see docs/controller.md for what holds here.
 
@@ -160,6 +161,8 @@ class LyapunovPolicy:
         self.replan_every = int(replan_every)
         self.search_time_budget_s = search_time_budget_s
         self.reference_time_s: float | None = None
+        self._time_sum_s = 0.0
+        self._observed_slots = 0
         # state of the incremental layer
         self._current: Plan | None = None
         self._current_arrays: StructureArrays | None = None
@@ -247,9 +250,15 @@ class LyapunovPolicy:
         return choice
 
     def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
-        """Feed the measured cost of ``slot`` (migration included) into the virtual queues."""
+        """Feed the measured cost of ``slot`` (migration included) into the virtual queues and
+        the measured time into ``T_ref`` (the running mean iteration time)."""
         if self.budgeted:
             self.queues.update(evaluation.cost)
+        self._observed_slots += 1
+        t = float(evaluation.iteration_time_s)
+        if math.isfinite(t) and t > 0:
+            self._time_sum_s += t
+            self.reference_time_s = self._time_sum_s / self._observed_slots
 
     # ------------------------------------------------------------------ internals
     def _usable(self, plan: Plan, available: np.ndarray) -> bool:
@@ -296,10 +305,13 @@ class LyapunovPolicy:
         if self.budgeted:
             price = np.asarray(observed.price_per_s, dtype=float)
             ref = self._ref_price
-            if ref is not None and np.any(
-                np.abs(price - ref) > self.drift_tolerance * np.maximum(ref, 1e-300)
-            ):
-                return True
+            if ref is not None:
+                avail = np.asarray(observed.available, dtype=bool)
+                total, ref_total = float(price[avail].sum()), float(ref[avail].sum())
+                if abs(total - ref_total) > self.drift_tolerance * max(ref_total, 1e-300):
+                    return True
+                if np.any(np.abs(price - ref) > 4 * self.drift_tolerance * np.maximum(ref, 1e-300)):
+                    return True
         return False
 
     def _queue_moved(

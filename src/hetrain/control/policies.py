@@ -97,3 +97,26 @@ class BaselinePolicy:
         return any(
             not available[index[d]] for g in self._plan.groups if g.batch > 0 for d in g.devices
         )
+
+
+class FixedPlanPolicy:
+    """One given plan every slot (``hetrain simulate --plan``): what the simulator's per-slot
+    time is compared with ``hetrain evaluate`` on.
+
+    Raises (from :meth:`decide`):
+        NoFeasiblePlanError: a device of an active group of the plan is unavailable.
+    """
+
+    def __init__(self, plan: Plan, name: str = "fixed") -> None:
+        self.name = name
+        self.plan = plan
+
+    def decide(self, slot: int, observed: ClusterState) -> Plan:
+        index = observed.index()
+        for g in self.plan.groups:
+            if g.batch > 0 and not all(observed.available[index[d]] for d in g.devices):
+                raise NoFeasiblePlanError(f"{self.name}: a device of the plan is unavailable")
+        return self.plan
+
+    def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
+        """A fixed plan ignores feedback."""
