@@ -31,6 +31,8 @@ def read_structured(path: str | Path) -> Any:
             return json.loads(text, parse_constant=_reject_constant)
         except ValueError as exc:
             raise InputError(str(path), "", f"expected valid JSON ({exc})") from None
+        except RecursionError:
+            raise InputError(str(path), "", "expected valid JSON (nested too deeply)") from None
     import yaml  # only for YAML files
 
     try:
@@ -47,14 +49,40 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a finite number")
 
 
+MAX_NUMBER = 1e30
+"""Largest magnitude accepted for a number in a cluster or profile file, in the file's units.
+Far above any real device or layer (1e30 FLOP per sample, 1e30 TFLOP/s), and small enough that
+unit conversions and the cost model's products stay finite (SPEC §7: numbers must be finite)."""
+
+MAX_NESTING = 100
+"""Deepest nesting of lists/mappings accepted in an input file (the formats need 4)."""
+
+
 def check_finite_tree(source: str, obj: Any, field: str = "") -> None:
     """Raise :class:`InputError` for any NaN or infinite float inside ``obj`` (SPEC §7:
-    "Numbers must be finite")."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        raise InputError(source, field, f"expected a finite number, got {obj}")
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            check_finite_tree(source, v, f"{field}.{k}" if field else str(k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            check_finite_tree(source, v, f"{field}[{i}]")
+    "Numbers must be finite"), or for nesting deeper than :data:`MAX_NESTING`.
+
+    Iterative, and each container is visited once even when YAML aliases make it reachable many
+    times, so hostile files (deep nesting, "billion laughs" alias bombs) fail fast instead of
+    overflowing the stack or running for hours.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Any, str, int]] = [(obj, field, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise InputError(source, where, f"expected a finite number, got {item}")
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_NESTING:
+            raise InputError(source, where, f"expected at most {MAX_NESTING} levels of nesting")
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            children = [(v, f"{where}.{k}" if where else str(k)) for k, v in item.items()]
+        else:
+            children = [(v, f"{where}[{i}]") for i, v in enumerate(item)]
+        stack.extend((v, w, depth + 1) for v, w in reversed(children))

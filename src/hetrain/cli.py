@@ -233,17 +233,59 @@ def train(
 
 @app.command()
 def profile(
-    example: Annotated[str, typer.Option("--example", help="example model name")] = "charlm",
+    example: Annotated[
+        str,
+        typer.Option("--example", help="charlm, digits, gpt2-small, bert-base or resnet50"),
+    ] = "charlm",
     out: Annotated[Path | None, typer.Option("--out", help="write the profile JSON here")] = None,
     batch: Annotated[int, typer.Option("--batch", help="samples used to profile")] = 8,
     measure: Annotated[
         bool, typer.Option("--measure", help="also time layers and fit speed and overhead")
     ] = False,
+    device: Annotated[
+        str,
+        typer.Option("--device", help="count on cpu or meta (auto: meta for the large examples)"),
+    ] = "auto",
+    cluster_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--cluster-out", help="with --measure: cluster file (default OUT.cluster.yaml)"
+        ),
+    ] = None,
+    workers: Annotated[
+        int, typer.Option("--workers", help="with --measure: devices w0.. in the cluster file")
+    ] = 4,
+    microbatch_sizes: Annotated[
+        str, typer.Option("--microbatch-sizes", help="with --measure: sizes to time, e.g. 1,2,4,8")
+    ] = "1,2,4,8",
+    repeats: Annotated[int, typer.Option("--repeats", help="timed passes (median)")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed passes first")] = 2,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads while timing")] = 1,
+    link: Annotated[
+        bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")
+    ] = True,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
     """Build a SPEC §7 model profile from an example model (FLOPs, activation and param bytes)."""
     from hetrain.commands.profile import run_profile
 
-    raise typer.Exit(run_profile(example=example, out=out, batch=batch, measure=measure))
+    raise typer.Exit(
+        run_profile(
+            example=example,
+            out=out,
+            batch=batch,
+            measure=measure,
+            device=device,
+            cluster_out=cluster_out,
+            workers=workers,
+            microbatch_sizes=microbatch_sizes,
+            repeats=repeats,
+            warmup=warmup,
+            threads=threads,
+            link=link,
+            seed=seed,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

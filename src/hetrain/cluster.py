@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetrain._io import check_finite_tree, read_structured
+from hetrain._io import MAX_NUMBER, check_finite_tree, read_structured
 from hetrain.errors import InputError, from_validation_error
 
 GBPS_TO_BYTES_PER_S = 1e9 / 8.0  # 1 Gbit/s = 1.25e8 bytes/s
@@ -28,8 +28,8 @@ class LinksSpec(BaseModel):
     """``links`` of a cluster file: intra-node bandwidth (Gbit/s) and per-link latency (µs)."""
 
     model_config = _STRICT
-    intra_node_gbps: float = Field(800.0, gt=0)
-    latency_us: float = Field(20.0, ge=0)
+    intra_node_gbps: float = Field(800.0, gt=0, le=MAX_NUMBER)
+    latency_us: float = Field(20.0, ge=0, le=MAX_NUMBER)
 
 
 class DeviceSpec(BaseModel):
@@ -38,12 +38,12 @@ class DeviceSpec(BaseModel):
     model_config = _STRICT
     id: str = Field(min_length=1)
     node: str | None = None
-    tflops: float = Field(gt=0)
-    memory_gib: float = Field(gt=0)
-    nic_gbps: float = Field(gt=0)
-    power_w: float = Field(0.0, ge=0)
-    price_per_hour: float = Field(0.0, ge=0)
-    microbatch_overhead_ms: float = Field(0.0, ge=0)
+    tflops: float = Field(gt=0, le=MAX_NUMBER)
+    memory_gib: float = Field(gt=0, le=MAX_NUMBER)
+    nic_gbps: float = Field(gt=0, le=MAX_NUMBER)
+    power_w: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    price_per_hour: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    microbatch_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)
 
     @property
     def node_id(self) -> str:

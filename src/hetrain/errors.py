@@ -25,8 +25,19 @@ class InputError(ValueError):
         self.source = str(source)
         self.field = field
         self.expected = expected
-        where = f"{self.source}: {field}" if field else self.source
-        super().__init__(f"{where}: {expected}".replace("\n", " "))
+        where = f"{self.source}: {_clip(field)}" if field else self.source
+        super().__init__(_one_line(f"{where}: {_clip(expected, 400)}"))
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (hostile inputs can make keys megabytes long)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(text: str) -> str:
+    """Replace line breaks and other non-printable characters (``\\r``, ``\\u2028``, terminal
+    escapes) by spaces, so that the message is exactly one printable line."""
+    return "".join(c if c.isprintable() else " " for c in text)
 
 
 def format_loc(loc: tuple[Any, ...]) -> str:

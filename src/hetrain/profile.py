@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetrain._io import check_finite_tree, read_structured
+from hetrain._io import MAX_NUMBER, check_finite_tree, read_structured
 from hetrain.errors import InputError, from_validation_error
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -27,11 +27,11 @@ class LayerProfile(BaseModel):
 
     model_config = _STRICT
     name: str = ""
-    fwd_flops: float = Field(ge=0)
-    bwd_flops: float | None = Field(None, ge=0)
-    activation_bytes: float = Field(ge=0)
-    activation_memory_bytes: float | None = Field(None, ge=0)
-    param_bytes: float = Field(0.0, ge=0)
+    fwd_flops: float = Field(ge=0, le=MAX_NUMBER)
+    bwd_flops: float | None = Field(None, ge=0, le=MAX_NUMBER)
+    activation_bytes: float = Field(ge=0, le=MAX_NUMBER)
+    activation_memory_bytes: float | None = Field(None, ge=0, le=MAX_NUMBER)
+    param_bytes: float = Field(0.0, ge=0, le=MAX_NUMBER)
 
     @model_validator(mode="after")
     def _defaults(self) -> LayerProfile:

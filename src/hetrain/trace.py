@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetrain._io import MAX_NUMBER
 from hetrain.cluster import GBPS_TO_BYTES_PER_S, ClusterSpec, ClusterState
 from hetrain.errors import InputError
 
@@ -114,10 +115,17 @@ def _parse_float(source: str, line: int, col: str, text: str, lo: float) -> floa
     except ValueError:
         raise InputError(source, f"row {line}.{col}", f"expected a number, got {text!r}") from None
     strictly_positive = col in ("speed_factor", "nic_gbps")
-    if not math.isfinite(value) or value < lo or (strictly_positive and value == 0):
+    if (
+        not math.isfinite(value)
+        or value < lo
+        or value > MAX_NUMBER
+        or (strictly_positive and value == 0)
+    ):
         bound = "> 0" if strictly_positive else f">= {lo:g}"
         raise InputError(
-            source, f"row {line}.{col}", f"expected a finite number {bound}, got {text}"
+            source,
+            f"row {line}.{col}",
+            f"expected a finite number {bound} and <= {MAX_NUMBER:g}, got {text}",
         )
     return value
 
@@ -167,7 +175,7 @@ def load_trace(path: str | Path, cluster: ClusterSpec | None = None) -> Trace:
                 )
             rec = dict(zip(header, cells, strict=True))
             slot_text = rec["slot"].strip()
-            if not slot_text.isdigit():
+            if not (slot_text.isascii() and slot_text.isdigit() and len(slot_text) <= 18):
                 raise InputError(
                     source, f"row {line}.slot", f"expected an integer >= 0, got {slot_text!r}"
                 )
