@@ -43,7 +43,7 @@ from hetrain.control.incremental import (
     rebalance_shares,
     structure_key,
 )
-from hetrain.control.migration import migration_time_s
+from hetrain.control.migration import align_plan, migration_time_s
 from hetrain.costmodel import PlanEvaluation, TrainingConfig, lower_bound_s
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
@@ -390,11 +390,12 @@ class LyapunovPolicy:
         """Pick among the current plan (re-balanced) and the known candidates (re-balanced)."""
         options: list[tuple[float, Plan]] = []
         for cand in self._pool:
-            plan, _ = self._rebalance(cand.plan, observed)
+            aligned = align_plan(cand.plan, self._current, observed)
+            plan, _ = self._rebalance(aligned, observed)
             score = self._objective(plan, observed, weights)
             if not math.isfinite(score):
                 # re-balancing broke memory; fall back to the planner's own shares
-                plan = cand.plan
+                plan = aligned
                 score = self._objective(plan, observed, weights)
             if current is not None and plan.structure() == current.structure():
                 continue

@@ -136,3 +136,77 @@ def _held_layers(plan: Plan, num_layers: int) -> dict[str, np.ndarray]:
             mask[start : min(end, num_layers)] = True
             held[dev] = mask
     return held
+
+
+def align_plan(candidate: Plan, current: Plan | None, state: ClusterState) -> Plan:
+    """``candidate`` with interchangeable devices permuted so that as many stages as possible
+    stay on the device that already holds them in ``current`` (fewer bytes to migrate).
+
+    Two devices are interchangeable when they share node, memory and NIC bandwidth and their
+    speeds differ by less than 5%: swapping them changes no figure of SPEC §3 by more than that
+    (the caller re-evaluates the aligned plan anyway). Shares, stages and micro-batch sizes are
+    kept; only which device sits at which position changes. Returns ``candidate`` itself when
+    nothing moves.
+    """
+    if current is None:
+        return candidate
+    index = state.index()
+    held: dict[str, tuple[int, int]] = {}
+    for group in current.groups:
+        if group.batch > 0:
+            for dev, stage in zip(group.devices, group.stages, strict=True):
+                held[dev] = tuple(stage)
+
+    named = [dev for group in candidate.groups for dev in group.devices]
+    classes: dict[tuple, list[str]] = {}
+    for dev in named:
+        i = index[dev]
+        attrs = (int(state.node[i]), float(state.memory_bytes[i]), float(state.nic_bytes_per_s[i]))
+        classes.setdefault(attrs, []).append(dev)
+    class_of: dict[str, tuple] = {}
+    for attrs, devs in classes.items():
+        devs.sort(key=lambda d: float(state.speed_flops[index[d]]))
+        start, label = float(state.speed_flops[index[devs[0]]]), 0
+        for dev in devs:
+            speed = float(state.speed_flops[index[dev]])
+            if speed > 1.05 * start:
+                start, label = speed, label + 1
+            class_of[dev] = (*attrs, label)
+    positions: dict[tuple, list[tuple[int, int]]] = {}
+    for g, group in enumerate(candidate.groups):
+        for k, dev in enumerate(group.devices):
+            positions.setdefault(class_of[dev], []).append((g, k))
+    new_devices = [list(group.devices) for group in candidate.groups]
+    changed = False
+    for slots in positions.values():
+        if len(slots) < 2:
+            continue
+        pool = [candidate.groups[g].devices[k] for g, k in slots]
+        free = list(pool)
+        assigned: dict[tuple[int, int], str] = {}
+        # first pass: a device that already holds exactly this stage stays with it
+        for g, k in slots:
+            stage = tuple(candidate.groups[g].stages[k])
+            match = next((d for d in free if held.get(d) == stage), None)
+            if match is not None:
+                assigned[(g, k)] = match
+                free.remove(match)
+        # second pass: keep the planner's device where it is still free, else any free one
+        for g, k in slots:
+            if (g, k) in assigned:
+                continue
+            own = candidate.groups[g].devices[k]
+            pick = own if own in free else free[0]
+            assigned[(g, k)] = pick
+            free.remove(pick)
+        for (g, k), dev in assigned.items():
+            if new_devices[g][k] != dev:
+                new_devices[g][k] = dev
+                changed = True
+    if not changed:
+        return candidate
+    groups = tuple(
+        group.model_copy(update={"devices": tuple(devs)})
+        for group, devs in zip(candidate.groups, new_devices, strict=True)
+    )
+    return candidate.model_copy(update={"groups": groups})
