@@ -232,9 +232,10 @@ def rebalance_shares(
 
 
 def structure_key(plan: Plan) -> tuple:
-    """Hashable key of a plan's active groups ``(devices, stages, μ_g)`` in plan order: plans with
-    equal keys share one :class:`StructureArrays`."""
-    return tuple((g.devices, g.stages, g.microbatch_size) for g in plan.groups if g.batch > 0)
+    """Hashable key of a plan's groups ``(devices, stages, μ_g, active)`` in plan order: plans
+    with equal keys share one :class:`StructureArrays` (whose ``group_index`` are positions in
+    ``plan.groups``)."""
+    return tuple((g.devices, g.stages, g.microbatch_size, g.batch > 0) for g in plan.groups)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,12 @@ class LyapunovPolicy:
         queue_tolerance: change of a queue weight ``Q̂_j Σ_d π_d / V`` (absolute, dimensionless)
             that triggers a new search.
         replan_every: search at least this often (slots).
-        search_time_budget_s: passed to the planner as ``time_budget_s``.
+        search_time_budget_s: passed to the planner as ``time_budget_s`` (soft, seconds).
+        incremental_above: with more available devices than this, searches are rationed (one
+            per ``D / search_devices_per_slot`` slots) and, between searches, lost devices are
+            repaired (their groups dropped) and returning devices added as data-parallel groups,
+            re-solving only the shares.
+        search_devices_per_slot: the ration above.
         name: the policy's name in reports.
 
     Raises:
@@ -133,7 +138,9 @@ class LyapunovPolicy:
         drift_tolerance: float = 0.05,
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
-        search_time_budget_s: float | None = None,
+        search_time_budget_s: float | None = 1.0,
+        incremental_above: int = 128,
+        search_devices_per_slot: float = 4.0,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -160,6 +167,11 @@ class LyapunovPolicy:
         self.queue_tolerance = float(queue_tolerance)
         self.replan_every = int(replan_every)
         self.search_time_budget_s = search_time_budget_s
+        if int(incremental_above) < 0 or not (search_devices_per_slot > 0):
+            raise ValueError("incremental_above >= 0 and search_devices_per_slot > 0 expected")
+        self.incremental_above = int(incremental_above)
+        self.search_devices_per_slot = float(search_devices_per_slot)
+        self._prev_available: np.ndarray | None = None
         self.reference_time_s: float | None = None
         self._time_sum_s = 0.0
         self._observed_slots = 0
@@ -217,37 +229,109 @@ class LyapunovPolicy:
         weights = self.queue_weights()
 
         current = None
+        repaired = None
         predicted_ratio = math.inf
-        if self._current is not None and self._usable(self._current, available):
-            current, t_pred = self._rebalance(self._current, observed)
-            predicted_ratio = t_pred / t_lb if t_lb > 0 else math.inf
+        if self._current is not None:
+            if self._usable(self._current, available):
+                current, t_pred = self._rebalance(self._current, observed)
+                predicted_ratio = t_pred / t_lb if t_lb > 0 else math.inf
+            else:
+                repaired = self._repair(self._current, observed)
         self._pool = [c for c in self._pool if self._usable(c.plan, available)]
 
-        search = current is None or self._needs_search(slot, observed, predicted_ratio)
+        wants = current is None or self._needs_search(slot, observed, predicted_ratio)
         # a new planner search when a queue weight left [w_ref/2, 2 w_ref] (and moved a lot)
-        queue_moved = self._queue_moved(observed, weights, self._ref_weights, 4.0) and any(
-            not (0.5 * self._ref_weights.get(j, 0.0) <= w <= 2.0 * self._ref_weights.get(j, 0.0))
-            for j, w in weights.items()
+        wants = wants or (
+            self._queue_moved(observed, weights, self._ref_weights, 4.0)
+            and any(
+                not (
+                    0.5 * self._ref_weights.get(j, 0.0) <= w <= 2.0 * self._ref_weights.get(j, 0.0)
+                )
+                for j, w in weights.items()
+            )
         )
-        if search or queue_moved:
+        forced = current is None and repaired is None
+        extra: list[Plan] = []
+        searched = False
+        if wants and (forced or self._search_allowed(slot, int(available.sum()))):
             self._search(observed, weights)
             self._ref_available = available.copy()
             self._ref_price = np.asarray(observed.price_per_s, dtype=float).copy()
             self._ref_weights = dict(weights)
             self._last_search_slot = slot
-        if search or queue_moved or self._queue_moved(observed, weights, self._choice_weights, 1.0):
-            # re-weigh the known structures (cheap) whenever the queues moved
+            searched = True
+        elif self._prev_available is not None and not np.array_equal(
+            available, self._prev_available
+        ):
+            # large cluster between searches: repair (drop groups that lost a device) and
+            # extend (returned devices as data-parallel groups), re-solving shares only
+            base = current if current is not None else repaired
+            grown = self._extend(base, observed) if base is not None else None
+            extra = [p for p in (repaired, grown) if p is not None]
+        if repaired is not None:
+            extra.append(repaired)
+        self._prev_available = available.copy()
+        moved = self._queue_moved(observed, weights, self._choice_weights, 1.0)
+        if searched or extra or moved or current is None:
+            # re-weigh the known structures (cheap) whenever something changed
             self._choice_weights = dict(weights)
-            choice = self._choose(current, observed, weights)
+            choice = self._choose(current, observed, weights, extra)
             _, t_pred = self._rebalance(choice, observed)
             self._ref_ratio = t_pred / t_lb if t_lb > 0 else math.inf
         else:
-            assert current is not None
             choice = current
         if self._current is not None and choice.structure() != self._current.structure():
             self.switches += 1
         self._current = choice
         return choice
+
+    def _search_allowed(self, slot: int, num_available: int) -> bool:
+        """Searches are free up to ``incremental_above`` available devices; above, at most one
+        per ``ceil(D / search_devices_per_slot)`` slots (deterministic stand-in for a
+        wall-clock budget: the planner's cost grows with ``D``)."""
+        if num_available <= self.incremental_above:
+            return True
+        gap = math.ceil(num_available / self.search_devices_per_slot)
+        return slot - self._last_search_slot >= gap
+
+    def _repair(self, plan: Plan, observed: ClusterState) -> Plan | None:
+        """``plan`` without the groups that lost a device, shares re-solved (None if nothing
+        is left or the rest cannot take the batch)."""
+        available = np.asarray(observed.available, dtype=bool)
+        keep = [
+            g.model_copy(update={"batch": 1})
+            for g in plan.groups
+            if g.batch > 0 and all(available[self._index[d]] for d in g.devices)
+        ]
+        if not keep:
+            return None
+        trimmed = plan.model_copy(update={"groups": tuple(keep)})
+        new, _ = self._rebalance(trimmed, observed)
+        return new if new.global_batch == self.config.batch else None
+
+    def _extend(self, plan: Plan, observed: ClusterState) -> Plan | None:
+        """``plan`` plus one data-parallel group per available device it does not use (idle
+        where the model does not fit the device alone), shares re-solved."""
+        available = np.asarray(observed.available, dtype=bool)
+        used = {d for g in plan.groups if g.batch > 0 for d in g.devices}
+        fresh = [d for d, ok in zip(observed.ids, available, strict=True) if ok and d not in used]
+        if not fresh:
+            return None
+        singles = [g.microbatch_size for g in plan.groups if g.batch > 0 and len(g.devices) == 1]
+        mu = int(np.median(singles)) if singles else 1
+        num_layers = self.profile.num_layers
+        from hetrain.plan import GroupPlan
+
+        added = tuple(
+            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=mu, batch=1)
+            for d in fresh
+        )
+        active = tuple(g for g in plan.groups if g.batch > 0)
+        grown = plan.model_copy(update={"groups": active + added})
+        new, _ = self._rebalance(grown, observed)
+        if new.global_batch != self.config.batch or new is grown:
+            return None
+        return new
 
     def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
         """Feed the measured cost of ``slot`` (migration included) into the virtual queues and
@@ -385,12 +469,17 @@ class LyapunovPolicy:
         return rate * t_mig / max(self.horizon_slots, 1e-9)
 
     def _choose(
-        self, current: Plan | None, observed: ClusterState, weights: dict[str, float]
+        self,
+        current: Plan | None,
+        observed: ClusterState,
+        weights: dict[str, float],
+        extra: list[Plan] | None = None,
     ) -> Plan:
-        """Pick among the current plan (re-balanced) and the known candidates (re-balanced)."""
+        """Pick among the current plan (re-balanced), the known candidates (aligned to the
+        current plan, re-balanced) and ``extra`` plans (repairs, extensions)."""
         options: list[tuple[float, Plan]] = []
-        for cand in self._pool:
-            aligned = align_plan(cand.plan, self._current, observed)
+        for cand_plan in [c.plan for c in self._pool] + list(extra or []):
+            aligned = align_plan(cand_plan, self._current, observed)
             plan, _ = self._rebalance(aligned, observed)
             score = self._objective(plan, observed, weights)
             if not math.isfinite(score):
