@@ -146,6 +146,10 @@ def simulate(
     csv_out: Annotated[
         Path | None, typer.Option("--csv-out", help="write per-slot rows to this CSV")
     ] = None,
+    plan: Annotated[
+        Path | None,
+        typer.Option("--plan", help="simulate this fixed plan every slot (policy 'fixed')"),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -164,6 +168,7 @@ def simulate(
             optimizer_state_factor=optimizer_state_factor,
             csv_out=csv_out,
             json_out=json_out,
+            plan=plan,
         )
     )
 
