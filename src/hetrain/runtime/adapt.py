@@ -218,8 +218,8 @@ def migration_time_estimate_s(
     try:
         from hetrain.control.migration import migration_time_s
 
-        return float(migration_time_s(old, new, profile, state, optimizer_state_factor))
-    except (ImportError, TypeError):
+        return float(migration_time_s(old, new, state, profile, optimizer_state_factor))
+    except ImportError:
         pass
     old_owned = {
         (d, ly)
@@ -296,6 +296,8 @@ class Adapter:
         confirm_steps: consecutive steps on which a change must look worth it (noise guard).
         replan_threshold: relative move of a speed estimate that triggers the planner.
         replan_every_steps: run the planner at least this often.
+        min_share_gain: relative predicted gain a share-only change from the policy needs (the
+            policy re-balances shares every slot; measured speeds are noisy).
         async_planning: run the planner in a background thread of rank 0 (the exhaustive
             search takes ~0.1-1 s; training goes on meanwhile and the candidate is checked
             against the estimates of the step when it arrives).
@@ -316,6 +318,7 @@ class Adapter:
     replan_threshold: float = 0.3
     replan_every_steps: int = 100
     async_planning: bool = True
+    min_share_gain: float = 0.1
     optimizer_state_factor: float = 2.0
     estimates: SpeedEstimates = field(init=False)
     _votes: int = field(default=0, init=False)
@@ -351,6 +354,31 @@ class Adapter:
         """The base state with the measured speeds."""
         return self.estimates.apply(self.base_state)
 
+    def _decide_policy(self, step: int, current: Plan, state: ClusterState) -> Decision | None:
+        """The controller path: ``policy.decide`` every step (it re-balances shares, searches
+        when the state drifted and weighs migration itself), in the background thread when
+        ``async_planning``; its answer is applied at the first step after it arrives."""
+        if self._pending is not None:
+            if not self._pending.done():
+                return None
+            future, self._pending = self._pending, None
+            candidate, source = future.result()
+        elif self.async_planning:
+            self._pending = _executor().submit(_policy_decide, self.policy, step, state)
+            return None
+        else:
+            candidate, source = _policy_decide(self.policy, step, state)
+        candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
+        if _same_plan(candidate, current):
+            return None
+        decision = _decision(self, step, current, candidate, state, source)
+        if not decision.structure_changed and not (
+            decision.predicted_time_s < (1 - self.min_share_gain) * decision.current_time_s
+        ):
+            return None  # a share-only change must gain min_share_gain (noise guard)
+        self._last_change = step
+        return decision
+
     def _speeds_moved(self, state: ClusterState) -> bool:
         """Whether some speed estimate moved by more than ``replan_threshold`` (relative)
         since the last planner call (the planner costs ~0.1-0.2 s, too much for every step)."""
@@ -372,6 +400,8 @@ class Adapter:
         ):
             return None
         state = self.observed_state()
+        if self.policy is not None:
+            return self._decide_policy(step, current, state)
         if self._candidate is None:
             if self._pending is not None:
                 if not self._pending.done():
@@ -440,6 +470,24 @@ def _executor():
     return _EXECUTOR
 
 
+def _decision(
+    adapter: Adapter, step: int, current: Plan, candidate: Plan, state: ClusterState, source: str
+) -> Decision:
+    t_cur = predict_iteration_time_s(current, state, adapter.profile, adapter.config)
+    t_new = predict_iteration_time_s(candidate, state, adapter.profile, adapter.config)
+    mig = migration_time_estimate_s(
+        current, candidate, adapter.profile, state, adapter.optimizer_state_factor
+    )
+    return Decision(
+        plan=candidate,
+        reason=f"{source}: predicted {t_cur:.4g}s -> {t_new:.4g}s per iteration",
+        current_time_s=t_cur,
+        predicted_time_s=t_new,
+        migration_time_s=mig,
+        structure_changed=candidate.structure() != current.structure(),
+    )
+
+
 def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
     """``plan`` with every device of ``devices`` it does not name added as an idle
     single-device group (``b_g = 0``), so that every rank is named (the engine's first plan
@@ -465,6 +513,10 @@ def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
     if not extra:
         return plan
     return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
+
+
+def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str]:
+    return policy.decide(slot, observed), "policy"
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
