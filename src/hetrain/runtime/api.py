@@ -226,7 +226,8 @@ def build_job(
     caller), else ``w0 … w{N-1}`` for ``N = workers * nnodes``.
 
     Raises:
-        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a plan naming
+        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
+            BatchNorm or dropout (results would depend on the plan), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files.
     """
@@ -294,7 +295,14 @@ def build_job(
         device_ids = [f"w{i}" for i in range(n)]
 
     torch.manual_seed(seed)
-    num_layers = len(task.build_model())
+    chain = task.build_model()
+    num_layers = len(chain)
+    from hetrain.runtime.engine import check_exact_layers
+
+    try:  # BatchNorm / dropout: refused before any process starts
+        check_exact_layers(chain)
+    except ValueError as exc:
+        raise InputError(task.name, "model", str(exc)) from None
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
