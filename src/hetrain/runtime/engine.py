@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import Plan
-from hetrain.runtime.data_parallel import GroupCache, build_buckets, sync_gradients
+from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
 from hetrain.runtime.emulation import Emulation
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
@@ -181,6 +181,8 @@ class Worker:
             plan must name every rank (world size = the plan's device count).
         bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
             consecutive layers with the same owners is split at layer boundaries above it).
+        overlap_grad_sync: start a bucket's all-reduce during the stage's last backward as
+            soon as its gradients are final (same arithmetic; False = after the backward).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -205,6 +207,7 @@ class Worker:
         device: torch.device | str | None = None,
         allow_unused_ranks: bool = False,
         bucket_cap_bytes: int = 64 * 2**20,
+        overlap_grad_sync: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -229,6 +232,7 @@ class Worker:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
         self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.overlap_grad_sync = bool(overlap_grad_sync)
         self.layout: Layout = build_layout(
             plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
         )
@@ -302,6 +306,15 @@ class Worker:
         p2p = P2P(
             self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
         )
+        grad_sync = GradientSync(
+            layout=self.layout,
+            buckets=self._buckets,
+            groups=self._groups,
+            rank=self.rank,
+            layers=self.layers,
+            device=self.device,
+            emulation=self.emulation,
+        )
         pos = self.layout.position(self.rank)
         loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
         group = stage = None
@@ -337,17 +350,10 @@ class Worker:
                     device_id=self.device_id,
                     emulation=self.emulation,
                     autocast_dtype=self.autocast_dtype,
+                    before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
                 )
         p2p.wait_sends()
-        sync_time_s, sync_bytes = sync_gradients(
-            layout=self.layout,
-            buckets=self._buckets,
-            groups=self._groups,
-            rank=self.rank,
-            layers=self.layers,
-            device=self.device,
-            emulation=self.emulation,
-        )
+        sync_time_s, sync_bytes = grad_sync.finish()
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for index in self.owned_layers:
