@@ -175,3 +175,32 @@ def test_gradient_traffic_is_proportional_to_the_parameters_a_rank_holds(tmp_pat
     assert ranks[2]["sync_bytes"] == sum(layer_bytes)
     assert [r["batch"] for r in ranks] == [12, 12, 6]
     assert ranks[0]["num_microbatches"] == 3 and ranks[1]["stage"] == (4, 6)
+
+
+def _migrate(rank, world, emulation):
+    before = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 4, 8)]}
+    after = {"groups": [_group(["w0", "w1"], [[0, 2], [2, 6]], 4, 8)]}
+    torch.manual_seed(0)
+    worker = Worker(
+        digits_cnn(channels=16, hidden=64),
+        plan_from_dict(before),
+        f"w{rank}",
+        F.cross_entropy,
+        OptimizerSpec("sgd", lr=0.1, momentum=0.9),
+        emulation=emulation,
+    )
+    x, y = _data(8)
+    worker.step(x, y, 0)
+    return worker.apply_plan(plan_from_dict(after)), worker.owned_layers
+
+
+def test_migration_moves_parameters_and_momentum_over_emulated_links(tmp_path):
+    bandwidth = 2e6  # bytes/s between w0 and w1
+    emulation = Emulation(nic_bandwidth_bytes_per_s={"w0": bandwidth, "w1": bandwidth})
+    (sent, owned0), (received, owned1) = run_ranks(_migrate, 2, tmp_path, args=(emulation,))
+    assert owned0 == (0, 1) and owned1 == (2, 3, 4, 5)
+    assert sent.transfers == received.transfers == 2  # layers 2 (no parameters) and 3
+    moved = digits_cnn(channels=16, hidden=64)[3]
+    param_bytes = sum(p.numel() * 4 for p in moved.parameters())
+    assert sent.bytes_sent == received.bytes_received >= 2 * param_bytes  # + momentum buffers
+    assert received.time_s >= received.bytes_received / bandwidth

@@ -24,7 +24,7 @@ from torch import nn
 
 from hetrain.plan import Plan
 from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
-from hetrain.runtime.emulation import Emulation
+from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
@@ -82,8 +82,10 @@ class StepResult:
 
 @dataclass(frozen=True)
 class MigrationResult:
-    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all, of which this
-    rank sent ``bytes_sent`` and received ``bytes_received`` bytes, in ``time_s`` seconds."""
+    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all (every rank),
+    of which this rank sent ``bytes_sent`` and received ``bytes_received`` payload bytes
+    (parameters, buffers and optimizer state, serialised), in ``time_s`` seconds (emulated
+    link time included)."""
 
     transfers: int
     bytes_sent: int
@@ -431,14 +433,19 @@ class Worker:
                 }
                 sent += send_object(payload, t.dst, self.device)
             elif t.dst == self.rank:
-                payload = recv_object(t.src, self.device)
+                t_recv = time.perf_counter()
+                payload, nbytes = recv_object(t.src, self.device)
+                received += nbytes
+                if self.emulation is not None and self.emulation.limits_links():
+                    link = (self.layout.devices[t.src], self.device_id)
+                    duration = self.emulation.transfer_time_s(*link, nbytes)
+                    sleep_s(duration - (time.perf_counter() - t_recv))
                 layer = self.layers[t.layer].to_empty(device=self.device)
                 layer.load_state_dict(payload["module"])
                 opt = self._build_optimizer(layer)
                 if opt is not None:
                     opt.load_state_dict(payload["optim"])
                 self.optimizers[t.layer] = opt
-                received += 1
         now_owned = set(new.owned_layers(self.rank))
         for index in old.owned_layers(self.rank):
             if index not in now_owned:
@@ -466,7 +473,7 @@ class Worker:
                 send_object(self.layers[index].state_dict(), 0, self.device)
                 continue
             elif self.rank == 0:
-                sd = recv_object(src, self.device)
+                sd, _ = recv_object(src, self.device)
             else:
                 continue
             out.update({f"{index}.{k}": v for k, v in sd.items()})
