@@ -224,7 +224,7 @@ def run_stage(
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
             dt = time.perf_counter() - t0
-            slept = slow_down(emulation, device_id, dt)
+            slept = slow_down(emulation, device_id, dt, microbatch=True)
             timers.emulated_compute_s += slept
             timers.forward_time_s += dt + slept
             if last:
