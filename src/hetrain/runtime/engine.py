@@ -95,13 +95,24 @@ class MigrationResult:
 
 def check_exact_layers(layers: nn.Sequential) -> None:
     """Refuse layers whose training result depends on how the batch is split or on random
-    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU.
+    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU;
+    and parameters shared by two layers (tied weights cannot live on two stages).
 
     Raises:
         ValueError: naming the layer index, the sub-module path and the class.
     """
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
+
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            first = owner.setdefault(id(tensor), index)
+            if first != index:
+                raise ValueError(
+                    f"layer {index} ({name}) shares a tensor with layer {first}: tied weights "
+                    "across layers cannot be split into stages; untie them"
+                )
 
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
