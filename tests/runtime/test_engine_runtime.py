@@ -208,3 +208,58 @@ def test_migration_moves_parameters_and_momentum_over_emulated_links(tmp_path):
     param_bytes = sum(p.numel() * 4 for p in moved.parameters())
     assert sent.bytes_sent == received.bytes_received >= 2 * param_bytes  # + momentum buffers
     assert received.time_s >= received.bytes_received / bandwidth
+
+
+class _Masked(nn.Module):
+    """A layer whose forward uses a non-persistent buffer (not in ``state_dict``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("mask", torch.tril(torch.ones(6, 6)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.linear.weight * self.mask).T
+
+
+def _masked_chain() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 6), _Masked(), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _masked_train(rank, world, plans):
+    torch.manual_seed(0)
+    worker = Worker(
+        _masked_chain(),
+        plan_from_dict(plans[0]),
+        f"w{rank}",
+        F.mse_loss,
+        OptimizerSpec("sgd", lr=0.1, momentum=0.9),
+        dtype=torch.float64,
+    )
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    losses = [worker.step(x, y, 0).loss]
+    worker.apply_plan(plan_from_dict(plans[1]))  # the masked layer moves from w0 to w1
+    losses += [worker.step(x, y, t).loss for t in (1, 2)]
+    return losses
+
+
+def test_migrated_layer_keeps_its_non_persistent_buffers(tmp_path):
+    plans = [
+        {"groups": [_group(["w0", "w1"], [[0, 2], [2, 4]], 3, 8)]},
+        {"groups": [_group(["w0", "w1"], [[0, 1], [1, 4]], 3, 8)]},
+    ]
+    losses = run_ranks(_masked_train, 2, tmp_path, args=(plans,))[0]
+    torch.manual_seed(0)
+    model = _masked_chain().to(torch.float64)
+    opt = OptimizerSpec("sgd", lr=0.1, momentum=0.9).build(model.parameters())
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+    ref = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x.double()), y.double())
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-9, atol=1e-12)

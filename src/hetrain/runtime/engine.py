@@ -440,6 +440,8 @@ class Worker:
             if t.src == self.rank:
                 payload = {
                     "module": self.layers[t.layer].state_dict(),
+                    # non-persistent buffers (e.g. attention masks) are not in state_dict
+                    "buffers": dict(self.layers[t.layer].named_buffers()),
                     "optim": None if (o := self.optimizers[t.layer]) is None else o.state_dict(),
                 }
                 sent += send_object(payload, t.dst, self.device)
@@ -453,6 +455,9 @@ class Worker:
                     sleep_s(duration - (time.perf_counter() - t_recv))
                 layer = self.layers[t.layer].to_empty(device=self.device)
                 layer.load_state_dict(payload["module"])
+                with torch.no_grad():
+                    for name, buf in layer.named_buffers():
+                        buf.copy_(payload["buffers"][name])
                 opt = self._build_optimizer(layer)
                 if opt is not None:
                     opt.load_state_dict(payload["optim"])
