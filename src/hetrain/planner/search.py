@@ -532,9 +532,10 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
             by_kind.setdefault(kind[d], []).append(d)
     for k in depths(max(len(v) for v in by_kind.values())):
         out.append((f"kind-pipelines-{k}", [c for v in by_kind.values() for c in chunks(v, k)]))
-    # one pipeline of the fastest L devices (the file-order pipeline is the SPEC §6
-    # baseline, which best_plan evaluates anyway)
+    # one pipeline: the first L devices in file order (the SPEC §6 baseline's devices, here
+    # with optimised stages, μ and share), and the fastest L devices
     if len(avail) > 1:
+        out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
         fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
         out.append(("pipeline-fastest", [tuple(fastest)]))
     seen, unique = set(), []
@@ -587,7 +588,8 @@ def solve_structure(
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound)
+    quick = fixed_bounds is not None
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick)
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -606,7 +608,7 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound)
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick)
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
@@ -621,6 +623,7 @@ def _solve_entries(
     feasible: Sequence[int],
     best: Candidate | None,
     bound: float | None = None,
+    quick: bool = False,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
     otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
@@ -637,12 +640,11 @@ def _solve_entries(
     if total <= 24:
         sizes = list(range(total, 0, -1))
     else:
-        # without queues only the slowest groups are worth idling (sync); with queues
-        # the cost makes much smaller active sets worth trying
+        # (a warm re-plan that keeps its stages only tries idling the slowest groups)
         fractions = (
-            (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05) if queues else (0.95, 0.85, 0.7)
+            (0.95, 0.85, 0.7) if quick else (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)
         )
-        small = (1, 2, 4, 8) if queues else ()
+        small = () if quick else (1, 2, 4, 8)
         sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
                        reverse=True)  # fmt: skip
     speeds = ctx.state.speed_flops
