@@ -700,7 +700,10 @@ def _solve_entries(
     otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
-        [float(np.max(opts[i].microbatch_size / opts[i].bottleneck_s)) for i in feasible]
+        [
+            float(np.max(opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)))
+            for i in feasible
+        ]
     )
     w = np.array([ctx.weight(garr[entries[keys[i]][0]]) - ctx.v for i in feasible])
     queues = bool(np.any(w > 0))
