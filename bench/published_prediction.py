@@ -7,7 +7,7 @@ per-layer forward/backward times. SPEC §3 models a stage's time per micro-batch
 
 A. sailor, per (model, GPU) at tensor-parallel degree 1: fit on all micro-batch sizes but the
    largest, predict (1) the whole chain at the largest size and (2) each of 4 FLOP-balanced
-   stages at every size (the stage κ taken as the chain's κ times the stage's share of layers).
+   stages at every size, with SPEC §3's κ per stage = the chain's κ (what the catalog ships).
 B. sailor, across models: the speed fitted on OPT-350M predicts GPT-Neo-2.7B on the same GPU
    (the catalog's speeds are per model family: this shows by how much that matters).
 C. pipedream (one minibatch size, so κ = 0): one speed per network from its total time,
@@ -77,8 +77,7 @@ def sailor_rows(data: Path):
         stages = balanced_stages(flops, 4)
         for mu, lt in zip(mus, layer_t, strict=True):
             for s0, s1 in stages:
-                kappa = fit.kappa_s * (s1 - s0) / len(flops)
-                p = mu * flops[s0:s1].sum() / fit.speed_flops + kappa
+                p = mu * flops[s0:s1].sum() / fit.speed_flops + fit.kappa_s
                 rows_stage.append((model, gpu, mu, (s0, s1), p, float(lt[s0:s1].sum())))
     return rows_a, rows_stage, fits
 
