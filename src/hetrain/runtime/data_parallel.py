@@ -43,27 +43,36 @@ class Bucket:
         return tuple(sorted((self.active[0], *self.idle)))
 
 
-def build_buckets(layout: Layout) -> list[Bucket]:
+def build_buckets(
+    layout: Layout, layer_bytes: list[int] | None = None, cap_bytes: int | None = None
+) -> list[Bucket]:
     """Buckets of ``layout``: maximal runs of consecutive layers whose owners (active and idle)
-    are equal."""
+    are equal, split at layer boundaries so that a bucket exceeds ``cap_bytes`` (of
+    ``layer_bytes[l]`` parameter bytes per layer) only when one layer does."""
     buckets: list[Bucket] = []
+    size = 0
     for layer in range(layout.num_layers):
         active = layout.active_owners[layer]
         idle = tuple(r for r in layout.owners[layer] if r not in active)
-        if buckets and buckets[-1].active == active and buckets[-1].idle == idle:
+        nbytes = 0 if layer_bytes is None else layer_bytes[layer]
+        fits = cap_bytes is None or size + nbytes <= cap_bytes
+        if buckets and buckets[-1].active == active and buckets[-1].idle == idle and fits:
+            size += nbytes
             prev = buckets[-1]
             buckets[-1] = Bucket(prev.layers + (layer,), active, idle)
         else:
             buckets.append(Bucket((layer,), active, idle))
+            size = nbytes
     return buckets
 
 
 class GroupCache:
-    """Process groups by sorted rank tuple; :meth:`ensure` must be called on every rank with the
-    same buckets (it calls ``new_group`` for missing groups in bucket order)."""
+    """Process groups by ``(tag, sorted ranks)``; :meth:`ensure` and :meth:`pipeline_channels`
+    must be called on every rank with the same layout (``new_group`` is collective over the
+    world and must be called in the same order everywhere)."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
 
     def ensure(self, buckets: list[Bucket]) -> None:
         for b in buckets:
@@ -72,10 +81,24 @@ class GroupCache:
             if b.idle:
                 self.get(b.broadcast_ranks)
 
-    def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks))
-        return self._groups[ranks]
+    def get(self, ranks: tuple[int, ...], tag: str = "") -> dist.ProcessGroup:
+        key = (tag, ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(ranks))
+        return self._groups[key]
+
+    def pipeline_channels(self, layout: Layout) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """One two-rank process group per *directed* pipeline link ``(src, dst)`` of every
+        group: activations and gradients between two stages travel on different
+        communicators, so a queued send one way never blocks a receive the other way (NCCL
+        runs a communicator's point-to-point operations in order on one stream)."""
+        channels: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for g in layout.groups:
+            for a, b in zip(g.ranks[:-1], g.ranks[1:], strict=True):
+                pair = (min(a, b), max(a, b))
+                channels[(a, b)] = self.get(pair, f"p2p {a}->{b}")
+                channels[(b, a)] = self.get(pair, f"p2p {b}->{a}")
+        return channels
 
 
 def _flat_grads(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:

@@ -127,9 +127,13 @@ def sleep_s(duration_s: float) -> None:
 
 
 def slow_down(emulation: Emulation | None, device: str, measured_s: float) -> float:
-    """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time slept (s)."""
+    """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time actually slept (s,
+    at least the requested time: ``time.sleep`` never returns early)."""
     if emulation is None:
         return 0.0
     extra = (emulation.slowdown_of(device) - 1.0) * measured_s
+    if extra <= 0:
+        return 0.0
+    t0 = time.perf_counter()
     sleep_s(extra)
-    return max(extra, 0.0)
+    return time.perf_counter() - t0

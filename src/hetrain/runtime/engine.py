@@ -10,6 +10,8 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +40,9 @@ class StepResult:
         grad_norm: global L2 norm of the combined gradient before clipping (every layer counted
             once).
         compute_time_s: forward + backward time of this rank's stage over all its
-            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it).
+            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it, the
+            time actually slept; ``compute_time_s - emulated_compute_time_s`` is the real
+            compute, which the sleeps are ``factor - 1`` times).
         send_recv_time_s: time blocked in pipeline send/recv (emulated link delay included).
         link_time_s: peer device -> time blocked receiving from it.
         sync_time_s: gradient all-reduce/broadcast time; ``sync_bytes`` all-reduced.
@@ -118,6 +122,35 @@ def check_exact_layers(layers: nn.Sequential) -> None:
                 )
 
 
+def _plan_digest(plan: Plan) -> str:
+    """Hash of what the engine executes (groups, stages, shares, micro-batches, schedule)."""
+    body = json.dumps([plan.schedule, [g.model_dump(mode="json") for g in plan.groups]])
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _structure_digest(layers: nn.Sequential) -> str:
+    """Hash of the chain's layer count, parameter/buffer names, shapes and dtypes."""
+    items = [
+        (i, k, tuple(v.shape), str(v.dtype))
+        for i, layer in enumerate(layers)
+        for k, v in layer.state_dict().items()
+    ]
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def _check_agreement(gathered: list[Any], mine: tuple, names: tuple[str, ...]) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks were given different plans
+    or models (``gathered[r] = (device_id, digest, ...)``), instead of hanging later."""
+    for position, name in enumerate(names, start=1):
+        values = {g[position] for g in gathered}
+        if len(values) > 1:
+            by_rank = ", ".join(f"rank {r} ({g[0]}): {g[position]}" for r, g in enumerate(gathered))
+            raise ValueError(
+                f"ranks were given different {name}s ({by_rank}); every rank "
+                f"must pass the same {name}"
+            )
+
+
 def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -143,6 +176,11 @@ class Worker:
         autocast_bf16: run forward passes under ``torch.autocast(dtype=bfloat16)``.
         device: torch device of this rank (default: CPU for gloo, the current CUDA device for
             NCCL).
+        allow_unused_ranks: accept ranks whose device the plan does not name (e.g. a device
+            that joins later); they hold nothing until a plan uses them. Default False: the
+            plan must name every rank (world size = the plan's device count).
+        bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
+            consecutive layers with the same owners is split at layer boundaries above it).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -165,6 +203,8 @@ class Worker:
         grad_clip_norm: float | None = None,
         autocast_bf16: bool = False,
         device: torch.device | str | None = None,
+        allow_unused_ranks: bool = False,
+        bucket_cap_bytes: int = 64 * 2**20,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -180,10 +220,18 @@ class Worker:
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, str(device_id))
+        mine = (str(device_id), _plan_digest(plan), _structure_digest(layers))
+        dist.all_gather_object(gathered, mine)
+        _check_agreement(gathered, mine, ("plan", "model structure"))
+        gathered = [g[0] for g in gathered]
         self.device_id = str(device_id)
         check_exact_layers(layers)
-        self.layout: Layout = build_layout(plan, tuple(gathered), len(layers), require_all=True)
+        if bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.layout: Layout = build_layout(
+            plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
+        )
         self.layers = layers.to(dtype=dtype)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -201,8 +249,12 @@ class Worker:
             else:
                 layer.to("meta")
         self._groups = GroupCache()
-        self._buckets = build_buckets(self.layout)
+        self._layer_bytes = [
+            sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in self.layers
+        ]
+        self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(self.layout)
 
     def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
         """The layer's own optimizer (None for a layer without parameters)."""
@@ -247,7 +299,9 @@ class Worker:
             for p in self.layers[index].parameters():
                 p.grad = None
         timers = Timers()
-        p2p = P2P(self.device, self.layout.devices, self.rank, timers, self.emulation)
+        p2p = P2P(
+            self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
+        )
         pos = self.layout.position(self.rank)
         loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
         group = stage = None
@@ -356,6 +410,9 @@ class Worker:
             InputError: the plan names unknown devices or does not cover the layers.
         """
         t0 = time.perf_counter()
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
+        _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
         old = self.layout
         transfers = plan_transfers(old, new)
@@ -382,8 +439,9 @@ class Worker:
                 self.layers[index].to("meta")
                 del self.optimizers[index]
         self.layout = new
-        self._buckets = build_buckets(new)
+        self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(new)
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------- state
