@@ -1,0 +1,298 @@
+"""Calibration of SPEC §3's device parameters from measured times (pure numpy, no torch).
+
+Two tools:
+
+* :func:`fit_speed_kappa` — offline least-squares fit of a device's effective speed ``s_d``
+  (FLOP/s) and fixed per-micro-batch cost ``κ_d`` (s) from times of several micro-batch sizes,
+  following SPEC §3's stage time ``C = μ · Σ(f_l + w_l) / s + κ``.
+* :class:`EwmaEstimator` / :class:`ClusterEstimator` — online estimates the runtime feeds with
+  per-iteration measurements and the controller reads: an exponentially weighted moving average
+  with outlier rejection (robust to one-off stalls, but following a lasting change of level
+  after a few consistent samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+
+
+@dataclass(frozen=True)
+class SpeedFit:
+    """Result of :func:`fit_speed_kappa`.
+
+    Attributes:
+        speed_flops: effective speed ``s`` (FLOP/s).
+        kappa_s: fixed cost ``κ`` per micro-batch (s), ``>= 0``.
+        rms_rel_error: root mean square of ``(predicted - measured) / measured``.
+        max_abs_rel_error: largest ``|predicted - measured| / measured``.
+        predicted_s: the fitted times, same order as the input, seconds.
+        num_points: number of measurements used.
+    """
+
+    speed_flops: float
+    kappa_s: float
+    rms_rel_error: float
+    max_abs_rel_error: float
+    predicted_s: tuple[float, ...]
+    num_points: int
+
+    def predict_s(self, microbatch_size: float, flops_per_sample: float) -> float:
+        """SPEC §3 stage time ``μ · F / s + κ`` in seconds."""
+        return microbatch_size * flops_per_sample / self.speed_flops + self.kappa_s
+
+
+def fit_speed_kappa(
+    microbatch_sizes: Sequence[float] | np.ndarray,
+    flops_per_sample: Sequence[float] | np.ndarray | float,
+    times_s: Sequence[float] | np.ndarray,
+    *,
+    fit_kappa: bool = True,
+) -> SpeedFit:
+    """Least-squares fit of ``t_i = μ_i · F_i / s + κ`` (SPEC §3, ``C_k = μ c_k + κ``).
+
+    The fit minimises the *relative* squared error ``Σ_i ((μ_i F_i / s + κ − t_i) / t_i)^2``
+    (times of different micro-batch sizes span orders of magnitude; an absolute fit would
+    ignore the small ones, where ``κ`` shows) and is linear in ``(1/s, κ)``. If the
+    unconstrained optimum has ``κ < 0``, ``κ`` is clamped to 0 and ``1/s`` refitted (the exact
+    solution of the problem with ``κ >= 0``, since it is a 2-variable convex quadratic).
+
+    Args:
+        microbatch_sizes: ``μ_i`` (samples), shape ``(n,)``.
+        flops_per_sample: ``F_i`` = ``Σ (f_l + w_l)`` of the timed layers (FLOP per sample),
+            scalar or shape ``(n,)`` (points may mix layers/stages).
+        times_s: measured ``t_i`` (s), shape ``(n,)``, all ``> 0``.
+        fit_kappa: ``False`` fits ``s`` alone with ``κ = 0``.
+
+    Raises:
+        ValueError: fewer than 2 points (1 without ``fit_kappa``), shapes differ, a value is
+            not finite, a time or work ``μ F`` is not ``> 0``, or the data imply no positive
+            speed (time does not grow with work).
+    """
+    mu = np.asarray(microbatch_sizes, dtype=float).ravel()
+    t = np.asarray(times_s, dtype=float).ravel()
+    flops = np.broadcast_to(np.asarray(flops_per_sample, dtype=float), mu.shape).astype(float)
+    if mu.shape != t.shape:
+        raise ValueError(f"fit_speed_kappa: {mu.size} micro-batch sizes but {t.size} times")
+    need = 2 if fit_kappa else 1
+    if mu.size < need:
+        raise ValueError(f"fit_speed_kappa: need at least {need} measurements, got {mu.size}")
+    for label, arr in (("micro-batch sizes", mu), ("flops", flops), ("times", t)):
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"fit_speed_kappa: {label} must be finite")
+    x = mu * flops
+    if np.any(t <= 0) or np.any(x <= 0):
+        raise ValueError("fit_speed_kappa: times and work (micro-batch size x FLOPs) must be > 0")
+    w = 1.0 / t
+    inv_s, kappa = _solve(x * w, w, fit_kappa)
+    if inv_s <= 0:
+        raise ValueError(
+            "fit_speed_kappa: measured time does not grow with work; cannot fit a positive speed"
+        )
+    pred = x * inv_s + kappa
+    rel = (pred - t) / t
+    return SpeedFit(
+        speed_flops=float(1.0 / inv_s),
+        kappa_s=float(kappa),
+        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
+        max_abs_rel_error=float(np.max(np.abs(rel))),
+        predicted_s=tuple(float(p) for p in pred),
+        num_points=int(mu.size),
+    )
+
+
+def _solve(a1: np.ndarray, a2: np.ndarray, fit_kappa: bool) -> tuple[float, float]:
+    """min ||a1·u + a2·k − 1||² over u, k (k >= 0; k = 0 unless fit_kappa)."""
+    ones = np.ones_like(a1)
+    if fit_kappa:
+        sol, *_ = np.linalg.lstsq(np.stack([a1, a2], axis=1), ones, rcond=None)
+        if sol[1] >= 0:
+            return float(sol[0]), float(sol[1])
+    return float(a1 @ ones / (a1 @ a1)), 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# online estimates
+# ---------------------------------------------------------------------------------------------
+
+
+class EwmaEstimator:
+    """Exponentially weighted moving average with outlier rejection, for one quantity.
+
+    Keeps a level ``m`` and a spread ``v`` (EWMA of ``|x − m|``). A new sample ``x`` is an
+    outlier when ``|x − m| > threshold · max(v, rel_floor · |m|)``; outliers are ignored,
+    unless ``max_consecutive_outliers`` of them in a row lie on the same side of ``m`` — a
+    lasting change (a device that really slowed down), after which the level restarts from the
+    median of those samples. The first ``warmup`` samples are all accepted.
+
+    Args:
+        alpha: EWMA weight of a new sample, ``0 < alpha <= 1``.
+        threshold: outlier distance in spreads, ``> 0``.
+        rel_floor: the spread never counts as less than ``rel_floor · |m|`` (avoids rejecting
+            everything after a run of identical samples), ``>= 0``.
+        max_consecutive_outliers: same-side outliers in a row that are taken as a new level,
+            ``>= 1``.
+        warmup: samples accepted unconditionally at the start, ``>= 1``.
+
+    Raises:
+        ValueError: a parameter out of range, or a non-finite sample.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.3,
+        threshold: float = 4.0,
+        rel_floor: float = 0.05,
+        max_consecutive_outliers: int = 3,
+        warmup: int = 2,
+    ) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha: expected 0 < alpha <= 1, got {alpha}")
+        if not threshold > 0:
+            raise ValueError(f"threshold: expected > 0, got {threshold}")
+        if not rel_floor >= 0:
+            raise ValueError(f"rel_floor: expected >= 0, got {rel_floor}")
+        if max_consecutive_outliers < 1 or warmup < 1:
+            raise ValueError("max_consecutive_outliers and warmup: expected >= 1")
+        self.alpha = float(alpha)
+        self.threshold = float(threshold)
+        self.rel_floor = float(rel_floor)
+        self.max_consecutive_outliers = int(max_consecutive_outliers)
+        self.warmup = int(warmup)
+        self._level: float | None = None
+        self._spread = 0.0
+        self._count = 0
+        self._pending: list[float] = []
+        self.rejected = 0
+
+    @property
+    def value(self) -> float | None:
+        """The current estimate (``None`` before the first sample)."""
+        return self._level
+
+    @property
+    def count(self) -> int:
+        """Samples accepted so far (including level restarts)."""
+        return self._count
+
+    def update(self, x: float) -> bool:
+        """Feed one sample; returns ``True`` if it was accepted, ``False`` if rejected."""
+        x = float(x)
+        if not math.isfinite(x):
+            raise ValueError(f"EwmaEstimator.update: expected a finite sample, got {x}")
+        if self._level is None:
+            self._level, self._spread, self._count = x, 0.0, 1
+            return True
+        dev = x - self._level
+        scale = max(self._spread, self.rel_floor * abs(self._level))
+        if self._count >= self.warmup and abs(dev) > self.threshold * scale:
+            if self._pending and (self._pending[-1] - self._level) * dev < 0:
+                self._pending = []
+            self._pending.append(x)
+            if len(self._pending) < self.max_consecutive_outliers:
+                self.rejected += 1
+                return False
+            # a lasting change of level: restart from the outliers seen in a row
+            new = float(np.median(self._pending))
+            self._spread = float(np.median(np.abs(np.array(self._pending) - new)))
+            self._level = new
+            self._pending = []
+            self._count += 1
+            return True
+        self._pending = []
+        self._level += self.alpha * dev
+        self._spread += self.alpha * (abs(dev) - self._spread)
+        self._count += 1
+        return True
+
+
+class ClusterEstimator:
+    """Online per-device estimates of speed ``s_d`` and NIC bandwidth ``nic_d`` (SPEC §2),
+    refreshed from the runtime's per-iteration measurements and read by the controller.
+
+    A compute sample ``(flops, time_s, num_microbatches)`` gives the speed
+    ``flops / (time_s − num_microbatches · κ_d)`` (SPEC §3: each micro-batch costs
+    ``μ c + κ``); a transfer sample ``(bytes, time_s)`` gives the bandwidth
+    ``bytes / (time_s − 2 · lat)`` (SPEC §3: ``E = μ·2a/bw + 2 lat``, both directions). Each
+    series goes through its own :class:`EwmaEstimator`.
+
+    Args:
+        ids: device ids (cluster-file order).
+        kappa_s: ``κ_d`` per device (s), mapping or sequence in ``ids`` order; default 0.
+        latency_s: link latency ``lat`` (s).
+        **ewma: keyword arguments for every :class:`EwmaEstimator`.
+
+    Raises:
+        KeyError: a measurement names an unknown device.
+        ValueError: a measurement with non-positive FLOPs/bytes or time.
+    """
+
+    def __init__(
+        self,
+        ids: Iterable[str],
+        *,
+        kappa_s: Mapping[str, float] | Sequence[float] | None = None,
+        latency_s: float = 0.0,
+        **ewma: float,
+    ) -> None:
+        self.ids = tuple(ids)
+        if kappa_s is None:
+            kap = dict.fromkeys(self.ids, 0.0)
+        elif isinstance(kappa_s, Mapping):
+            kap = {d: float(kappa_s.get(d, 0.0)) for d in self.ids}
+        else:
+            kap = dict(zip(self.ids, (float(k) for k in kappa_s), strict=True))
+        self.kappa_s = kap
+        self.latency_s = float(latency_s)
+        self._speed = {d: EwmaEstimator(**ewma) for d in self.ids}
+        self._nic = {d: EwmaEstimator(**ewma) for d in self.ids}
+
+    @classmethod
+    def for_state(cls, state: ClusterState, **ewma: float) -> ClusterEstimator:
+        """An estimator for the devices of ``state`` with its ``κ_d`` and latency."""
+        return cls(state.ids, kappa_s=list(state.kappa_s), latency_s=state.latency_s, **ewma)
+
+    def observe_compute(
+        self, device_id: str, flops: float, time_s: float, num_microbatches: int = 1
+    ) -> bool:
+        """Feed one iteration's compute of a device: ``flops`` done in ``time_s`` over
+        ``num_microbatches`` micro-batches. Returns whether the sample was accepted."""
+        if flops <= 0 or time_s <= 0:
+            raise ValueError(f"observe_compute({device_id!r}): flops and time_s must be > 0")
+        busy = time_s - num_microbatches * self.kappa_s[device_id]
+        busy = max(busy, 0.05 * time_s)  # κ estimate too large: do not divide by ~0
+        return self._speed[device_id].update(flops / busy)
+
+    def observe_transfer(self, device_id: str, num_bytes: float, time_s: float) -> bool:
+        """Feed one point-to-point transfer through a device's NIC (or its slowest link)."""
+        if num_bytes <= 0 or time_s <= 0:
+            raise ValueError(f"observe_transfer({device_id!r}): bytes and time_s must be > 0")
+        busy = max(time_s - 2.0 * self.latency_s, 0.05 * time_s)
+        return self._nic[device_id].update(num_bytes / busy)
+
+    def speed_flops(self) -> dict[str, float]:
+        """Current speed estimates (FLOP/s) of the devices that have any."""
+        return {d: e.value for d, e in self._speed.items() if e.value is not None}
+
+    def nic_bytes_per_s(self) -> dict[str, float]:
+        """Current NIC bandwidth estimates (bytes/s) of the devices that have any."""
+        return {d: e.value for d, e in self._nic.items() if e.value is not None}
+
+    def apply(self, state: ClusterState) -> ClusterState:
+        """``state`` with ``speed_flops`` and ``nic_bytes_per_s`` replaced by the estimates
+        where there are any (other devices keep their values)."""
+        idx = state.index()
+        speed = state.speed_flops.astype(float).copy()
+        nic = state.nic_bytes_per_s.astype(float).copy()
+        for d, v in self.speed_flops().items():
+            if d in idx:
+                speed[idx[d]] = v
+        for d, v in self.nic_bytes_per_s().items():
+            if d in idx:
+                nic[idx[d]] = v
+        return state.with_changes(speed_flops=speed, nic_bytes_per_s=nic)

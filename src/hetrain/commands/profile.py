@@ -1,0 +1,222 @@
+"""Body of ``hetrain profile``: a SPEC §7 model profile of an example model and, with
+``--measure``, this device's fitted speed and κ and the local link, as a cluster file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hetrain.errors import InputError
+
+
+def parse_microbatch_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``.
+
+    Raises:
+        InputError: not at least 2 distinct integers >= 1.
+    """
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise InputError(
+            "--microbatch-sizes", "", f"expected integers like 1,2,4,8, got {text!r}"
+        ) from None
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise InputError("--microbatch-sizes", "", "expected at least 2 distinct integers >= 1")
+    return sizes
+
+
+def run_profile(
+    *,
+    example: str,
+    out: Path | None,
+    batch: int = 8,
+    measure: bool = False,
+    device: str = "auto",
+    cluster_out: Path | None = None,
+    workers: int = 4,
+    microbatch_sizes: str = "1,2,4,8",
+    repeats: int = 5,
+    warmup: int = 2,
+    threads: int = 1,
+    link: bool = True,
+    seed: int = 0,
+) -> int:
+    """Profile example ``example`` and write/print the profile; returns the exit status.
+
+    Without ``--measure``: FLOPs and bytes per layer (:func:`hetrain.profiler.profile_chain`)
+    on ``batch`` samples, on ``device`` (``cpu``, ``meta``, or ``auto`` = ``meta`` for the
+    large published-config models, ``cpu`` otherwise). With ``--measure`` additionally: layer
+    times for each micro-batch size on this CPU with ``threads`` threads (what one local rank
+    gets), the least-squares fit of speed and κ, a ping-pong between two local gloo ranks
+    (unless ``link`` is off), and a cluster file of ``workers`` identical devices ``w0..``
+    on one node (``cluster_out``, default next to ``out``), plus ``<out>.measure.json`` with
+    every median time and fit.
+
+    Raises:
+        InputError: unknown example, ``batch < 1``, bad device or micro-batch sizes,
+            ``workers < 1``, or ``--measure`` without ``--out``.
+    """
+    import torch
+
+    from hetrain.models.registry import EXAMPLES
+    from hetrain.profiler import profile_chain
+
+    if example not in EXAMPLES:
+        raise InputError(
+            "--example", "", f"expected one of {', '.join(sorted(EXAMPLES))}, got {example!r}"
+        )
+    if batch < 1:
+        raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
+    if device not in ("auto", "cpu", "meta"):
+        raise InputError("--device", "", f"expected auto, cpu or meta, got {device!r}")
+    if workers < 1:
+        raise InputError("--workers", "", f"expected an integer >= 1, got {workers}")
+    if measure and out is None:
+        raise InputError("--out", "", "required with --measure (the cluster file goes next to it)")
+    sizes = parse_microbatch_sizes(microbatch_sizes) if measure else ()
+    ex = EXAMPLES[example]
+    count_device = device if device != "auto" else ("meta" if ex.large else "cpu")
+    torch.manual_seed(seed)
+    with torch.device(count_device):
+        model = ex.build()
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    inputs = ex.make_input(batch, gen, device=count_device)
+    profile = profile_chain(model, inputs, name=f"{example} ({ex.description}; {count_device})")
+    text = json.dumps(profile.to_json_dict(), indent=1)
+    if out is None:
+        print(text)
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    print(
+        f"wrote {out}: {profile.num_layers} layers, "
+        f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
+        f"{sum(ly.param_bytes for ly in profile.layers) / 2**20:.4g} MiB parameters"
+    )
+    if not measure:
+        return 0
+    return _measure(
+        ex, profile, out, cluster_out, workers, sizes, repeats, warmup, threads, link, seed
+    )
+
+
+def _measure(
+    ex,
+    profile,
+    out: Path,
+    cluster_out,
+    workers,
+    sizes: Sequence[int],
+    repeats,
+    warmup,
+    threads,
+    link,
+    seed,
+) -> int:
+    import torch
+    import yaml
+
+    from hetrain.cluster import cluster_from_dict
+    from hetrain.profiler import fit_device, measure_p2p, time_layers
+
+    torch.manual_seed(seed)
+    model = ex.build()
+    model.train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    times = time_layers(
+        model,
+        lambda n: ex.make_input(n, gen),
+        sizes,
+        warmup=warmup,
+        repeats=repeats,
+        threads=threads,
+    )
+    try:
+        fit = fit_device(profile, times)
+    except ValueError as exc:  # e.g. timings too noisy on a busy machine
+        print(
+            f"hetrain: measurement failed: {exc} (try more --repeats or wider --microbatch-sizes)",
+            file=sys.stderr,
+        )
+        return 1
+    link_fit = measure_p2p() if link else None
+    mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nic_gbps = link_fit.bandwidth_bytes_per_s * 8 / 1e9 if link_fit else 10.0
+    lat_us = link_fit.latency_s * 1e6 if link_fit else 20.0
+    cluster: dict[str, Any] = {
+        "links": {"intra_node_gbps": round(nic_gbps, 4), "latency_us": round(lat_us, 3)},
+        "devices": [
+            {
+                "id": f"w{r}",
+                "node": "local",
+                "tflops": round(fit.chain.speed_flops / 1e12, 6),
+                "memory_gib": round(mem_bytes / workers / 2**30, 3),
+                "nic_gbps": round(nic_gbps, 4),
+                "microbatch_overhead_ms": round(fit.chain.kappa_s * 1e3, 4),
+            }
+            for r in range(workers)
+        ],
+    }
+    cluster_from_dict(cluster, "<measured cluster>")  # validate before writing
+    cpath = cluster_out or out.with_name(out.stem + ".cluster.yaml")
+    header = (
+        f"# measured by `hetrain profile --example {ex.name} --measure` on {platform.node()}\n"
+        f"# ({platform.processor() or platform.machine()}, {times.threads} thread(s) per rank);"
+        f" speed/kappa fit rms rel error {fit.chain.rms_rel_error:.3f}\n"
+    )
+    cpath.write_text(header + yaml.safe_dump(cluster, sort_keys=False), encoding="utf-8")
+    details = {
+        "example": ex.name,
+        "threads": times.threads,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "microbatch_sizes": list(times.microbatch_sizes),
+        "layer_names": [ly.name for ly in profile.layers],
+        "fwd_s": times.fwd_s.tolist(),
+        "bwd_s": times.bwd_s.tolist(),
+        "chain_fit": _fit_dict(fit.chain),
+        "per_layer_fit": _fit_dict(fit.per_layer),
+        "layer_speed_flops_at_largest_microbatch": list(fit.layer_speed_flops),
+        "link": None
+        if link_fit is None
+        else {
+            "bandwidth_bytes_per_s": link_fit.bandwidth_bytes_per_s,
+            "latency_s": link_fit.latency_s,
+            "rms_rel_error": link_fit.rms_rel_error,
+            "sizes_bytes": list(link_fit.sizes_bytes),
+            "one_way_s": list(link_fit.one_way_s),
+        },
+    }
+    mpath = out.with_name(out.stem + ".measure.json")
+    mpath.write_text(json.dumps(details, indent=1) + "\n", encoding="utf-8")
+    print(
+        f"speed {fit.chain.speed_flops / 1e9:.4g} GFLOP/s, kappa {fit.chain.kappa_s * 1e3:.3g} ms"
+        f" per micro-batch (fit rms rel error {fit.chain.rms_rel_error:.3f}, max "
+        f"{fit.chain.max_abs_rel_error:.3f}; one-layer fit: {fit.per_layer.speed_flops / 1e9:.4g}"
+        f" GFLOP/s, kappa {fit.per_layer.kappa_s * 1e3:.3g} ms,"
+        f" rms {fit.per_layer.rms_rel_error:.3f})"
+    )
+    if link_fit:
+        print(
+            f"link: {link_fit.bandwidth_bytes_per_s / 1e9:.4g} GB/s, latency "
+            f"{link_fit.latency_s * 1e6:.4g} us (fit rms {link_fit.rms_rel_error:.3f})"
+        )
+    print(f"wrote {cpath} and {mpath}")
+    return 0
+
+
+def _fit_dict(fit) -> dict[str, float]:
+    return {
+        "speed_flops": fit.speed_flops,
+        "kappa_s": fit.kappa_s,
+        "rms_rel_error": fit.rms_rel_error,
+        "max_abs_rel_error": fit.max_abs_rel_error,
+    }

@@ -1,0 +1,410 @@
+"""The planning model of SPEC §3: time, memory and cost of one training iteration.
+
+Everything here is plain numpy (no torch) and is shared by ``hetrain evaluate``, the planner
+(:mod:`hetrain.planner`), the controller and the simulator.
+
+Notation (SPEC §2-§3, 1-based in formulas, 0-based in code and files). A group ``g`` has ordered
+devices ``d_1..d_K``, contiguous stages ``S_1..S_K`` (layer ranges ``[start, end)``), micro-batch
+size ``μ_g`` and share ``b_g``:
+
+* compute per sample at stage k: ``c_k = Σ_{l∈S_k} (f_l + w_l) / s_{d_k}``  (seconds)
+* stage time per micro-batch: ``C_k = μ_g c_k + κ_{d_k}``
+* boundary k→k+1 per micro-batch: ``E_k = μ_g · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``
+* micro-batches ``n_g = ceil(b_g / μ_g)``
+* group time ``T_g = A_g + (n_g − 1) M_g``, ``A_g = Σ_k C_k + Σ_{k<K} E_k``,
+  ``M_g = max(max_k C_k, max_{k<K} E_k)``; ``T_g = 0`` when ``b_g = 0``
+* sync: ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` for devices of active groups,
+  ``T_sync = max_d t_d`` (0 when ``G' ≤ 1``)
+* ``T = max_g T_g + T_sync``
+* memory ``θ_{d_k} (2 + o) + h_k μ_g Σ_{l∈S_k} m_l`` with ``h_k = min(n_g, K − k + 1)`` (1F1B)
+  or ``h_k = n_g`` (GPipe)
+* money ``y_money = T Σ_{d used} π_d``, energy ``y_energy = T Σ_{d used} W_d``
+* lower bound ``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d``
+
+Choices where SPEC §3 is silent (see docs/planner.md): devices of an idle group (``b_g = 0``)
+are reported with the memory of their parameters, gradients and optimizer state (``h_k = 0``)
+and count towards ``fits``; they are neither used nor charged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+from hetrain.plan import Plan
+from hetrain.profile import ProfileArrays
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """SPEC §2 "Training": global batch ``B`` (samples per iteration), optimizer state factor
+    ``o`` (bytes of optimizer state per parameter byte: 2 Adam, 1 SGD+momentum, 0 SGD) and the
+    pipeline schedule (``"1f1b"`` or ``"gpipe"``; it only changes the memory term ``h_k``).
+
+    Raises:
+        ValueError: ``batch < 1``, negative or non-finite ``optimizer_state_factor``, unknown
+            schedule.
+    """
+
+    batch: int
+    optimizer_state_factor: float = 2.0
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or int(self.batch) != self.batch or self.batch < 1:
+            raise ValueError(f"batch: expected an integer >= 1, got {self.batch!r}")
+        o = float(self.optimizer_state_factor)
+        if not np.isfinite(o) or o < 0:
+            raise ValueError(f"optimizer_state_factor: expected a finite number >= 0, got {o!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile prefix sums (shared by the cost model and the partitioner)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfilePrefix:
+    """Prefix sums of a profile, shape ``(L + 1,)`` each, so that a stage ``[i, j)`` sums as
+    ``x[j] - x[i]``: ``train_flops`` (f+w, FLOP/sample), ``act_mem_bytes`` (m, bytes/sample),
+    ``param_bytes`` (p, bytes); plus ``boundary_bytes`` (shape ``(L,)``): ``2 a_l`` per sample,
+    what crosses a stage boundary after layer ``l`` (activation forward, gradient backward)."""
+
+    train_flops: np.ndarray
+    act_mem_bytes: np.ndarray
+    param_bytes: np.ndarray
+    boundary_bytes: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.boundary_bytes)
+
+
+def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
+    """Prefix sums of ``profile`` (see :class:`ProfilePrefix`)."""
+
+    def cum(x: np.ndarray) -> np.ndarray:
+        return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float))))
+
+    return ProfilePrefix(
+        train_flops=cum(profile.train_flops),
+        act_mem_bytes=cum(profile.activation_memory_bytes),
+        param_bytes=cum(profile.param_bytes),
+        boundary_bytes=2.0 * np.asarray(profile.activation_bytes, dtype=float),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-group primitives
+# ---------------------------------------------------------------------------------------------
+
+
+def link_bandwidths_bytes_per_s(state: ClusterState, devices: np.ndarray) -> np.ndarray:
+    """``bw(d_k, d_{k+1})`` for consecutive devices of a pipeline, shape ``(K − 1,)``, bytes/s
+    (SPEC §2: intra-node bandwidth on one node, else ``min(nic_d, nic_e)``)."""
+    devices = np.asarray(devices, dtype=np.int64)
+    a, b = devices[:-1], devices[1:]
+    nic = np.minimum(state.nic_bytes_per_s[a], state.nic_bytes_per_s[b])
+    return np.where(state.node[a] == state.node[b], state.intra_node_bytes_per_s, nic)
+
+
+def stage_times_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: Sequence[int] | np.ndarray,
+    bounds: Sequence[int] | np.ndarray,
+    microbatch_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per micro-batch stage times ``C_k`` (shape ``(K,)``) and boundary times ``E_k`` (shape
+    ``(K − 1,)``) in seconds of one group (SPEC §3).
+
+    Args:
+        devices: device indices ``d_1..d_K`` in pipeline order, shape ``(K,)``.
+        bounds: stage boundaries ``0 = x_0 < x_1 < ... < x_K = L``, shape ``(K + 1,)``; stage k
+            is layers ``[x_k, x_{k+1})``.
+        microbatch_size: ``μ_g`` samples.
+
+    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k}``;
+    ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    bounds = np.asarray(bounds, dtype=np.int64)
+    flops = prefix.train_flops[bounds[1:]] - prefix.train_flops[bounds[:-1]]
+    compute_s = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
+    if len(devices) == 1:
+        return compute_s, np.zeros(0)
+    last = bounds[1:-1] - 1
+    bw = link_bandwidths_bytes_per_s(state, devices)
+    transfer_s = microbatch_size * prefix.boundary_bytes[last] / bw + 2.0 * state.latency_s
+    return compute_s, transfer_s
+
+
+def group_fill_and_bottleneck_s(
+    compute_s: np.ndarray, transfer_s: np.ndarray
+) -> tuple[float, float]:
+    """``(A_g, M_g)`` from stage times: ``A_g = Σ C_k + Σ E_k`` (one micro-batch through the
+    pipeline) and ``M_g = max(max C_k, max E_k)`` (the bottleneck), seconds (SPEC §3)."""
+    fill = float(np.sum(compute_s) + np.sum(transfer_s))
+    bottleneck = float(max(np.max(compute_s), np.max(transfer_s) if len(transfer_s) else 0.0))
+    return fill, bottleneck
+
+
+def num_microbatches(batch: int, microbatch_size: int) -> int:
+    """``n_g = ceil(b_g / μ_g)`` (SPEC §3; the last, partial micro-batch is charged in full)."""
+    return -(-int(batch) // int(microbatch_size))
+
+
+def group_time_s(fill_s: float, bottleneck_s: float, n_microbatches: int) -> float:
+    """``T_g = A_g + (n_g − 1) M_g`` seconds, 0 when ``n_g = 0`` (idle group; SPEC §3)."""
+    if n_microbatches <= 0:
+        return 0.0
+    return fill_s + (n_microbatches - 1) * bottleneck_s
+
+
+def micro_batches_alive(num_stages: int, n_microbatches: int, schedule: str) -> np.ndarray:
+    """``h_k`` for stages ``k = 1..K`` (shape ``(K,)``): ``min(n_g, K − k + 1)`` under 1F1B,
+    ``n_g`` under GPipe (SPEC §3)."""
+    k = np.arange(1, num_stages + 1)
+    if schedule == "gpipe":
+        return np.full(num_stages, max(n_microbatches, 0), dtype=np.int64)
+    return np.minimum(max(n_microbatches, 0), num_stages - k + 1)
+
+
+def stage_memory_bytes(
+    prefix: ProfilePrefix,
+    bounds: Sequence[int] | np.ndarray,
+    microbatch_size: int,
+    n_microbatches: int,
+    optimizer_state_factor: float,
+    schedule: str,
+) -> np.ndarray:
+    """Memory per stage device, shape ``(K,)``, bytes (SPEC §3):
+    ``θ_{d_k} (2 + o) + h_k μ Σ_{l∈S_k} m_l`` — parameters, gradients, optimizer state and the
+    activations of the ``h_k`` micro-batches held alive."""
+    bounds = np.asarray(bounds, dtype=np.int64)
+    theta = prefix.param_bytes[bounds[1:]] - prefix.param_bytes[bounds[:-1]]
+    act = prefix.act_mem_bytes[bounds[1:]] - prefix.act_mem_bytes[bounds[:-1]]
+    alive = micro_batches_alive(len(bounds) - 1, n_microbatches, schedule)
+    return theta * (2.0 + optimizer_state_factor) + alive * microbatch_size * act
+
+
+def sync_times_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> list[np.ndarray]:
+    """Gradient all-reduce time ``t_d`` of every device of the **active** groups (SPEC §3).
+
+    Args:
+        groups: one ``(devices (K_g,), bounds (K_g + 1,))`` pair per active group.
+
+    Returns:
+        per group, ``t_d`` of its devices, seconds, shape ``(K_g,)``:
+        ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` with ``β_d`` the intra-node bandwidth
+        if every device of the other active groups holding any of ``d``'s layers is on ``d``'s
+        node, else ``nic_d``. All zeros when ``G' ≤ 1``.
+
+    Implementation: per layer l the node of its owner in every active group, shape
+    ``(L, G')``; a layer is "node-local to n" when all its owners are on node n; ``β_d`` is
+    intra-node iff every layer of ``d`` is node-local to ``d``'s node. ``O(L G')``.
+    """
+    num_active = len(groups)
+    if num_active <= 1:
+        return [np.zeros(len(devs)) for devs, _ in groups]
+    num_layers = prefix.num_layers
+    devs_all = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
+    bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
+    sizes = np.array([len(b) - 1 for b in bounds_list])
+    starts = np.concatenate([b[:-1] for b in bounds_list])
+    ends = np.concatenate([b[1:] for b in bounds_list])
+    # owner_node[g, l]: node of the device of active group g that holds layer l
+    owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    same = np.all(owner_node == owner_node[:1], axis=0)
+    # layer_node[l]: the common node of layer l's owners, or -1 when they span nodes
+    layer_node = np.where(same, owner_node[0], -1)
+    local = np.cumsum(owner_node == layer_node[None, :], axis=1)
+    local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
+    row = np.repeat(np.arange(num_active), sizes)
+    all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
+    beta = np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
+    theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
+    scale = 2.0 * (num_active - 1) / num_active
+    t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
+    return np.split(t, np.cumsum(sizes)[:-1])
+
+
+def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> float:
+    """``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d`` seconds (SPEC §3: perfect balance,
+    fractional shares, no communication).
+
+    Raises:
+        ValueError: no device is available.
+    """
+    speed = float(np.sum(state.speed_flops[np.asarray(state.available, dtype=bool)]))
+    if speed <= 0:
+        raise ValueError("lower_bound_s: no device is available")
+    return float(batch * np.sum(profile.train_flops) / speed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole plans
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanEvaluation:
+    """SPEC §3's figures of one plan in one cluster state.
+
+    Attributes:
+        iteration_time_s: ``T = max_g T_g + T_sync``.
+        lower_bound_s: ``T_LB`` of the state (all available devices).
+        sync_time_s: ``T_sync``.
+        group_times_s: ``T_g`` per group in plan order (0 for idle groups).
+        cost: ``{"money": currency/iteration, "energy": J/iteration}``.
+        fits: every device named by the plan is within its memory.
+        memory_bytes / memory_limit_bytes: per device id named by the plan, bytes.
+        stage_compute_s / stage_transfer_s: ``C_k`` and ``E_k`` per group (seconds per
+            micro-batch), for reports and the simulator.
+        sync_times_s: ``t_d`` per device id of the active groups.
+    """
+
+    iteration_time_s: float
+    lower_bound_s: float
+    sync_time_s: float
+    group_times_s: tuple[float, ...]
+    cost: dict[str, float]
+    fits: bool
+    memory_bytes: dict[str, float]
+    memory_limit_bytes: dict[str, float]
+    stage_compute_s: tuple[tuple[float, ...], ...] = field(default=())
+    stage_transfer_s: tuple[tuple[float, ...], ...] = field(default=())
+    sync_times_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def out_of_memory(self) -> list[str]:
+        """Ids of devices whose memory use exceeds their limit."""
+        return [d for d, m in self.memory_bytes.items() if m > self.memory_limit_bytes[d]]
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        """``T / T_LB``."""
+        return self.iteration_time_s / self.lower_bound_s if self.lower_bound_s > 0 else np.inf
+
+    def objective(self, v: float = 1.0, queues: dict[str, float] | None = None) -> float:
+        """Drift-plus-penalty objective ``V·T + Σ_j Q_j y_j`` (SPEC §4)."""
+        total = v * self.iteration_time_s
+        for name, q in (queues or {}).items():
+            total += q * self.cost[name]
+        return float(total)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The ``hetrain evaluate --json`` object of SPEC §7."""
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "lower_bound_s": self.lower_bound_s,
+            "sync_time_s": self.sync_time_s,
+            "group_times_s": list(self.group_times_s),
+            "cost": dict(self.cost),
+            "fits": self.fits,
+            "devices": {
+                d: {
+                    "memory_bytes": self.memory_bytes[d],
+                    "memory_limit_bytes": self.memory_limit_bytes[d],
+                }
+                for d in self.memory_bytes
+            },
+        }
+
+
+def evaluate_plan(
+    plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
+) -> PlanEvaluation:
+    """Evaluate ``plan`` with SPEC §3 (see the module docstring for every formula).
+
+    The schedule is the plan's own ``schedule`` (``config.schedule`` is the planner's default).
+    The plan's shares need not sum to ``config.batch`` here (commands validate that with
+    :meth:`Plan.validate_for`); ``T_LB`` uses ``config.batch``.
+
+    Raises:
+        ValueError: the plan names a device that is not in ``state``, a device of an active
+            group is unavailable, or stages do not cover ``[0, L)``.
+    """
+    index = state.index()
+    prefix = profile_prefix(profile)
+    num_layers = prefix.num_layers
+    o = float(config.optimizer_state_factor)
+    schedule = plan.schedule
+    group_times: list[float] = []
+    active: list[tuple[np.ndarray, np.ndarray]] = []
+    active_ids: list[tuple[str, ...]] = []
+    memory: dict[str, float] = {}
+    limit: dict[str, float] = {}
+    compute_all: list[tuple[float, ...]] = []
+    transfer_all: list[tuple[float, ...]] = []
+    used: list[int] = []
+    for g, group in enumerate(plan.groups):
+        try:
+            devs = np.array([index[d] for d in group.devices], dtype=np.int64)
+        except KeyError as exc:
+            raise ValueError(f"groups[{g}].devices: unknown device {exc.args[0]!r}") from None
+        bounds = np.array([s for s, _ in group.stages] + [group.stages[-1][1]], dtype=np.int64)
+        if bounds[-1] != num_layers:
+            raise ValueError(
+                f"groups[{g}].stages: expected stages covering [0, {num_layers}), "
+                f"last ends at {bounds[-1]}"
+            )
+        mu = group.microbatch_size
+        n = num_microbatches(group.batch, mu)
+        compute_s, transfer_s = stage_times_s(state, prefix, devs, bounds, mu)
+        compute_all.append(tuple(float(x) for x in compute_s))
+        transfer_all.append(tuple(float(x) for x in transfer_s))
+        fill, bottleneck = group_fill_and_bottleneck_s(compute_s, transfer_s)
+        group_times.append(group_time_s(fill, bottleneck, n))
+        mem = stage_memory_bytes(prefix, bounds, mu, n, o, schedule)
+        for k, d in enumerate(group.devices):
+            memory[d] = float(mem[k])
+            limit[d] = float(state.memory_bytes[devs[k]])
+        if n > 0:
+            unavailable = [
+                d for d, i in zip(group.devices, devs, strict=True) if not state.available[i]
+            ]
+            if unavailable:
+                raise ValueError(f"groups[{g}].devices: device {unavailable[0]!r} is not available")
+            active.append((devs, bounds))
+            active_ids.append(group.devices)
+            used.extend(int(i) for i in devs)
+    sync = sync_times_s(state, prefix, active)
+    sync_by_id = {
+        d: float(t)
+        for ids, ts in zip(active_ids, sync, strict=True)
+        for d, t in zip(ids, ts, strict=True)
+    }
+    sync_time = max(sync_by_id.values(), default=0.0)
+    iteration = (max(group_times) if group_times else 0.0) + sync_time
+    used_arr = np.asarray(used, dtype=np.int64)
+    cost = {
+        "money": float(iteration * np.sum(state.price_per_s[used_arr])),
+        "energy": float(iteration * np.sum(state.power_w[used_arr])),
+    }
+    fits = all(memory[d] <= limit[d] for d in memory)
+    return PlanEvaluation(
+        iteration_time_s=float(iteration),
+        lower_bound_s=lower_bound_s(state, profile, config.batch),
+        sync_time_s=float(sync_time),
+        group_times_s=tuple(group_times),
+        cost=cost,
+        fits=fits,
+        memory_bytes=memory,
+        memory_limit_bytes=limit,
+        stage_compute_s=tuple(compute_all),
+        stage_transfer_s=tuple(transfer_all),
+        sync_times_s=sync_by_id,
+    )

@@ -1,0 +1,146 @@
+"""The planner (SPEC §4 "tentative searching + linear solving"): the best plan for one slot.
+
+* :mod:`hetrain.planner.partition` — stages of one group (envelope of ``T_g`` lines, DP);
+* :mod:`hetrain.planner.shares` — exact integer shares for a fixed structure, LP bound;
+* :mod:`hetrain.planner.search` — structures (exhaustive when small, pruned beyond);
+* :mod:`hetrain.planner.baselines` — SPEC §6 static plans.
+
+See docs/planner.md for the algorithm, its complexity and what is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+from hetrain.costmodel import TrainingConfig
+from hetrain.errors import NoFeasiblePlanError
+from hetrain.plan import Plan
+from hetrain.planner.search import (
+    Candidate,
+    SearchContext,
+    candidate_to_plan,
+    exhaustive_is_small,
+    exhaustive_search,
+    plan_objective,
+    pruned_search,
+    solve_structure,
+)
+from hetrain.profile import ProfileArrays
+
+__all__ = ["best_plan", "warm_structure"]
+
+
+def warm_structure(
+    plan: Plan, state: ClusterState
+) -> tuple[list[tuple[int, ...]], list[np.ndarray | None]]:
+    """The groups of ``plan`` as ordered device-index tuples, keeping only devices that are
+    known and available in ``state`` (empty groups dropped), and per group its stage bounds
+    (shape ``(K + 1,)``) when all its devices are still there, else None (to re-split)."""
+    index = state.index()
+    groups, bounds = [], []
+    for g in plan.groups:
+        devs = tuple(index[d] for d in g.devices if d in index and state.available[index[d]])
+        if not devs:
+            continue
+        groups.append(devs)
+        if len(devs) == len(g.devices):
+            bounds.append(np.array([s for s, _ in g.stages] + [g.stages[-1][1]], dtype=np.int64))
+        else:
+            bounds.append(None)
+    return groups, bounds
+
+
+def best_plan(
+    state: ClusterState,
+    profile: ProfileArrays,
+    config: TrainingConfig,
+    *,
+    v: float = 1.0,
+    queues: Mapping[str, float] | None = None,
+    warm_start: Plan | None = None,
+    time_budget_s: float | None = None,
+    include_baselines: bool = True,
+) -> Plan:
+    """The plan minimising ``v·T + Σ_j queues[j]·y_j`` (plain ``T`` without queues) over the
+    available devices (SPEC §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
+    filled in by the cost model. Idle groups are left out of the plan.
+
+    Args:
+        v: weight ``V > 0`` of the iteration time.
+        queues: virtual queue backlogs ``Q_j`` for ``"money"`` and/or ``"energy"`` (seconds
+            per unit of resource).
+        warm_start: a previous plan. Its structure (groups and order, minus devices that are
+            gone) is re-solved first with its stages kept (μ and shares re-solved; groups that
+            lost a device re-split), which is cheap; then with its stages re-split. With a
+            ``time_budget_s`` the rest of the search stops when the budget is spent, so a
+            per-slot re-plan costs about one share solve of the previous structure.
+        time_budget_s: soft wall-clock budget for the pruned search (the warm structure and
+            the first candidate are always solved). ``None``: no limit.
+        include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
+            better (guarantees the result is never worse than them).
+
+    Raises:
+        NoFeasiblePlanError: no device is available, or the model fits no arrangement of the
+            available devices.
+        ValueError: ``v`` not a finite positive number, unknown queue name or bad backlog.
+    """
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"v: expected a finite number > 0, got {v!r}")
+    queues = dict(queues or {})
+    for name, q in queues.items():
+        if name not in ("money", "energy"):
+            raise ValueError(f"queues: unknown resource {name!r} (expected money or energy)")
+        if not (math.isfinite(q) and q >= 0):
+            raise ValueError(f"queues[{name}]: expected a finite number >= 0, got {q!r}")
+    start = time.perf_counter()
+    deadline = None if time_budget_s is None else start + time_budget_s
+    ctx = SearchContext(state, profile, config, v=v, queues=queues)
+    if len(ctx.available) == 0:
+        raise NoFeasiblePlanError("no device is available")
+    best: Candidate | None = None
+    if warm_start is not None:
+        groups, bounds = warm_structure(warm_start, state)
+        if groups:
+            index = state.index()
+            mus = [
+                g.microbatch_size
+                for g in warm_start.groups
+                if any(d in index and state.available[index[d]] for d in g.devices)
+            ]
+            best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
+            if deadline is None or time.perf_counter() < deadline:
+                best = solve_structure(ctx, groups, best)
+    best = pruned_search(ctx, best, deadline=deadline)
+    if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
+        best = exhaustive_search(ctx, best)
+    plan = candidate_to_plan(ctx, best) if best is not None else None
+    objective = np.inf
+    if plan is not None:
+        # the search's objective is the cost model's (an upper bound when the exhaustive
+        # search idled a group); re-evaluate exactly where that is cheap
+        objective = plan_objective(ctx, plan)[0] if len(ctx.available) <= 64 else best.objective
+    if include_baselines and (deadline is None or time.perf_counter() < deadline):
+        from hetrain.planner import baselines
+
+        for make in (
+            baselines.dp_proportional_plan,
+            baselines.dp_even_plan,
+            baselines.pipeline_plan,
+        ):
+            other = make(state, profile, config)
+            if other is None:
+                continue
+            obj, fits = plan_objective(ctx, other)
+            if fits and obj < objective * (1 - 1e-12):
+                plan, objective = other, obj
+    if plan is None:
+        raise NoFeasiblePlanError(
+            "the model fits no arrangement of the available devices "
+            f"({len(ctx.available)} available, {profile.num_layers} layers)"
+        )
+    return plan

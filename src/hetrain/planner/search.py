@@ -1,0 +1,735 @@
+"""Tentative structure search (SPEC §4): which devices, how many groups, their members and
+order, the micro-batch sizes; stages and shares are solved per structure.
+
+Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
+``y_energy = T Σ_{used} W_d``, it equals ``T · (V + Σ_{d used} c_d)`` with the per-device
+weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of iteration).
+
+* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``): every subset,
+  every split of it into groups, every order inside each group; per group every split of the
+  layers (or the exact envelope when there are too many), every ``μ ≤ B`` when ``B`` is small;
+  for several groups every combination of splits (sync depends on them), each with exact
+  integer shares. Pruned with the bound ``(B Σ(f+w) / Σ_{d∈subset} s_d + T_sync) · weight``.
+  Exact (the tests compare it with an independent brute force).
+* **Pruned** beyond: a family of topology- and speed-aware structures (pure data parallel;
+  one group per node; nodes cut into pipelines of depth 2, 4, 8, ...; pipelines across nodes
+  that line up device j of K nodes; kind-homogeneous pipelines; whole-cluster pipelines; the
+  warm-start structure), splits from the envelope DP cached per group *signature* (speeds,
+  κ, memory, links), shares solved with identical groups merged, idle groups chosen over
+  prefixes of groups ranked by throughput per weight, then ``μ`` refined around the shares.
+  Heuristic; the SPEC §6 baseline plans are evaluated too, so the result is never worse than
+  the best feasible baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+from hetrain.costmodel import (
+    ProfilePrefix,
+    TrainingConfig,
+    evaluate_plan,
+    link_bandwidths_bytes_per_s,
+    profile_prefix,
+    sync_times_s,
+)
+from hetrain.plan import GroupPlan, Plan
+from hetrain.planner.partition import (
+    SplitTable,
+    count_splits,
+    enumerate_splits,
+    envelope_splits,
+    pareto,
+    split_table,
+)
+from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
+from hetrain.profile import ProfileArrays
+
+EXHAUSTIVE_MAX_DEVICES = 4
+EXHAUSTIVE_MAX_LAYERS = 8
+EXHAUSTIVE_MAX_BATCH = 64
+ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
+COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
+
+
+@dataclass
+class Candidate:
+    """A solved structure: groups (device index arrays), per group bounds, μ and share;
+    its iteration time, sync time and objective."""
+
+    objective: float
+    iteration_time_s: float
+    groups: list[np.ndarray]
+    bounds: list[np.ndarray]
+    microbatch_sizes: list[int]
+    shares: list[int]
+
+
+@dataclass
+class SearchContext:
+    """Everything the search reads, plus caches that a warm-started re-plan reuses."""
+
+    state: ClusterState
+    profile: ProfileArrays
+    config: TrainingConfig
+    v: float = 1.0
+    queues: Mapping[str, float] = field(default_factory=dict)
+    prefix: ProfilePrefix = field(init=False)
+    weight_per_device: np.ndarray = field(init=False)
+    available: np.ndarray = field(init=False)
+    option_cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prefix = profile_prefix(self.profile)
+        q = dict(self.queues or {})
+        self.weight_per_device = q.get("money", 0.0) * self.state.price_per_s + q.get(
+            "energy", 0.0
+        ) * np.asarray(self.state.power_w, dtype=float)
+        self.available = np.flatnonzero(np.asarray(self.state.available, dtype=bool))
+
+    @property
+    def batch(self) -> int:
+        return self.config.batch
+
+    @property
+    def total_flops(self) -> float:
+        return float(self.prefix.train_flops[-1])
+
+    def weight(self, devices: np.ndarray) -> float:
+        """``V + Σ_{d} c_d`` over ``devices``."""
+        return self.v + float(np.sum(self.weight_per_device[devices]))
+
+    def mu_candidates(self, cap: int | None = None, *, every: bool = False) -> list[int]:
+        """Micro-batch sizes tried first: every ``μ ≤ B`` with ``every`` (exhaustive search);
+        else powers of two (``B ≤ 64``) or of four, at most ``cap``. The pruned search then
+        refines ``μ`` around the shares it found."""
+        b = self.batch if cap is None else max(1, min(self.batch, cap))
+        if every:
+            return list(range(1, b + 1))
+        base = 2 if self.batch <= 64 else 4
+        return [base**i for i in range(int(math.log(b, base) + 1e-9) + 1)]
+
+    def signature(self, devices: np.ndarray) -> tuple:
+        """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
+        s = self.state
+        per = tuple(
+            (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]))
+            for d in devices
+        )
+        links = (
+            tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
+            if len(devices) > 1
+            else ()
+        )
+        return per, links
+
+    def approx_signature(self, devices: np.ndarray) -> tuple:
+        """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
+        significant digits: groups that differ by measurement noise share their *splits*
+        (their times are still computed exactly)."""
+        s = self.state
+        per = tuple(
+            (
+                int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
+                float(f"{s.kappa_s[d]:.3g}"),
+                float(f"{s.memory_bytes[d]:.3g}"),
+            )
+            for d in devices
+        )
+        links = (
+            tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
+            if len(devices) > 1
+            else ()
+        )
+        return per, links
+
+    def envelope_options(
+        self,
+        devices: np.ndarray,
+        mus: Sequence[int],
+        fixed_bounds: np.ndarray | None = None,
+    ) -> GroupOptions:
+        """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
+        :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
+        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
+        sig = self.signature(devices)
+        fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
+        tables = []
+        for mu in mus:
+            mu = int(mu)
+            key = ("env", sig, mu, fixed_key)
+            table = self.option_cache.get(key)
+            if table is None:
+                if fixed_bounds is not None:
+                    bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
+                    table = self._timed(devices, bounds, mu)
+                else:
+                    akey = ("bounds", self.approx_signature(devices), mu)
+                    bounds = self.option_cache.get(akey)
+                    if bounds is None:
+                        table = self._splits(devices, mu)  # timed for these very devices
+                        self.option_cache[akey] = table.bounds
+                    else:
+                        table = self._timed(devices, bounds, mu)
+                self.option_cache[key] = table
+            tables.append(table)
+        return GroupOptions.from_tables(tables, len(devices))
+
+    def _timed(self, devices: np.ndarray, bounds: np.ndarray, mu: int) -> SplitTable:
+        """Exact times and memory limits of given splits for these devices (dominated and
+        non-fitting splits dropped)."""
+        cfg = self.config
+        table = split_table(self.state, self.prefix, devices, bounds, mu,
+                            cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
+        keep = table.max_microbatches >= 1
+        n_cap = -(-self.batch // mu)
+        return pareto(
+            SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
+                       np.minimum(table.max_microbatches[keep], n_cap), mu)
+        )  # fmt: skip
+
+    def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
+        cfg = self.config
+        n_design = -(-self.batch // mu)
+        k = len(devices)
+        if k == 1 or count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
+            table = split_table(
+                self.state, self.prefix, devices,
+                enumerate_splits(self.prefix.num_layers, k), mu,
+                cfg.optimizer_state_factor, cfg.schedule,
+            )  # fmt: skip
+            keep = table.max_microbatches >= 1
+            return pareto(
+                SplitTable(
+                    table.bounds[keep],
+                    table.fill_s[keep],
+                    table.bottleneck_s[keep],
+                    np.minimum(table.max_microbatches[keep], n_design),
+                    mu,
+                )
+            )
+        # memory is checked at a design number of micro-batches: the most the group could
+        # be given (every split found then fits any share; under 1F1B levels above K are
+        # equivalent to K), lower levels when nothing fits (see envelope_splits)
+        top = min(n_design, k) if cfg.schedule == "1f1b" else n_design
+        return envelope_splits(
+            self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
+            top, n_cap=n_design,
+        )  # fmt: skip
+
+    # -- turning solutions into candidates ---------------------------------------------------
+    def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
+        """``T_sync`` of the given active groups."""
+        if len(groups) <= 1:
+            return 0.0
+        ts = sync_times_s(self.state, self.prefix, list(zip(groups, bounds, strict=True)))
+        return float(max(float(np.max(t)) for t in ts))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exhaustive search
+# ---------------------------------------------------------------------------------------------
+
+
+def set_partitions(items: Sequence[int]) -> Iterator[list[list[int]]]:
+    """Every partition of ``items`` into non-empty unordered blocks."""
+    items = list(items)
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+
+
+def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[GroupOptions]:
+    """Per split of the group (all splits, or the envelope when there are too many), its
+    options over every ``μ`` candidate."""
+    key = ("all", devices)
+    cached = ctx.option_cache.get(key)
+    if cached is not None:
+        return cached
+    devs = np.asarray(devices, dtype=np.int64)
+    k = len(devs)
+    num_layers = ctx.prefix.num_layers
+    mus = ctx.mu_candidates(every=True)
+    if count_splits(num_layers, k) <= ALL_SPLITS_MAX:
+        bounds = enumerate_splits(num_layers, k)
+    else:
+        found = {}
+        for mu in mus:
+            env = envelope_splits(
+                ctx.state, ctx.prefix, devs, mu, ctx.config.optimizer_state_factor,
+                ctx.config.schedule, -(-ctx.batch // mu), exact=True,
+            )  # fmt: skip
+            for b in env.bounds:
+                found[tuple(int(x) for x in b)] = None
+        bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k + 1)
+    per_split: list[GroupOptions] = []
+    tables = [
+        split_table(ctx.state, ctx.prefix, devs, bounds, mu, ctx.config.optimizer_state_factor,
+                    ctx.config.schedule)
+        for mu in mus
+    ]  # fmt: skip
+    for p in range(len(bounds)):
+        rows = [
+            SplitTable(t.bounds[p : p + 1], t.fill_s[p : p + 1], t.bottleneck_s[p : p + 1],
+                       t.max_microbatches[p : p + 1], t.microbatch_size)
+            for t in tables
+            if t.max_microbatches[p] >= 1
+        ]  # fmt: skip
+        opts = GroupOptions.from_tables(rows, k)
+        if len(opts):
+            per_split.append(opts)
+    ctx.option_cache[key] = per_split
+    return per_split
+
+
+def exhaustive_is_small(ctx: SearchContext) -> bool:
+    """Whether the exact search runs: at most :data:`EXHAUSTIVE_MAX_DEVICES` available
+    devices, :data:`EXHAUSTIVE_MAX_LAYERS` layers and a batch of at most
+    :data:`EXHAUSTIVE_MAX_BATCH`."""
+    return (
+        len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES
+        and ctx.prefix.num_layers <= EXHAUSTIVE_MAX_LAYERS
+        and ctx.batch <= EXHAUSTIVE_MAX_BATCH
+    )
+
+
+def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) -> Candidate | None:
+    """Exact search over every structure of the available devices (see module docstring)."""
+    best = incumbent
+    avail = [int(d) for d in ctx.available]
+    batch = ctx.batch
+    for size in range(len(avail), 0, -1):
+        for subset in itertools.combinations(avail, size):
+            sub = np.asarray(subset, dtype=np.int64)
+            weight = ctx.weight(sub)
+            t_floor = batch * ctx.total_flops / float(np.sum(ctx.state.speed_flops[sub]))
+            if best is not None and t_floor * weight >= best.objective:
+                continue
+            for blocks in set_partitions(subset):
+                if len(blocks) > batch:
+                    continue
+                for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                    best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
+    return best
+
+
+def _solve_exhaustive_structure(
+    ctx: SearchContext,
+    orders: Sequence[tuple[int, ...]],
+    weight: float,
+    t_floor: float,
+    best: Candidate | None,
+) -> Candidate | None:
+    per_group = [_all_split_options(ctx, tuple(o)) for o in orders]
+    if any(not opts for opts in per_group):
+        return best
+    groups = [np.asarray(o, dtype=np.int64) for o in orders]
+    if len(groups) == 1:
+        t, p = _merge(per_group[0]).time_for(ctx.batch)
+        if not np.isfinite(t):
+            return best
+        merged = _merge(per_group[0])
+        obj = t * weight
+        if best is None or obj < best.objective:
+            best = Candidate(obj, t, groups, [merged.bounds[p]],
+                             [int(merged.microbatch_size[p])], [ctx.batch])  # fmt: skip
+        return best
+    sizes = [len(opts) for opts in per_group]
+    if math.prod(sizes) > COMBOS_MAX:
+        # too many joint split combinations: let each group pick its split freely
+        merged = [_merge(opts) for opts in per_group]
+        return _solve_with_options(ctx, groups, merged, weight, best)
+    for combo in itertools.product(*(range(s) for s in sizes)):
+        opts = [per_group[g][p] for g, p in enumerate(combo)]
+        bounds = [o.bounds[0] for o in opts]
+        sync = ctx.sync_time_s(groups, bounds)
+        if best is not None and (t_floor + sync) * weight >= best.objective:
+            continue
+        sol = ShareProblem(opts, ctx.batch).solve()
+        if sol is None:
+            continue
+        t = sol.max_group_time_s + sync
+        obj = t * weight
+        if best is None or obj < best.objective:
+            best = _candidate(obj, t, groups, opts, sol)
+    return best
+
+
+def _merge(options: Sequence[GroupOptions]) -> GroupOptions:
+    return GroupOptions(
+        np.concatenate([o.microbatch_size for o in options]),
+        np.concatenate([o.fill_s for o in options]),
+        np.concatenate([o.bottleneck_s for o in options]),
+        np.concatenate([o.max_microbatches for o in options]),
+        np.concatenate([o.bounds for o in options]),
+    )
+
+
+def _candidate(
+    obj: float,
+    t: float,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    sol: ShareSolution,
+) -> Candidate:
+    keep = [g for g in range(len(groups)) if sol.shares[g] > 0]
+    return Candidate(
+        obj,
+        t,
+        [groups[g] for g in keep],
+        [opts[g].bounds[sol.option[g]] for g in keep],
+        [int(opts[g].microbatch_size[sol.option[g]]) for g in keep],
+        [int(sol.shares[g]) for g in keep],
+    )
+
+
+def _solve_with_options(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    weight: float,
+    best: Candidate | None,
+) -> Candidate | None:
+    """Shares with every group active allowed to go idle; sync of the groups that stay
+    active, objective from the actual active set."""
+    sol = ShareProblem(opts, ctx.batch).solve()
+    if sol is None:
+        return best
+    cand = _score(ctx, groups, opts, sol)
+    if cand is not None and (best is None or cand.objective < best.objective):
+        return cand
+    return best
+
+
+def _score(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    sol: ShareSolution,
+    entry_of: Sequence[int] | None = None,
+) -> Candidate | None:
+    """Candidate of a share solution: sync of the groups that stay active, objective from the
+    actual active set. With ``entry_of`` (groups with equal options share an entry), also try
+    giving every member of an entry the split and μ of its member with the largest share —
+    no group gets slower (fewer micro-batches on the same split) and aligned splits can keep
+    the all-reduce inside a node — and keep the better of the two."""
+    cand = _score_one(ctx, groups, opts, sol)
+    if entry_of is None or cand is None:
+        return cand
+    option = sol.option.copy()
+    times = sol.group_times_s.copy()
+    changed = False
+    by_entry: dict[int, list[int]] = {}
+    for g, e in enumerate(entry_of):
+        if sol.shares[g] > 0:
+            by_entry.setdefault(e, []).append(g)
+    for members in by_entry.values():
+        if len(members) < 2:
+            continue
+        lead = max(members, key=lambda g: sol.shares[g])
+        p = option[lead]
+        for g in members:
+            if option[g] != p:
+                o = opts[g]
+                n = -(-int(sol.shares[g]) // int(o.microbatch_size[p]))
+                option[g] = p
+                times[g] = o.fill_s[p] + (n - 1) * o.bottleneck_s[p]
+                changed = True
+    if not changed:
+        return cand
+    aligned = ShareSolution(float(times.max()), sol.shares, option, times)
+    other = _score_one(ctx, groups, opts, aligned)
+    return other if other is not None and other.objective < cand.objective else cand
+
+
+def _score_one(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    sol: ShareSolution,
+) -> Candidate | None:
+    active = [g for g in range(len(groups)) if sol.shares[g] > 0]
+    if not active:
+        return None
+    act_groups = [groups[g] for g in active]
+    act_bounds = [opts[g].bounds[sol.option[g]] for g in active]
+    sync = ctx.sync_time_s(act_groups, act_bounds)
+    t = float(np.max(sol.group_times_s)) + sync
+    used = np.concatenate(act_groups)
+    return _candidate(t * ctx.weight(used), t, groups, opts, sol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pruned search for larger instances
+# ---------------------------------------------------------------------------------------------
+
+
+def _order_in_node(ctx: SearchContext, devices: Sequence[int]) -> list[int]:
+    """Pipeline order inside a node: memory, then speed, descending (first stages stash the
+    most micro-batches under 1F1B), ties by cluster-file position."""
+    s = ctx.state
+    return sorted(devices, key=lambda d: (-s.memory_bytes[d], -s.speed_flops[d], d))
+
+
+def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Named candidate structures (lists of ordered device tuples) of the available devices."""
+    s = ctx.state
+    avail = [int(d) for d in ctx.available]
+    num_layers = ctx.prefix.num_layers
+    by_node: dict[int, list[int]] = {}
+    for d in avail:
+        by_node.setdefault(int(s.node[d]), []).append(d)
+    nodes = [_order_in_node(ctx, devs) for devs in by_node.values()]
+    out: list[tuple[str, list[tuple[int, ...]]]] = [("data-parallel", [(d,) for d in avail])]
+
+    def chunks(seq: Sequence[int], k: int) -> list[tuple[int, ...]]:
+        return [tuple(seq[i : i + k]) for i in range(0, len(seq), k)]
+
+    def depths(limit: int) -> list[int]:
+        ks, k = [], 2
+        while k <= min(limit, num_layers):
+            ks.append(k)
+            k *= 2
+        if min(limit, num_layers) >= 2 and min(limit, num_layers) not in ks:
+            ks.append(min(limit, num_layers))
+        return ks
+
+    biggest = max(len(n) for n in nodes)
+    if biggest > 1:
+        out.append(("node-groups", [tuple(n[:num_layers]) for n in nodes]))
+        for k in depths(biggest - 1):
+            out.append((f"node-pipelines-{k}", [c for n in nodes for c in chunks(n, k)]))
+    # pipelines across nodes: device j of each of K nodes (nodes ranked by make-up, fastest
+    # first); groups of equal make-up get equal splits, so a layer's owners sit on one node
+    # per chunk and the all-reduce stays inside it when there is one chunk
+    kind = {d: ctx.signature(np.array([d]))[0] for d in avail}
+    ranked = sorted(nodes, key=lambda n: (-len(n), [-s.speed_flops[d] for d in n], n[0]))
+    for k in depths(len(ranked)):
+        groups = []
+        for start in range(0, len(ranked), k):
+            part = ranked[start : start + k]
+            width = min(len(n) for n in part)
+            for j in range(width):
+                groups.append(tuple(n[j] for n in part))
+            groups.extend((d,) for n in part for d in n[width:])
+        out.append((f"cross-node-{k}", groups))
+    # kind-homogeneous pipelines, nodes kept together
+    by_kind: dict[tuple, list[int]] = {}
+    for n in nodes:
+        for d in n:
+            by_kind.setdefault(kind[d], []).append(d)
+    for k in depths(max(len(v) for v in by_kind.values())):
+        out.append((f"kind-pipelines-{k}", [c for v in by_kind.values() for c in chunks(v, k)]))
+    # one pipeline of the fastest L devices (the file-order pipeline is the SPEC §6
+    # baseline, which best_plan evaluates anyway)
+    if len(avail) > 1:
+        fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
+        out.append(("pipeline-fastest", [tuple(fastest)]))
+    seen, unique = set(), []
+    for name, groups in out:
+        key = tuple(sorted(groups))
+        if key not in seen:
+            seen.add(key)
+            unique.append((name, groups))
+    return unique
+
+
+def solve_structure(
+    ctx: SearchContext,
+    groups: Sequence[tuple[int, ...]],
+    best: Candidate | None = None,
+    *,
+    refine: bool = True,
+    fixed_bounds: Sequence[np.ndarray | None] | None = None,
+    extra_mus: Sequence[int | None] | None = None,
+) -> Candidate | None:
+    """Solve one structure (pruned mode): envelope splits per group (or the given
+    ``fixed_bounds`` per group, e.g. a warm start's stages; ``extra_mus``: a μ per group to
+    try as well, e.g. the warm start's), shares with identical groups
+    merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
+    around the shares found. Returns the better of this structure's solution and ``best``."""
+    garr = [np.asarray(g, dtype=np.int64) for g in groups]
+    fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
+    # merge groups with equal signature (identical options)
+    entries: dict[tuple, list[int]] = {}
+    for g, devs in enumerate(garr):
+        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+        entries.setdefault((ctx.signature(devs), fk), []).append(g)
+    keys = list(entries)
+    # a group rarely gets more than a few times the average share, and a pipeline of K
+    # stages wants about K micro-batches or more: larger μ are left to the refinement
+    opts = []
+    for k in keys:
+        g0 = entries[k][0]
+        cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
+        old_mus = {int(extra_mus[g]) for g in entries[k] if extra_mus is not None
+                   and extra_mus[g] is not None}  # fmt: skip
+        if fixed[g0] is not None and old_mus:
+            # warm start with its stages kept: the previous μ and its neighbours (refined below)
+            mus = {m for o in old_mus for m in (max(1, o // 2), o, 2 * o) if m <= ctx.batch}
+        else:
+            mus = set(ctx.mu_candidates(cap)) | old_mus
+        opts.append(ctx.envelope_options(garr[g0], sorted(mus), fixed[g0]))
+    feasible = [i for i, o in enumerate(opts) if len(o)]
+    if not feasible:
+        return best
+    # this structure's own solution (pruned only against a loose bound), then refined
+    bound = None if best is None else best.objective * 1.5
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound)
+    if cand is not None and refine:
+        extra: dict[int, set[int]] = {}
+        entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
+        index_of = {tuple(int(x) for x in garr[g]): g for g in range(len(garr))}
+        for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
+            i = entry_of[index_of[tuple(int(x) for x in devs)]]
+            n = -(-b // mu)
+            ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
+                else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
+            extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
+        new_opts = list(opts)
+        for i, more in extra.items():
+            have = set(opts[i].microbatch_size.tolist())
+            more = sorted(m for m in more if m not in have and 1 <= m <= ctx.batch)
+            if more:
+                g0 = entries[keys[i]][0]
+                add = ctx.envelope_options(garr[g0], more, fixed[g0])
+                new_opts[i] = _merge([opts[i], add])
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound)
+    if cand is not None and (best is None or cand.objective < best.objective):
+        return cand
+    return best
+
+
+def _solve_entries(
+    ctx: SearchContext,
+    garr: Sequence[np.ndarray],
+    entries: dict[tuple, list[int]],
+    keys: list[tuple],
+    opts: Sequence[GroupOptions],
+    feasible: Sequence[int],
+    best: Candidate | None,
+    bound: float | None = None,
+) -> Candidate | None:
+    """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
+    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
+    # rank entries by asymptotic throughput (samples/s) per unit of weight
+    rate = np.array(
+        [float(np.max(opts[i].microbatch_size / opts[i].bottleneck_s)) for i in feasible]
+    )
+    w = np.array([ctx.weight(garr[entries[keys[i]][0]]) - ctx.v for i in feasible])
+    queues = bool(np.any(w > 0))
+    score = rate / (w + ctx.v / max(len(garr), 1)) if queues else rate
+    order = [feasible[i] for i in np.argsort(-score, kind="stable")]
+    counts_in_order = [len(entries[keys[i]]) for i in order]
+    total = sum(counts_in_order)
+    if total <= 24:
+        sizes = list(range(total, 0, -1))
+    else:
+        # without queues only the slowest groups are worth idling (sync); with queues
+        # the cost makes much smaller active sets worth trying
+        fractions = (
+            (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05) if queues else (0.95, 0.85, 0.7)
+        )
+        small = (1, 2, 4, 8) if queues else ()
+        sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
+                       reverse=True)  # fmt: skip
+    speeds = ctx.state.speed_flops
+    for size in sizes:
+        # the first `size` members in ranked order
+        take, left = [], size
+        for i, c in zip(order, counts_in_order, strict=True):
+            if left <= 0:
+                break
+            m = min(c, left)
+            take.append((i, m))
+            left -= m
+        members = [g for i, m in take for g in entries[keys[i]][:m]]
+        used = np.concatenate([garr[g] for g in members])
+        t_floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[used]))
+        limit = min(
+            best.objective if best is not None else np.inf, bound if bound is not None else np.inf
+        )
+        if t_floor * ctx.weight(used) >= limit:
+            continue
+        problem = ShareProblem([opts[i] for i, _ in take], ctx.batch, [m for _, m in take])
+        if np.isfinite(limit) and problem.lp_bound_s() * ctx.weight(used) >= limit:
+            continue
+        sol = problem.solve()
+        if sol is None:
+            continue
+        member_opts = [opts[i] for i, m in take for _ in range(m)]
+        entry_of = [i for i, m in take for _ in range(m)]
+        cand = _score(ctx, [garr[g] for g in members], member_opts, sol, entry_of)
+        if cand is not None and (best is None or cand.objective < best.objective):
+            best = cand
+    return best
+
+
+def pruned_search(
+    ctx: SearchContext,
+    incumbent: Candidate | None = None,
+    *,
+    extra_structures: Sequence[Sequence[tuple[int, ...]]] = (),
+    deadline: float | None = None,
+) -> Candidate | None:
+    """Solve every candidate structure (plus ``extra_structures``); stop early at
+    ``deadline`` (``time.perf_counter()`` value) once one solution exists."""
+    best = incumbent
+    if deadline is not None and best is not None and time.perf_counter() > deadline:
+        return best
+    structures = [list(s) for s in extra_structures] + [g for _, g in candidate_structures(ctx)]
+    for groups in structures:
+        if deadline is not None and best is not None and time.perf_counter() > deadline:
+            break
+        best = solve_structure(ctx, groups, best)
+    return best
+
+
+def candidate_to_plan(ctx: SearchContext, cand: Candidate) -> Plan:
+    """A :class:`Plan` of a candidate (idle groups dropped), figures filled by the cost
+    model."""
+    ids = ctx.state.ids
+    groups = []
+    for devs, bounds, mu, b in zip(
+        cand.groups, cand.bounds, cand.microbatch_sizes, cand.shares, strict=True
+    ):
+        groups.append(
+            GroupPlan(
+                devices=tuple(ids[d] for d in devs),
+                stages=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(len(devs))),
+                microbatch_size=int(mu),
+                batch=int(b),
+            )
+        )
+    return fill_figures(ctx, Plan(schedule=ctx.config.schedule, groups=tuple(groups)))
+
+
+def fill_figures(ctx: SearchContext, plan: Plan) -> Plan:
+    """``plan`` with ``iteration_time_s``, ``lower_bound_s`` and ``cost`` from the cost
+    model."""
+    ev = evaluate_plan(plan, ctx.state, ctx.profile, ctx.config)
+    return plan.model_copy(
+        update={
+            "iteration_time_s": ev.iteration_time_s,
+            "lower_bound_s": ev.lower_bound_s,
+            "cost": dict(ev.cost),
+        }
+    )
+
+
+def plan_objective(ctx: SearchContext, plan: Plan) -> tuple[float, bool]:
+    """``(V·T + Σ_j Q_j y_j, fits)`` of a plan by the cost model."""
+    ev = evaluate_plan(plan, ctx.state, ctx.profile, ctx.config)
+    return ev.objective(ctx.v, dict(ctx.queues or {})), ev.fits

@@ -1,0 +1,290 @@
+"""Integer shares ``b_g`` for fixed group structures (SPEC §4 "shares").
+
+Each group offers *options*: a micro-batch size ``μ``, a split with fill ``A`` and bottleneck
+``M`` (:mod:`hetrain.planner.partition`) and the largest number of micro-batches ``n_max`` that
+fits in memory. With option ``p`` a group finishes ``b`` samples in
+``T_g = A_p + (ceil(b / μ_p) − 1) M_p`` (``ceil(b/μ_p) ≤ n_max``), a staircase in ``b``; by time
+``T`` it can take ``cap_p(T) = μ_p · min(n_max, ⌊(T − A_p)/M_p⌋ + 1)`` samples (0 if ``T < A_p``),
+and the group ``cap_g(T) = max_p cap_p(T)``.
+
+Exact solution of ``min_b max_g T_g(b_g)`` s.t. ``Σ b_g = B``, ``b_g ≥ 0`` integer (a group
+with ``b_g = 0`` sits idle):
+
+* small ``G·B²``: a min-max dynamic program over groups on the exact tables ``T_g(b)``,
+  ``b = 0..B`` (``O(P B + G B²)``);
+* otherwise bisection on ``T`` for the least ``T`` with ``Σ_g cap_g(T) ≥ B`` (``cap`` is a
+  staircase with breakpoints ``A_p + j M_p``; bisection runs to float resolution, then shares
+  are ``cap_g(T)`` reduced by the excess, slowest groups first, and the time is recomputed
+  from the shares so it is exactly the breakpoint reached).
+
+The linear relaxation ``min T s.t. α_p b_g + δ_p ≤ T`` with ``α_p = M_p/μ_p``,
+``δ_p = A_p − M_p`` (since ``ceil(b/μ) ≥ b/μ``) is solved in closed form by water filling
+(:meth:`ShareProblem.lp_bound_s`) and is a lower bound on the integer optimum used for pruning.
+Which groups sit idle changes ``G'`` and ``T_sync`` (and the cost): that choice is made by the
+caller (:mod:`hetrain.planner.search`) over active subsets, since it needs the sync model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetrain.planner.partition import SplitTable
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """All options of one group, shape ``(P,)`` each (``bounds``: ``(P, K + 1)``)."""
+
+    microbatch_size: np.ndarray
+    fill_s: np.ndarray
+    bottleneck_s: np.ndarray
+    max_microbatches: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def from_tables(cls, tables: Sequence[SplitTable], num_stages: int) -> GroupOptions:
+        """Concatenate split tables of several ``μ`` (empty tables allowed)."""
+        tables = [t for t in tables if len(t)]
+        if not tables:
+            return cls(
+                np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64),
+                np.zeros((0, num_stages + 1), np.int64),
+            )  # fmt: skip
+        return cls(
+            np.concatenate([np.full(len(t), t.microbatch_size, np.int64) for t in tables]),
+            np.concatenate([t.fill_s for t in tables]),
+            np.concatenate([t.bottleneck_s for t in tables]),
+            np.concatenate([t.max_microbatches for t in tables]),
+            np.concatenate([t.bounds for t in tables]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.fill_s)
+
+    def time_for(self, batch: int) -> tuple[float, int]:
+        """``(min_p T_g, p)`` for ``b_g = batch`` over options that fit; ``(inf, -1)`` if
+        none; ``(0, -1)`` for ``batch = 0``."""
+        if batch <= 0:
+            return 0.0, -1
+        n = -(-batch // self.microbatch_size)
+        t = np.where(n <= self.max_microbatches, self.fill_s + (n - 1) * self.bottleneck_s, np.inf)
+        if not len(t):
+            return np.inf, -1
+        p = int(np.argmin(t))
+        return float(t[p]), p
+
+    def time_table(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact ``T_g(b)`` for ``b = 0..B`` and the best option per ``b``, shape ``(B+1,)``."""
+        b = np.arange(batch + 1)
+        if not len(self):
+            t = np.full(batch + 1, np.inf)
+            t[0] = 0.0
+            return t, np.full(batch + 1, -1)
+        n = -(-b[None, :] // self.microbatch_size[:, None])
+        t = self.fill_s[:, None] + (n - 1) * self.bottleneck_s[:, None]
+        t = np.where(n <= self.max_microbatches[:, None], t, np.inf)
+        p = np.argmin(t, axis=0)
+        best = t[p, b]
+        best[0] = 0.0
+        p[0] = -1
+        return best, p
+
+
+@dataclass(frozen=True)
+class ShareSolution:
+    """``max_group_time_s`` = ``max_g T_g``; ``shares`` ``b_g`` and chosen ``option`` index per
+    group (``-1`` for idle groups), shape ``(G,)``; ``group_times_s`` ``T_g``."""
+
+    max_group_time_s: float
+    shares: np.ndarray
+    option: np.ndarray
+    group_times_s: np.ndarray
+
+
+class ShareProblem:
+    """The share problem of one structure: ``groups`` options, global batch ``batch``.
+
+    ``counts`` (optional, shape ``(G,)``) makes entry ``g`` stand for ``counts[g]`` identical
+    groups (same options): capacities are summed with that multiplicity, so a structure of
+    1024 groups of 5 kinds costs as much as one of 5 groups. Solutions list shares per group
+    *member*, entry by entry (``counts[0]`` members of entry 0 first, ...).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[GroupOptions],
+        batch: int,
+        counts: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        self.groups = list(groups)
+        self.batch = int(batch)
+        self.counts = (
+            np.ones(len(self.groups), dtype=np.int64)
+            if counts is None
+            else np.asarray(counts, dtype=np.int64)
+        )
+        sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
+        self._nonempty = sizes > 0
+        live = [g for g in self.groups if len(g)]
+        self._starts = np.concatenate(([0], np.cumsum(sizes[self._nonempty])[:-1]))
+        if live:
+            self._mu = np.concatenate([g.microbatch_size for g in live]).astype(float)
+            self._fill = np.concatenate([g.fill_s for g in live])
+            self._bottleneck = np.maximum(np.concatenate([g.bottleneck_s for g in live]), 1e-300)
+            nmax = np.concatenate([g.max_microbatches for g in live])
+            # no group ever needs more than ceil(B / μ) micro-batches
+            self._nmax = np.minimum(nmax, -(-self.batch // self._mu)).astype(float)
+        else:
+            self._mu = self._fill = self._bottleneck = self._nmax = np.zeros(0)
+
+    # -- capacities -----------------------------------------------------------------------
+    def capacity(self, time_s: float) -> np.ndarray:
+        """``cap_g(T)`` samples per group, shape ``(G,)`` (capped at ``B``)."""
+        out = np.zeros(len(self.groups))
+        if not len(self._mu):
+            return out
+        n = np.floor((time_s - self._fill) / self._bottleneck) + 1.0
+        n = np.clip(np.minimum(n, self._nmax), 0.0, None)
+        per_option = self._mu * n
+        out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
+        return np.minimum(out, self.batch)
+
+    def total_capacity(self, time_s: float) -> float:
+        """``Σ_g counts_g · cap_g(T)``."""
+        return float(np.dot(self.capacity(time_s), self.counts))
+
+    def lp_bound_s(self) -> float:
+        """The LP relaxation's optimum: least ``T`` with ``Σ_g max_p (T − δ_p)/α_p ≥ B``
+        (memory and integrality dropped), a lower bound on ``max_g T_g``."""
+        if not len(self._mu):
+            return np.inf
+        alpha = self._bottleneck / self._mu
+        delta = self._fill - self._bottleneck
+
+        def cap(t: float) -> float:
+            per = np.maximum((t - delta) / alpha, 0.0)
+            per_group = np.zeros(len(self.groups))
+            per_group[self._nonempty] = np.maximum.reduceat(per, self._starts)
+            return float(np.dot(per_group, self.counts))
+
+        lo, hi = 0.0, float(np.min(delta + alpha * self.batch))
+        for _ in range(64):
+            mid = 0.5 * (lo + hi)
+            if cap(mid) >= self.batch:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-12 * hi:
+                break
+        return lo
+
+    # -- exact solution -------------------------------------------------------------------
+    def solve(self) -> ShareSolution | None:
+        """Exact integer shares minimising ``max_g T_g``; None when ``B`` samples cannot be
+        placed (memory)."""
+        members = int(self.counts.sum())
+        if members * (self.batch + 1) ** 2 <= 100_000:
+            return self._solve_dp()
+        return self._solve_bisection()
+
+    def _members(self) -> list[GroupOptions]:
+        return [g for g, c in zip(self.groups, self.counts, strict=True) for _ in range(c)]
+
+    def _solve_dp(self) -> ShareSolution | None:
+        b_total = self.batch
+        members = self._members()
+        tables = [g.time_table(b_total) for g in members]
+        bb = np.arange(b_total + 1)[:, None]
+        xx = np.arange(b_total + 1)[None, :]
+        valid = xx <= bb
+        rest = np.clip(bb - xx, 0, None)
+        best = tables[0][0]
+        choices = []
+        for t, _ in tables[1:]:
+            vals = np.where(valid, np.maximum(best[rest], t[xx]), np.inf)
+            arg = np.argmin(vals, axis=1)
+            best = vals[np.arange(b_total + 1), arg]
+            choices.append(arg)
+        if not np.isfinite(best[b_total]):
+            return None
+        shares = np.zeros(g_count := len(members), dtype=np.int64)
+        left = b_total
+        for g in range(g_count - 1, 0, -1):
+            x = int(choices[g - 1][left])
+            shares[g] = x
+            left -= x
+        shares[0] = left
+        return self._finish(shares)
+
+    def _solve_bisection(self) -> ShareSolution | None:
+        b_total = self.batch
+        if not len(self._mu):
+            return None
+        hi = np.inf
+        for g in self.groups:
+            t, _ = g.time_for(b_total)
+            hi = min(hi, t)
+        # (nudged: the floor in `capacity` must not lose the breakpoint to rounding)
+        hi = hi * (1 + 1e-9) if np.isfinite(hi) else max(float(np.max(self._fill)), 1e-12)
+        for _ in range(200):
+            if self.total_capacity(hi) >= b_total:
+                break
+            hi *= 2.0
+        else:
+            return None
+        lo = 0.0
+        for _ in range(80):
+            mid = 0.5 * (lo + hi)
+            if mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
+                break
+            if self.total_capacity(mid) >= b_total:
+                hi = mid
+            else:
+                lo = mid
+        hi = self._snap(lo, hi)
+        cap = np.repeat(self.capacity(hi).astype(np.int64), self.counts)
+        excess = int(cap.sum()) - b_total
+        # slowest groups (least capacity) give back first, so marginal groups go idle
+        for g in np.argsort(cap, kind="stable"):
+            if excess <= 0:
+                break
+            take = min(int(cap[g]), excess)
+            cap[g] -= take
+            excess -= take
+        return self._finish(cap)
+
+    def _snap(self, lo: float, hi: float) -> float:
+        """The least staircase breakpoint ``A_p + j M_p`` in ``(lo, hi]`` at which the
+        capacities suffice (``hi`` is feasible, ``lo`` is not), nudged up by 1e-12 relative so
+        that the floor in :meth:`capacity` is safe from rounding."""
+        first = np.floor((lo - self._fill) / self._bottleneck) + 1.0
+        first = np.maximum(first, 0.0)
+        points = []
+        for step in range(3):
+            j = first + step
+            t = self._fill + j * self._bottleneck
+            ok = (t <= hi) & (j < self._nmax)
+            points.append(t[ok])
+        cands = np.unique(np.concatenate(points)) if points else np.zeros(0)
+        for t in cands:
+            t_safe = float(t) * (1 + 1e-12)
+            if t_safe < hi and self.total_capacity(t_safe) >= self.batch:
+                return t_safe
+        return hi
+
+    def _finish(self, shares: np.ndarray) -> ShareSolution | None:
+        entry = np.repeat(np.arange(len(self.groups)), self.counts)
+        times = np.zeros(len(entry))
+        option = np.full(len(entry), -1, dtype=np.int64)
+        memo: dict[tuple[int, int], tuple[float, int]] = {}
+        for g, b in enumerate(shares):
+            key = (int(entry[g]), int(b))
+            if key not in memo:
+                memo[key] = self.groups[key[0]].time_for(key[1])
+            times[g], option[g] = memo[key]
+        if not np.all(np.isfinite(times)):
+            return None
+        return ShareSolution(float(times.max(initial=0.0)), shares, option, times)

@@ -1,0 +1,17 @@
+"""Profiling of real modules (needs torch): FLOPs and bytes per layer of a chain
+(:func:`profile_chain`), layer timing and the fit of speed and κ (:func:`time_layers`,
+:func:`fit_device`), point-to-point link measurement (:func:`measure_p2p`)."""
+
+from hetrain.profiler.chain import profile_chain
+from hetrain.profiler.link import LinkFit, measure_p2p
+from hetrain.profiler.timing import DeviceFit, LayerTimes, fit_device, time_layers
+
+__all__ = [
+    "DeviceFit",
+    "LayerTimes",
+    "LinkFit",
+    "fit_device",
+    "measure_p2p",
+    "profile_chain",
+    "time_layers",
+]

@@ -1,0 +1,1 @@
+"""Human-readable reports: rich tables (:mod:`hetrain.report.tables`) and plots."""

@@ -1,0 +1,139 @@
+"""Emulated heterogeneity on one machine (SPEC §5): per-device slow-down and per-link bandwidth.
+
+Nothing here burns CPU: a slowed device *sleeps* ``(factor - 1) x`` the measured time of each of
+its compute operations (forward or backward of one micro-batch on one stage), and a link sleeps
+so that a transfer of ``n`` bytes takes at least ``n / bandwidth + latency`` seconds. The
+launcher may replace a worker's :class:`Emulation` before any step (e.g. from a trace).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """What to emulate. All fields are optional; an empty ``Emulation()`` emulates nothing.
+
+    Attributes:
+        slowdown: device id -> slow-down factor ``>= 1`` (3.0 = the device computes 3x slower).
+        nic_bandwidth_bytes_per_s: device id -> NIC bandwidth in bytes/s; the bandwidth of a
+            link between two devices of different nodes is ``min(nic_d, nic_e)`` (SPEC §2).
+            A device not named has unlimited bandwidth.
+        node: device id -> node id; devices of one node use ``intra_node_bandwidth_bytes_per_s``
+            (a device not named is its own node).
+        intra_node_bandwidth_bytes_per_s: bandwidth between devices of one node (None =
+            unlimited).
+        link_bandwidth_bytes_per_s: explicit ``(d, e) -> bytes/s`` per link (symmetric),
+            overriding the rules above.
+        latency_s: latency added to every emulated transfer, seconds.
+
+    Raises:
+        ValueError: a factor < 1, a bandwidth <= 0, a negative latency, or a non-finite number.
+    """
+
+    slowdown: Mapping[str, float] = field(default_factory=dict)
+    nic_bandwidth_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+    node: Mapping[str, str] = field(default_factory=dict)
+    intra_node_bandwidth_bytes_per_s: float | None = None
+    link_bandwidth_bytes_per_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for d, f in self.slowdown.items():
+            if not (math.isfinite(f) and f >= 1.0):
+                raise ValueError(
+                    f"emulation.slowdown[{d!r}]: expected a finite factor >= 1, got {f!r}"
+                )
+        bws: list[tuple[str, Any]] = [
+            (f"nic_bandwidth_bytes_per_s[{d!r}]", b)
+            for d, b in self.nic_bandwidth_bytes_per_s.items()
+        ]
+        bws += [
+            (f"link_bandwidth_bytes_per_s[{k!r}]", b)
+            for k, b in self.link_bandwidth_bytes_per_s.items()
+        ]
+        if self.intra_node_bandwidth_bytes_per_s is not None:
+            bws.append(("intra_node_bandwidth_bytes_per_s", self.intra_node_bandwidth_bytes_per_s))
+        for name, b in bws:
+            if not (b > 0 and not math.isnan(b)):
+                raise ValueError(f"emulation.{name}: expected a bandwidth > 0 bytes/s, got {b!r}")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(
+                f"emulation.latency_s: expected a finite number >= 0, got {self.latency_s!r}"
+            )
+
+    def slowdown_of(self, device: str) -> float:
+        """Slow-down factor of ``device`` (1.0 when not named)."""
+        return float(self.slowdown.get(device, 1.0))
+
+    def link_bandwidth(self, d: str, e: str) -> float:
+        """Emulated bandwidth of link ``(d, e)`` in bytes/s (``inf`` = not limited)."""
+        if (d, e) in self.link_bandwidth_bytes_per_s:
+            return float(self.link_bandwidth_bytes_per_s[(d, e)])
+        if (e, d) in self.link_bandwidth_bytes_per_s:
+            return float(self.link_bandwidth_bytes_per_s[(e, d)])
+        if self.node.get(d, d) == self.node.get(e, e):
+            bw = self.intra_node_bandwidth_bytes_per_s
+            return math.inf if bw is None else float(bw)
+        return float(
+            min(
+                self.nic_bandwidth_bytes_per_s.get(d, math.inf),
+                self.nic_bandwidth_bytes_per_s.get(e, math.inf),
+            )
+        )
+
+    def limits_links(self) -> bool:
+        """Whether any transfer is slowed (a bandwidth or a latency is set)."""
+        return bool(
+            self.nic_bandwidth_bytes_per_s
+            or self.link_bandwidth_bytes_per_s
+            or self.intra_node_bandwidth_bytes_per_s is not None
+            or self.latency_s > 0
+        )
+
+    def transfer_time_s(self, d: str, e: str, num_bytes: int) -> float:
+        """Emulated duration of one transfer of ``num_bytes`` over ``(d, e)``:
+        ``num_bytes / bw(d, e) + latency_s`` seconds (SPEC §3, one direction)."""
+        bw = self.link_bandwidth(d, e)
+        return (0.0 if math.isinf(bw) else num_bytes / bw) + self.latency_s
+
+    @classmethod
+    def from_cluster_state(
+        cls, state: Any, slowdown: Mapping[str, float] | None = None
+    ) -> Emulation:
+        """Links of a :class:`hetrain.cluster.ClusterState` (NIC, nodes, intra-node bandwidth,
+        latency) plus the given slow-down factors."""
+        ids = list(state.ids)
+        return cls(
+            slowdown=dict(slowdown or {}),
+            nic_bandwidth_bytes_per_s={
+                d: float(state.nic_bytes_per_s[i]) for i, d in enumerate(ids)
+            },
+            node={d: str(int(state.node[i])) for i, d in enumerate(ids)},
+            intra_node_bandwidth_bytes_per_s=float(state.intra_node_bytes_per_s),
+            latency_s=float(state.latency_s),
+        )
+
+
+def sleep_s(duration_s: float) -> None:
+    """Sleep ``duration_s`` seconds if positive (never busy-waits)."""
+    if duration_s > 0:
+        time.sleep(duration_s)
+
+
+def slow_down(emulation: Emulation | None, device: str, measured_s: float) -> float:
+    """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time actually slept (s,
+    at least the requested time: ``time.sleep`` never returns early)."""
+    if emulation is None:
+        return 0.0
+    extra = (emulation.slowdown_of(device) - 1.0) * measured_s
+    if extra <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    sleep_s(extra)
+    return time.perf_counter() - t0

@@ -1,0 +1,150 @@
+"""profile_chain against hand-computed FLOPs and bytes; published-config models; CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hetrain.calibration import fit_speed_kappa
+from hetrain.cluster import load_cluster
+from hetrain.models.registry import EXAMPLES
+from hetrain.profile import load_profile
+from hetrain.profiler import LayerTimes, fit_device, profile_chain, time_layers
+
+
+def test_mlp_flops_and_bytes_by_hand():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    prof = profile_chain(model, torch.randn(4, 10), name="mlp")
+    l0, l1, l2 = prof.layers
+    assert (l0.fwd_flops, l0.bwd_flops) == (400, 400)  # 2·10·20; data needs no input grad
+    assert (l2.fwd_flops, l2.bwd_flops) == (200, 400)  # 2·20·5; input + weight gradients
+    assert (l1.fwd_flops, l1.bwd_flops) == (0, 0)  # element-wise ops are not counted
+    assert [ly.activation_bytes for ly in prof.layers] == [80, 80, 20]  # fp32 outputs
+    assert [ly.param_bytes for ly in prof.layers] == [(200 + 20) * 4, 0, (100 + 5) * 4]
+    # saved for backward: Linear keeps its input, ReLU its output (weights excluded)
+    assert [ly.activation_memory_bytes for ly in prof.layers] == [40, 80, 80]
+    assert [ly.name for ly in prof.layers] == ["0:Linear", "1:ReLU", "2:Linear"]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_shared_parameter_counted_once():
+    lin = nn.Linear(8, 8, bias=False)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    prof = profile_chain(model, torch.randn(2, 8))
+    assert [ly.param_bytes for ly in prof.layers] == [256, 0, 0]
+
+
+def test_charlm_block_matches_the_transformer_formula():
+    ex = EXAMPLES["charlm"]
+    torch.manual_seed(0)
+    prof = profile_chain(ex.build(), ex.make_input(2))
+    t, c, v = 64, 128, 96
+    block = prof.layers[1]
+    # 2·T·(3C² + C² + 8C²) for the linears + 4·T²·C for QKᵀ and AV (sdpa, counted non-causal)
+    assert block.fwd_flops == 2 * t * 12 * c * c + 4 * t * t * c
+    assert block.bwd_flops > 2 * block.fwd_flops  # flash backward recomputes the scores
+    assert block.activation_bytes == t * c * 4
+    assert block.param_bytes == (12 * c * c + 13 * c) * 4
+    assert prof.layers[-1].fwd_flops == 2 * t * c * v
+    assert prof.layers[0].param_bytes == (v * c + t * c) * 4
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "fwd_gflop", "layers"),
+    [
+        ("resnet50", 25_557_032, 8.18, 18),  # He et al. 2016: 4.1 GMAC
+        # bert-base-uncased has 109,482,240 parameters with its pooler (768² + 768, not here);
+        # the MLM head adds dense + LayerNorm + an untied decoder
+        ("bert-base", 109_482_240 - 590_592 + 590_592 + 1536 + 768 * 30522 + 30522, None, 14),
+        # gpt2 has 124,439,808 parameters; the untied head adds 768·50257 + 50257
+        ("gpt2-small", 124_439_808 + 768 * 50257 + 50257, None, 14),
+    ],
+)
+def test_published_config_models_on_meta(name, params, fwd_gflop, layers):
+    ex = EXAMPLES[name]
+    with torch.device("meta"):
+        model = ex.build()
+    prof = profile_chain(model, ex.make_input(2, device="meta"))
+    assert prof.num_layers == layers
+    assert sum(ly.param_bytes for ly in prof.layers) == params * 4
+    total = sum(ly.fwd_flops for ly in prof.layers)
+    if fwd_gflop is not None:
+        assert total / 1e9 == pytest.approx(fwd_gflop, rel=0.01)
+    else:  # Kaplan et al. 2020: forward ≈ 2 N T + attention, N = non-embedding weights
+        t = 1024 if name == "gpt2-small" else 512
+        c = 768
+        approx = 2 * (12 * 12 * c * c) * t + 12 * 4 * t * t * c
+        blocks = sum(ly.fwd_flops for ly in prof.layers[1:-1])
+        assert blocks == pytest.approx(approx, rel=0.01)
+
+
+def test_fit_device_on_constructed_times():
+    ex = EXAMPLES["digits"]
+    prof = profile_chain(ex.build(), ex.make_input(4))
+    flops = prof.arrays().train_flops
+    speed, kappa = 5e10, 2e-4
+    mus = (2, 8, 32)
+    per = np.array([[m * f / speed + kappa / len(flops) for f in flops] for m in mus])
+    times = LayerTimes(mus, per / 3, 2 * per / 3, threads=1)
+    fit = fit_device(prof, times)
+    assert fit.chain.speed_flops == pytest.approx(speed, rel=1e-9)
+    assert fit.chain.kappa_s == pytest.approx(kappa, rel=1e-6)
+    ref = fit_speed_kappa(mus, flops.sum(), per.sum(axis=1))
+    assert fit.chain.speed_flops == pytest.approx(ref.speed_flops)
+
+
+def test_time_layers_shapes_and_restores_threads():
+    ex = EXAMPLES["digits"]
+    model = ex.build()
+    before = torch.get_num_threads()
+    times = time_layers(model, lambda n: ex.make_input(n), (1, 4), warmup=0, repeats=1, threads=1)
+    assert times.fwd_s.shape == times.bwd_s.shape == (2, 6)
+    assert np.all(times.fwd_s > 0) and np.all(times.bwd_s[:, 1:] > 0)
+    assert torch.get_num_threads() == before
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError):
+        time_layers(model, lambda n: ex.make_input(n), ())
+
+
+def _run(*args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "hetrain", "profile", *args],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_cli_profile_and_measure(tmp_path):
+    r = _run("--example", "digits", "--out", "d.json", "--measure", "--microbatch-sizes", "4,64",
+             "--repeats", "2", "--warmup", "1", "--workers", "3", "--no-link",
+             tmp_path=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    prof = load_profile(tmp_path / "d.json")
+    assert prof.num_layers == 6 and prof.layers[1].fwd_flops == 2 * 64 * 16 * 9 * 32
+    cluster = load_cluster(tmp_path / "d.cluster.yaml")
+    details = json.loads((tmp_path / "d.measure.json").read_text())
+    assert [d.id for d in cluster.devices] == ["w0", "w1", "w2"]
+    assert cluster.devices[0].tflops == pytest.approx(
+        details["chain_fit"]["speed_flops"] / 1e12, rel=1e-4
+    )
+    assert np.array(details["fwd_s"]).shape == (2, 6)
+
+
+def test_cli_bad_input_exits_2(tmp_path):
+    r = _run("--example", "nope", tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "hetrain: error: --example: expected one of bert-base, charlm, digits, gpt2-small, "
+        "resnet50, got 'nope'"
+    ]
+    r = _run("--example", "digits", "--measure", "--out", "x.json", "--microbatch-sizes", "4",
+             tmp_path=tmp_path)  # fmt: skip
+    assert r.returncode == 2 and "--microbatch-sizes" in r.stderr

@@ -1,0 +1,177 @@
+"""Engine measurements, emulation and bad input (gloo, 2 forked ranks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetrain.errors import InputError
+from hetrain.models import digits_cnn
+from hetrain.plan import plan_from_dict
+from hetrain.runtime import Emulation, OptimizerSpec, Worker, gather_measurements
+from hetrain.runtime.engine import check_exact_layers
+from hetrain.runtime.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _group(devices, stages, mb, batch):
+    return {"devices": devices, "stages": stages, "microbatch_size": mb, "batch": batch}
+
+
+def _data(batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _measure(rank, world, plan, emulation, steps, autocast=False):
+    torch.manual_seed(0)
+    worker = Worker(
+        digits_cnn(channels=16, hidden=64),
+        plan_from_dict(plan),
+        f"w{rank}",
+        F.cross_entropy,
+        OptimizerSpec("sgd", lr=0.05),
+        emulation=emulation,
+        autocast_bf16=autocast,
+    )
+    x, y = _data(plan_from_dict(plan).global_batch)
+    return [gather_measurements(worker.step(x, y, t)) for t in range(steps)]
+
+
+def test_slowdown_grows_measured_compute_time(tmp_path):
+    plan = {"groups": [_group(["w0"], [[0, 6]], 64, 128), _group(["w1"], [[0, 6]], 64, 128)]}
+    emulation = Emulation(slowdown={"w1": 3.0})
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 8))[0]
+    assert [m["device_id"] for m in steps[0]] == ["w0", "w1"]
+    ratios = sorted(s[1]["compute_time_s"] / s[0]["compute_time_s"] for s in steps[1:])
+    assert ratios[len(ratios) // 2] > 2.0  # median over 7 steps; factor 3, loose (shared CPU)
+    for s in steps:
+        assert s[0]["emulated_compute_time_s"] == 0.0
+        own = s[1]["compute_time_s"] - s[1]["emulated_compute_time_s"]
+        assert s[1]["emulated_compute_time_s"] >= 1.99 * own  # slept (3 - 1) x its compute
+        assert s[0]["loss"] == s[1]["loss"]
+
+
+def test_link_emulation_delays_transfers(tmp_path):
+    # 2 stages, 4 micro-batches of 8 rows; activation after layer 4 is 8 x 64 float32 = 2 KiB
+    plan = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 8, 32)]}
+    msg_bytes = 8 * 64 * 4
+    emulation = Emulation(
+        link_bandwidth_bytes_per_s={("w0", "w1"): msg_bytes / 0.02}, latency_s=0.01
+    )
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 2))[0]
+    for s in steps:
+        first, second = s
+        assert second["bytes_received"] == 4 * msg_bytes  # activations of 4 micro-batches
+        assert first["bytes_received"] == 4 * msg_bytes  # their gradients
+        assert first["bytes_sent"] == second["bytes_received"]
+        # four activations share one emulated link (20 ms each + 10 ms latency): the last
+        # arrives >= 30 + 3 x 20 ms after the first is sent, and its gradient needs >= 30 ms
+        # more on the way back, all inside stage 0's step
+        assert first["iteration_time_s"] >= 0.12
+        assert first["link_time_s"]["w1"] >= 0.03 and second["link_time_s"]["w0"] >= 0.03
+        assert first["stage"] == (0, 4) and second["num_microbatches"] == 4
+
+
+def _bad_inputs(rank, world):
+    loss, spec = F.cross_entropy, OptimizerSpec("sgd", lr=0.1)
+    full = [_group(["w0", "w1"], [[0, 3], [3, 6]], 2, 8)]
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except ValueError as exc:  # InputError is a ValueError
+            out[name] = (type(exc).__name__, str(exc))
+
+    def make(plan, model=None):
+        return Worker(model or digits_cnn(4, 8), plan_from_dict(plan), f"w{rank}", loss, spec)
+
+    attempt("world", lambda: make({"groups": [_group(["w0"], [[0, 6]], 2, 8)]}))
+    attempt("unknown", lambda: make({"groups": [_group(["w0", "gpu9"], [[0, 3], [3, 6]], 2, 8)]}))
+    attempt("cover", lambda: make({"groups": [_group(["w0", "w1"], [[0, 3], [3, 5]], 2, 8)]}))
+    bn = nn.Sequential(
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), nn.Flatten(), nn.Linear(72, 10)
+    )
+    attempt("batchnorm", lambda: make({"groups": full}, bn))
+    drop = nn.Sequential(nn.Flatten(), nn.Dropout(0.1), nn.Linear(64, 10))
+    attempt(
+        "dropout", lambda: make({"groups": [_group(["w0", "w1"], [[0, 1], [1, 3]], 2, 8)]}, drop)
+    )
+    uneven = [_group(["w0"], [[0, 6]], 2, 4 + rank), _group(["w1"], [[0, 6]], 2, 4 - rank)]
+    attempt("plans", lambda: make({"groups": uneven}))
+    attempt("models", lambda: make({"groups": full}, digits_cnn(4, 8 + rank)))
+    worker = make({"groups": full})
+    attempt(
+        "replan",
+        lambda: worker.apply_plan(
+            plan_from_dict({"groups": [_group(["w0", "w7"], [[0, 3], [3, 6]], 2, 8)]})
+        ),
+    )
+    x, y = _data(8)
+    attempt("batch", lambda: worker.step(x[:5], y[:5], 0))
+    out["after"] = worker.step(x, y, 0).loss  # the worker still trains after refused input
+    return out
+
+
+def test_bad_plans_and_layers_raise_clear_errors_on_every_rank(tmp_path):
+    results = run_ranks(_bad_inputs, 2, tmp_path, timeout_s=60, pg_timeout_s=20)
+    assert results[0] == results[1] | {"after": results[0]["after"]}
+    r = results[0]
+    assert r["world"][0] == "InputError" and "world size 2" in r["world"][1]
+    assert r["unknown"][0] == "InputError" and "'gpu9'" in r["unknown"][1]
+    assert r["cover"][0] == "InputError" and "covering layers [0, 6)" in r["cover"][1]
+    assert r["batchnorm"][0] == "ValueError"
+    assert "layer 0" in r["batchnorm"][1] and "BatchNorm2d" in r["batchnorm"][1]
+    assert r["dropout"][0] == "ValueError" and "layer 1" in r["dropout"][1]
+    assert r["replan"][0] == "InputError" and "'w7'" in r["replan"][1]
+    assert r["plans"][0] == "ValueError" and "different plans" in r["plans"][1]
+    assert r["models"][0] == "ValueError" and "different model structures" in r["models"][1]
+    assert r["batch"][0] == "ValueError" and "global batch of 8 rows" in r["batch"][1]
+    assert math.isfinite(r["after"]) and r["after"] > 0
+
+
+def test_check_exact_layers_accepts_eval_mode_and_zero_dropout():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), nn.BatchNorm1d(3).eval())
+    check_exact_layers(model)  # no error: BatchNorm in eval mode uses running statistics
+    with pytest.raises(ValueError, match="layer 2"):
+        check_exact_layers(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.BatchNorm1d(3)))
+    assert issubclass(InputError, ValueError)
+
+
+def test_bf16_autocast_sends_bf16_activations_and_tracks_float32(tmp_path):
+    plan = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 8, 32)]}
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, None, 3, True))[0]
+    torch.manual_seed(0)
+    model = digits_cnn(channels=16, hidden=64)
+    opt = OptimizerSpec("sgd", lr=0.05).build(model.parameters())
+    x, y = _data(32)
+    for s in steps:
+        assert s[1]["bytes_received"] == 4 * 8 * 64 * 2  # bfloat16 activations
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        assert s[0]["loss"] == pytest.approx(loss.item(), rel=3e-2)
+
+
+def test_gradient_traffic_is_proportional_to_the_parameters_a_rank_holds(tmp_path):
+    # group 0 pipelines layers [0, 4) | [4, 6); group 1 holds everything on one rank
+    plan = {
+        "groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 4, 12), _group(["w2"], [[0, 6]], 6, 6)]
+    }
+    steps = run_ranks(_measure, 3, tmp_path, args=(plan, None, 1))[0]
+    model = digits_cnn(channels=16, hidden=64)
+    layer_bytes = [sum(p.numel() * 4 for p in layer.parameters()) for layer in model]
+    ranks = steps[0]
+    assert ranks[0]["sync_bytes"] == sum(layer_bytes[:4])
+    assert ranks[1]["sync_bytes"] == sum(layer_bytes[4:])
+    assert ranks[2]["sync_bytes"] == sum(layer_bytes)
+    assert [r["batch"] for r in ranks] == [12, 12, 6]
+    assert ranks[0]["num_microbatches"] == 3 and ranks[1]["stage"] == (4, 6)

@@ -1,0 +1,112 @@
+"""Pure pieces of the engine: schedules, layouts, buckets, migration transfers, emulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetrain.errors import InputError
+from hetrain.plan import plan_from_dict
+from hetrain.runtime.data_parallel import build_buckets
+from hetrain.runtime.emulation import Emulation
+from hetrain.runtime.layout import build_layout
+from hetrain.runtime.migrate import plan_transfers
+from hetrain.runtime.optim import OptimizerSpec, clip_coefficient
+from hetrain.runtime.stages import schedule_ops
+
+
+def _plan(*groups, schedule="1f1b"):
+    return plan_from_dict(
+        {
+            "schedule": schedule,
+            "groups": [
+                {"devices": d, "stages": s, "microbatch_size": m, "batch": b}
+                for d, s, m, b in groups
+            ],
+        }
+    )
+
+
+@pytest.mark.parametrize("stages,n", [(1, 3), (3, 2), (4, 7), (2, 1)])
+def test_1f1b_keeps_at_most_k_minus_stage_microbatches_alive(stages, n):
+    for k in range(stages):
+        ops = schedule_ops("1f1b", stages, k, n)
+        assert [i for op, i in ops if op == "F"] == list(range(n))
+        assert [i for op, i in ops if op == "B"] == list(range(n))
+        alive = peak = 0
+        for op, _ in ops:
+            alive += 1 if op == "F" else -1
+            peak = max(peak, alive)
+        assert peak == min(n, stages - k)  # SPEC §3 h_k under 1F1B
+    gpipe = schedule_ops("gpipe", stages, 0, n)
+    assert gpipe[:n] == [("F", i) for i in range(n)]
+    with pytest.raises(ValueError, match="schedule"):
+        schedule_ops("zb", 2, 0, 2)
+
+
+def test_layout_offsets_microbatches_and_owners():
+    plan = _plan(
+        (["b", "a"], [[0, 2], [2, 5]], 4, 10), (["c"], [[0, 5]], 3, 0), (["d"], [[0, 5]], 5, 6)
+    )
+    lay = build_layout(plan, ["a", "b", "c", "d"], 5)
+    assert [g.offset for g in lay.groups] == [0, 10, 10]
+    assert lay.groups[0].microbatches() == [(0, 4), (4, 8), (8, 10)]
+    assert lay.groups[2].microbatches() == [(10, 15), (15, 16)]
+    assert lay.owners[1] == (1, 2, 3) and lay.owners[3] == (0, 2, 3)
+    assert lay.active_owners[3] == (0, 3) and lay.canonical == (1, 1, 0, 0, 0)
+    assert lay.owned_layers(0) == (2, 3, 4) and lay.position(2) == (1, 0)
+    buckets = build_buckets(lay)
+    assert [(b.layers, b.active, b.idle) for b in buckets] == [
+        ((0, 1), (1, 3), (2,)),
+        ((2, 3, 4), (0, 3), (2,)),
+    ]
+    capped = build_buckets(lay, [10, 10, 10, 10, 10], cap_bytes=20)
+    assert [b.layers for b in capped] == [(0, 1), (2, 3), (4,)]
+    with pytest.raises(InputError, match="world size 5"):
+        build_layout(plan, ["a", "b", "c", "d", "e"], 5)
+    with pytest.raises(InputError, match="'d'"):
+        build_layout(plan, ["a", "b", "c"], 5)
+
+
+def test_plan_transfers_move_each_missing_layer_once_from_an_old_owner():
+    old = build_layout(
+        _plan((["a", "b"], [[0, 2], [2, 4]], 2, 8), (["c"], [[0, 4]], 2, 8)), ["a", "b", "c"], 4
+    )
+    new = build_layout(
+        _plan((["b", "c", "a"], [[0, 1], [1, 2], [2, 4]], 2, 16)), ["a", "b", "c"], 4
+    )
+    moves = plan_transfers(old, new)
+    assert {(t.layer, t.dst) for t in moves} == {(0, 1), (2, 0), (3, 0)}
+    for t in moves:
+        assert t.src in old.owners[t.layer] and t.dst not in old.owners[t.layer]
+    assert plan_transfers(old, old) == []
+
+
+def test_emulation_link_rules_and_validation():
+    em = Emulation(
+        nic_bandwidth_bytes_per_s={"a": 100.0, "b": 50.0},
+        node={"a": "n0", "c": "n0"},
+        intra_node_bandwidth_bytes_per_s=1000.0,
+        latency_s=0.5,
+    )
+    assert em.link_bandwidth("a", "b") == 50.0
+    assert em.link_bandwidth("a", "c") == 1000.0
+    assert em.transfer_time_s("b", "a", 100) == pytest.approx(2.5)
+    assert math.isinf(Emulation().link_bandwidth("x", "y")) and not Emulation().limits_links()
+    with pytest.raises(ValueError, match="slowdown"):
+        Emulation(slowdown={"a": 0.5})
+    with pytest.raises(ValueError, match="bandwidth"):
+        Emulation(nic_bandwidth_bytes_per_s={"a": 0.0})
+
+
+def test_optimizer_spec_and_clip_coefficient():
+    spec = OptimizerSpec("adamw", lr=0.1, lr_schedule=lambda t: 0.5**t)
+    assert spec.lr_at(2) == pytest.approx(0.025) and spec.state_factor == 2.0
+    assert OptimizerSpec("sgd", momentum=0.9).state_factor == 1.0
+    with pytest.raises(ValueError, match="optimizer.name"):
+        OptimizerSpec("lamb")
+    with pytest.raises(ValueError, match="optimizer.lr"):
+        OptimizerSpec(lr=-1.0)
+    assert clip_coefficient(10.0, 1.0) == pytest.approx(0.1)
+    assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(5.0, None) == 1.0
