@@ -23,8 +23,20 @@ DEVICES = ["w0", "w1", "w2", "w3"]
 RUN_TIMEOUT_S = 400
 
 
+CLUSTER = """\
+links: {intra_node_gbps: 100, latency_us: 50}
+devices:
+  - {id: w0, tflops: 2.0e-6, memory_gib: 16, nic_gbps: 10, microbatch_overhead_ms: 1.0}
+  - {id: w1, tflops: 1.5e-6, memory_gib: 16, nic_gbps: 10, microbatch_overhead_ms: 1.0}
+  - {id: w2, tflops: 1.0e-6, memory_gib: 16, nic_gbps: 10, microbatch_overhead_ms: 1.0}
+  - {id: w3, tflops: 1.0e-6, memory_gib: 16, nic_gbps: 10, microbatch_overhead_ms: 1.0}
+"""
+
+
 def _args(root: Path) -> list[str]:
-    return [
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cluster.yaml").write_text(CLUSTER)
+    return ["--cluster", str(root / "cluster.yaml"),
         "--steps", str(STEPS), "--batch", "24", "--checkpoint-dir", str(root / "ckpt"),
         "--checkpoint-every", str(EVERY), "--metrics-out", str(root / "metrics.jsonl"),
         "--min-step-time", "0.1", "--hang-timeout", "60", "--keep", "100", "--seed", "3",
@@ -117,6 +129,11 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
     # and the curve is a real training curve (it went down), not a constant
     assert got[-1] < got[0]
+
+    def brief(plan: dict) -> list:
+        return [(g["devices"], g["stages"], g["batch"]) for g in plan["plan"]["groups"]]
+
+    print(f"plan before: {brief(plans[0])}\nplan after: {brief(new_plan)}")
     print(
         f"kill after step {KILL_AFTER_STEP}; resumed from checkpoint {resumed}; "
         f"redone {restart['redone_steps']} steps; max |loss diff| vs reference "
