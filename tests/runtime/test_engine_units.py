@@ -110,3 +110,34 @@ def test_optimizer_spec_and_clip_coefficient():
         OptimizerSpec(lr=-1.0)
     assert clip_coefficient(10.0, 1.0) == pytest.approx(0.1)
     assert clip_coefficient(0.5, 1.0) == 1.0 and clip_coefficient(5.0, None) == 1.0
+
+
+def test_emulation_from_cluster_state_and_microbatch_overhead():
+    from hetrain.cluster import cluster_from_dict
+    from hetrain.runtime.emulation import slow_down
+
+    spec = cluster_from_dict(
+        {
+            "links": {"intra_node_gbps": 80, "latency_us": 20},
+            "devices": [
+                {
+                    "id": "a",
+                    "node": "n0",
+                    "tflops": 1,
+                    "memory_gib": 1,
+                    "nic_gbps": 8,
+                    "microbatch_overhead_ms": 3.0,
+                },
+                {"id": "b", "node": "n0", "tflops": 1, "memory_gib": 1, "nic_gbps": 8},
+                {"id": "c", "node": "n1", "tflops": 1, "memory_gib": 1, "nic_gbps": 4},
+            ],
+        }
+    )
+    em = Emulation.from_cluster_state(spec.state(), {"c": 2.0}, overhead=True)
+    assert em.link_bandwidth("a", "b") == pytest.approx(1e10)  # 80 Gbit/s intra-node
+    assert em.link_bandwidth("a", "c") == pytest.approx(5e8)  # min NIC, 4 Gbit/s
+    assert em.latency_s == pytest.approx(2e-5) and em.overhead_of("a") == pytest.approx(3e-3)
+    assert em.slowdown_of("c") == 2.0 and em.overhead_of("b") == 0.0
+    slept = slow_down(em, "a", 0.001, microbatch=True)  # factor 1, κ = 3 ms
+    assert slept >= 3e-3
+    assert slow_down(em, "c", 0.004) >= 4e-3  # (2 - 1) x 4 ms
