@@ -120,11 +120,13 @@ def run_scenario(spec: dict, slots_override: int | None = None) -> dict:
                           budgets=budgets)  # fmt: skip
         results["lyapunov"] = simulate(pol, timeline, profile, config, budgets=budgets, **sim_kw)
     speeds = [DEVICE_KINDS[k].tflops for k in kinds]
-    out = {"_meta": {"slots": slots, "batch": config.batch, "model": spec["model"],
+    out = {"_results": results, "_timeline": timeline, "_profile": profile, "_config": config,
+           "_sim_kw": sim_kw}  # fmt: skip
+    out["_meta"] = {"slots": slots, "batch": config.batch, "model": spec["model"],
                      "devices": len(cluster.ids), "budgets": budgets,
                      "speed_ratio_slowest_to_fastest": min(speeds) / max(speeds),
                      "heterogeneous": bool(spec.get("heterogeneous", len(kinds) > 1)),
-                     "fast_links": bool(spec.get("fast_links", False))}}  # fmt: skip
+                     "fast_links": bool(spec.get("fast_links", False))}  # fmt: skip
     for name in POLICIES:
         res = results[name]
         s = res.summary()
@@ -197,6 +199,28 @@ def report(name: str, out: dict) -> list[tuple[str, bool, str]]:
     return checks
 
 
+def write_plots(name: str, out: dict, folder: Path) -> None:
+    """Per-policy plots of one scenario; for a budgeted scenario also the V sweep."""
+    from hetrain.report.sim_plots import plot_policies, plot_v_sweep
+
+    folder.mkdir(parents=True, exist_ok=True)
+    results = [out["_results"][p] for p in POLICIES]
+    plot_policies(results, folder / f"{name}.png", title=name)
+    budgets = out["_meta"]["budgets"]
+    if budgets:
+        sweep = {}
+        for v in (0.3, 1.0, 3.0, 10.0, 30.0):
+            pol = make_policy("lyapunov", out["_profile"], out["_config"], v=v, budgets=budgets)
+            sweep[v] = simulate(pol, out["_timeline"], out["_profile"], out["_config"],
+                                budgets=budgets, **out["_sim_kw"])  # fmt: skip
+        plot_v_sweep(sweep, folder / f"{name}-v-sweep.png")
+        for v, res in sweep.items():
+            s = res.summary()
+            print(f"  V={v:<5g} mean T {s['mean_iteration_time_s']:.4g} s, money/iter "
+                  f"{s['mean_cost']['money']:.4g} ({s['mean_cost']['money'] / budgets['money']:.3f}"
+                  f" of budget), final backlog {s['final_backlog']['money']:.4g}")  # fmt: skip
+
+
 def scale_run(devices: int = 1024, slots: int = 1000) -> dict:
     """Wall time of the Lyapunov controller on a ``devices``-device mixed cluster for ``slots``
     slots with drift, stragglers and preemptions (the 'under a minute' target of issue 4)."""
@@ -225,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     ap.add_argument("--slots", type=int, default=None, help="override every scenario's slots")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1024-device timing run")
+    ap.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="write per-scenario plots (and the V sweep of budgeted scenarios) here",
+    )
     args = ap.parse_args(argv)
     specs = [yaml.safe_load(p.read_text()) for p in sorted(args.scenarios.glob("*.yaml"))]
     if args.only:
@@ -242,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             for pol in POLICIES
         }
         summary["scenarios"][spec["name"]]["budget"] = out["_meta"]["budgets"]
+        if args.plots is not None:
+            write_plots(spec["name"], out, args.plots)
     if not args.no_scale:
         sc = scale_run()
         print(f"\nscale: lyapunov, {sc['devices']} devices, {sc['slots']} slots: "

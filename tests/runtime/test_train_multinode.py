@@ -9,9 +9,11 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
+import hetrain
 from hetrain.models import digits_cnn
 from hetrain.runtime.data import GlobalBatchSampler, digits_loss, digits_task
 
@@ -50,7 +52,10 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_two_torchrun_nodes_match_single_process(tmp_path):
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the processes import the hetrain under test (this checkout), whatever the cwd
+    src = str(Path(hetrain.__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     train_args = [
         "-m",
         "hetrain",

@@ -64,12 +64,14 @@ class SpeedEstimates:
     :class:`_Median3Ewma` per device.
     """
 
-    def __init__(self, ids: Sequence[str]) -> None:
+    def __init__(self, ids: Sequence[str], kappa_s: Sequence[float] | None = None) -> None:
         self.ids = tuple(ids)
         try:
             from hetrain.calibration import ClusterEstimator
 
-            self._cluster = ClusterEstimator(self.ids, alpha=0.3, max_consecutive_outliers=2)
+            self._cluster = ClusterEstimator(
+                self.ids, kappa_s=kappa_s, alpha=0.1, threshold=6.0, max_consecutive_outliers=3
+            )
             self._fallback = None
         except ImportError:  # the calibration module is not on this branch yet
             self._cluster = None
@@ -216,8 +218,8 @@ def migration_time_estimate_s(
     try:
         from hetrain.control.migration import migration_time_s
 
-        return float(migration_time_s(old, new, profile, state, optimizer_state_factor))
-    except (ImportError, TypeError):
+        return float(migration_time_s(old, new, state, profile, optimizer_state_factor))
+    except ImportError:
         pass
     old_owned = {
         (d, ly)
@@ -292,6 +294,13 @@ class Adapter:
         horizon_steps: steps over which a gain must pay back the migration.
         cooldown_steps: steps to wait after a change before the next one.
         confirm_steps: consecutive steps on which a change must look worth it (noise guard).
+        replan_threshold: relative move of a speed estimate that triggers the planner.
+        replan_every_steps: run the planner at least this often.
+        min_share_gain: relative predicted gain a share-only change from the policy needs (the
+            policy re-balances shares every slot; measured speeds are noisy).
+        async_planning: run the planner in a background thread of rank 0 (the exhaustive
+            search takes ~0.1-1 s; training goes on meanwhile and the candidate is checked
+            against the estimates of the step when it arrives).
         warmup_steps: steps to measure before the first decision.
         optimizer_state_factor: ``o`` for the migration bytes.
     """
@@ -306,14 +315,25 @@ class Adapter:
     cooldown_steps: int = 3
     warmup_steps: int = 2
     confirm_steps: int = 3
+    replan_threshold: float = 0.3
+    replan_every_steps: int = 100
+    async_planning: bool = True
+    min_share_gain: float = 0.1
     optimizer_state_factor: float = 2.0
     estimates: SpeedEstimates = field(init=False)
     _votes: int = field(default=0, init=False)
+    _candidate: Plan | None = field(default=None, init=False)
+    _source: str = field(default="", init=False)
+    _planned_speeds: Any = field(default=None, init=False)
+    _last_plan_step: int = field(default=-(10**9), init=False)
+    _pending: Any = field(default=None, init=False)
     _last_change: int = field(default=-(10**9), init=False)
     _observed_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.estimates = SpeedEstimates(self.base_state.ids)
+        self.estimates = SpeedEstimates(
+            self.base_state.ids, [float(k) for k in self.base_state.kappa_s]
+        )
 
     def observe(self, plan: Plan, compute_time_s: Mapping[str, float]) -> None:
         """Feed one iteration: ``compute_time_s[device]`` = measured compute seconds of that
@@ -334,19 +354,84 @@ class Adapter:
         """The base state with the measured speeds."""
         return self.estimates.apply(self.base_state)
 
+    def _decide_policy(self, step: int, current: Plan, state: ClusterState) -> Decision | None:
+        """The controller path: ``policy.decide`` every step (it re-balances shares, searches
+        when the state drifted and weighs migration itself), in the background thread when
+        ``async_planning``; its answer is applied at the first step after it arrives."""
+        if self._pending is not None:
+            if not self._pending.done():
+                return None
+            future, self._pending = self._pending, None
+            candidate, source = future.result()
+        elif self.async_planning:
+            self._pending = _executor().submit(_policy_decide, self.policy, step, state)
+            return None
+        else:
+            candidate, source = _policy_decide(self.policy, step, state)
+        candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
+        if _same_plan(candidate, current):
+            return None
+        decision = _decision(self, step, current, candidate, state, source)
+        if not decision.structure_changed and not (
+            decision.predicted_time_s < (1 - self.min_share_gain) * decision.current_time_s
+        ):
+            return None  # a share-only change must gain min_share_gain (noise guard)
+        self._last_change = step
+        return decision
+
+    def _speeds_moved(self, state: ClusterState) -> bool:
+        """Whether some speed estimate moved by more than ``replan_threshold`` (relative)
+        since the last planner call (the planner costs ~0.1-0.2 s, too much for every step)."""
+        if self._planned_speeds is None:
+            return True
+        rel = np.abs(state.speed_flops - self._planned_speeds) / self._planned_speeds
+        return bool(np.any(rel > self.replan_threshold))
+
     def decide(self, step: int, current: Plan) -> Decision | None:
-        """A new plan for ``step`` or None (keep ``current``)."""
+        """A new plan for ``step`` or None (keep ``current``).
+
+        The planner runs when the speed estimates moved (see :meth:`_speeds_moved`) or every
+        ``replan_every_steps``; a candidate it returns is kept and re-checked against fresh
+        estimates (cheap cost-model evaluations) until it has looked worth it on
+        ``confirm_steps`` consecutive steps, or stops looking so."""
         if (
             self._observed_steps < self.warmup_steps
             or step - self._last_change < self.cooldown_steps
         ):
             return None
         state = self.observed_state()
-        candidate, source = propose_plan(
-            state, self.profile, current, config=self.config, policy=self.policy, slot=step
-        )
-        if _same_plan(candidate, current):
-            return None
+        if self.policy is not None:
+            return self._decide_policy(step, current, state)
+        if self._candidate is None:
+            if self._pending is not None:
+                if not self._pending.done():
+                    return None
+                future, self._pending = self._pending, None
+                candidate, source = future.result()
+            else:
+                due = step - self._last_plan_step >= self.replan_every_steps
+                if not (self._speeds_moved(state) or due):
+                    return None
+                self._planned_speeds = state.speed_flops.copy()
+                self._last_plan_step = step
+                if self.async_planning and self.policy is None:
+                    self._pending = _executor().submit(
+                        propose_plan, state, self.profile, current, config=self.config
+                    )
+                    return None
+                candidate, source = propose_plan(
+                    state,
+                    self.profile,
+                    current,
+                    config=self.config,
+                    policy=self.policy,
+                    slot=step,
+                )
+            candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
+            if _same_plan(candidate, current):
+                return None
+            self._candidate, self._source, self._votes = candidate, source, 0
+        candidate, source = self._candidate, self._source
         t_cur = predict_iteration_time_s(current, state, self.profile, self.config)
         t_new = predict_iteration_time_s(candidate, state, self.profile, self.config)
         mig = migration_time_estimate_s(
@@ -355,12 +440,12 @@ class Adapter:
         if source != "policy":
             horizon = max(min(self.steps - step, self.horizon_steps), 0)
             if not (t_new < (1 - self.min_gain) * t_cur and (t_cur - t_new) * horizon > mig):
-                self._votes = 0
+                self._candidate = None
                 return None
             self._votes += 1
             if self._votes < self.confirm_steps:
                 return None
-        self._votes = 0
+        self._candidate = None
         self._last_change = step
         return Decision(
             plan=candidate,
@@ -370,6 +455,68 @@ class Adapter:
             migration_time_s=mig,
             structure_changed=candidate.structure() != current.structure(),
         )
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """One background thread for planner calls (created on first use, daemon)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-planner")
+    return _EXECUTOR
+
+
+def _decision(
+    adapter: Adapter, step: int, current: Plan, candidate: Plan, state: ClusterState, source: str
+) -> Decision:
+    t_cur = predict_iteration_time_s(current, state, adapter.profile, adapter.config)
+    t_new = predict_iteration_time_s(candidate, state, adapter.profile, adapter.config)
+    mig = migration_time_estimate_s(
+        current, candidate, adapter.profile, state, adapter.optimizer_state_factor
+    )
+    return Decision(
+        plan=candidate,
+        reason=f"{source}: predicted {t_cur:.4g}s -> {t_new:.4g}s per iteration",
+        current_time_s=t_cur,
+        predicted_time_s=t_new,
+        migration_time_s=mig,
+        structure_changed=candidate.structure() != current.structure(),
+    )
+
+
+def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
+    """``plan`` with every device of ``devices`` it does not name added as an idle
+    single-device group (``b_g = 0``), so that every rank is named (the engine's first plan
+    must name all ranks; idle ranks keep a full replica's layout), and single-device groups
+    running their share as one micro-batch (``μ_g = b_g``: with one stage, splitting only adds
+    ``κ`` per micro-batch, SPEC §3)."""
+    plan = plan.model_copy(
+        update={
+            "groups": tuple(
+                g.model_copy(update={"microbatch_size": g.batch})
+                if g.num_stages == 1 and g.batch > 0
+                else g
+                for g in plan.groups
+            )
+        }
+    )
+    named = set(plan.devices)
+    extra = tuple(
+        GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
+        for d in devices
+        if d not in named
+    )
+    if not extra:
+        return plan
+    return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
+
+
+def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str]:
+    return policy.decide(slot, observed), "policy"
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

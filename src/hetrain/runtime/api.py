@@ -102,6 +102,11 @@ def load_model_factory(spec: str) -> Callable[[], Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise InputError("--model", spec, "expected pkg.module:factory")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current folder
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -35,11 +35,18 @@ from hetrain.cluster import ClusterSpec, ClusterState, cluster_from_dict
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.profile import ProfileArrays
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.adapt import Adapter, even_dp_plan, propose_plan
+from hetrain.runtime.adapt import (
+    Adapter,
+    complete_plan,
+    even_dp_plan,
+    predict_iteration_time_s,
+    propose_plan,
+)
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
 from hetrain.runtime.metrics import MetricsWriter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+FIRST_PLAN_MIN_GAIN = 0.2  # relative predicted gain over even shares needed for the first plan
 
 
 @dataclass
@@ -150,6 +157,16 @@ def profile_chain(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
         activation_memory_bytes=a,
         param_bytes=np.array(params, dtype=float),
     )
+
+
+def _profile(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
+    """The model profile from ``hetrain.profiler.profile_chain`` (FLOPs, saved-activation
+    bytes), or :func:`profile_chain` here when the profiler is not available."""
+    try:
+        from hetrain.profiler import profile_chain as measured_profile
+    except ImportError:
+        return profile_chain(model, sample)
+    return measured_profile(model, sample).arrays()
 
 
 def local_cluster_state(devices: list[str], speeds_flops: list[float]) -> ClusterState:
@@ -263,28 +280,49 @@ def _make_policy(job: TrainJob, profile: ProfileArrays, config):
         from hetrain.control import make_policy
     except ImportError:
         return None
-    try:
-        return make_policy("lyapunov", profile, config)
-    except Exception:  # an incomplete controller must not stop training
-        return None
+    # measured speeds are noisy (shared CPUs): a switch must win by 20% over 20 steps
+    return make_policy(
+        "lyapunov", profile, config, switch_margin=0.2, horizon_slots=20.0, replan_every=100
+    )
 
 
-def _measure_speed(task: Task, model: nn.Module, dtype, samples: int, factor: float) -> float:
-    """FLOP/s-free speed proxy of this rank: samples per second of forward+backward of the
-    whole model on ``samples`` training samples (median of 3), with the emulated ``factor``
-    applied by sleeping ``(factor - 1)`` x the measured time (SPEC §5)."""
-    x, y = task.train.batch(np.arange(samples))
-    x = cast_inputs(x, dtype)
+def _measure_device(
+    task: Task, model: nn.Module, dtype, flops_per_sample: float, batch: int, factor: float
+) -> tuple[float, float]:
+    """Speed ``s`` (FLOP/s) and per-micro-batch overhead ``κ`` (s) of this rank: forward +
+    backward of the whole model on micro-batches of 1, 4 and 16 samples (at most ``batch``;
+    median of 3 each), emulated ``factor`` applied by sleeping ``(factor - 1)`` x the measured time
+    (SPEC §5), fitted to ``t = μ F / s + κ`` (SPEC §3) by ``hetrain.calibration`` when present,
+    else the two-point line."""
+    sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
     times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        loss = task.loss_fn(model(x), y)
-        loss.backward()
-        dt = time.perf_counter() - t0
-        time.sleep((factor - 1.0) * dt)
-        times.append(dt * factor)
+    for mu in sizes:
+        x, y = task.train.batch(np.arange(mu))
+        x = cast_inputs(x, dtype)
+        reps = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            task.loss_fn(model(x), y).backward()
+            dt = time.perf_counter() - t0
+            time.sleep((factor - 1.0) * dt)
+            reps.append(dt * factor)
+        times.append(float(np.median(reps)))
     model.zero_grad(set_to_none=True)
-    return samples / float(np.median(times))
+    if len(sizes) == 1:
+        return flops_per_sample / times[0], 0.0
+    # κ must not exceed what the smallest micro-batch took (noise guard)
+    cap = 0.5 * times[0]
+    try:
+        from hetrain.calibration import fit_speed_kappa
+
+        fit = fit_speed_kappa(sizes, flops_per_sample, times)
+        if fit.kappa_s <= cap:
+            return float(fit.speed_flops), float(fit.kappa_s)
+    except (ImportError, ValueError):
+        pass
+    # fallback: κ = cap at most, speed from the largest micro-batch
+    kappa = min(cap, max(times[0] - (times[-1] - times[0]) / (sizes[-1] - sizes[0]), 0.0))
+    return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,25 +385,33 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     config = _training_config(job)
     if job.adaptive or job.plan is None:
         x0, _ = job.task.train.batch(np.arange(2))
-        profile = profile_chain(model, cast_inputs(x0, torch.float32))
+        profile = _profile(model, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
     if plan is None and resume is not None and set(resume.plan.devices) == set(job.devices):
         plan = resume.plan
     if plan is None:
         # measured speeds of the local ranks (emulation of the first slot applied)
         factor = emu.factors(start_step)[device_id]
-        sps = _measure_speed(job.task, model.to(dtype), dtype, min(8, job.batch), factor)
-        speeds = torch.tensor([sps], dtype=torch.float64)
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, speeds)
         flops_per_sample = float(profile.train_flops.sum())
-        measured = [float(t.item()) * flops_per_sample for t in gathered]
-        base_state = _base_state(job, measured)
+        mine = _measure_device(
+            job.task, model.to(dtype), dtype, flops_per_sample, job.batch, factor
+        )
+        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
+        measured = [float(t[0]) for t in gathered]
+        kappa = [float(t[1]) for t in gathered]
+        base_state = _base_state(job, measured, kappa)
         if lead:
             first = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
             if job.adaptive and world > 1:
+                # the planner's first plan only when it beats even shares clearly (the start-up
+                # measurements are taken while all ranks compete for the same cores)
                 cand, _ = propose_plan(base_state, profile, first, config=config)
-                first = cand
+                cand = complete_plan(cand, job.devices, num_layers)
+                t_even = predict_iteration_time_s(first, base_state, profile, config)
+                t_cand = predict_iteration_time_s(cand, base_state, profile, config)
+                if t_cand < (1.0 - FIRST_PLAN_MIN_GAIN) * t_even:
+                    first = cand
             first = first.model_copy(update={"plan_id": 0})
             payload = [first.to_json_dict()]
         else:
@@ -412,11 +458,19 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         if lead:
             metrics.write("restart", start_step, path=str(resume.path), plan_id=plan.plan_id)
     if lead:
-        metrics.write("plan", start_step, plan_id=plan.plan_id, plan=plan.to_json_dict())
+        metrics.write(
+            "plan",
+            start_step,
+            plan_id=plan.plan_id,
+            plan=plan.to_json_dict(),
+            speed_flops=dict(zip(base_state.ids, base_state.speed_flops.tolist(), strict=True)),
+            kappa_s=dict(zip(base_state.ids, base_state.kappa_s.tolist(), strict=True)),
+        )
 
     progress = _Progress(job.steps, start_step) if (lead and job.progress) else None
     next_plan_id = int(plan.plan_id) + 1
     replans = 0
+    adapt_time_s = 0.0  # rank 0's time in the adapter (estimates + planner), all steps
     timelines: list[dict[str, Any]] = []
     last_loss = float("nan")
     step_times: list[float] = []
@@ -467,16 +521,22 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
                 if adapter is not None and step + 1 < job.steps:
+                    t_adapt = time.perf_counter()
                     adapter.observe(
                         plan, {d: r[0] for d, r in zip(job.devices, table, strict=True)}
                     )
                     decision = adapter.decide(step + 1, plan)
+                    adapt_time_s += time.perf_counter() - t_adapt
             if job.adaptive and world > 1:
+                # a one-element flag every step; the plan object only when it changed
+                flag = torch.tensor([1 if (lead and decision is not None) else 0])
+                dist.broadcast(flag, src=0)
                 box = [None]
-                if lead and decision is not None:
-                    new = decision.plan.model_copy(update={"plan_id": next_plan_id})
-                    box = [new.to_json_dict()]
-                dist.broadcast_object_list(box, src=0)
+                if int(flag.item()):
+                    if lead:
+                        new = decision.plan.model_copy(update={"plan_id": next_plan_id})
+                        box = [new.to_json_dict()]
+                    dist.broadcast_object_list(box, src=0)
                 if box[0] is not None:
                     new_plan = plan_from_dict(box[0], "<re-plan>")
                     migration = worker.apply_plan(new_plan)
@@ -551,6 +611,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "quality": job.task.quality_line(quality),
         "quality_reached": job.task.quality_reached(quality),
         "replans": replans,
+        "adapt_time_s": adapt_time_s,
         "final_plan": plan.to_json_dict(),
         "wall_time_s": wall,
         "mean_iteration_time_s": float(np.mean(step_times)) if step_times else None,
@@ -561,19 +622,25 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     return summary
 
 
-def _base_state(job: TrainJob, measured_flops: list[float] | None) -> ClusterState:
-    """Cluster state the planner starts from: ``--cluster``'s devices when given (speeds
-    replaced by measurements when there are any), else the local ranks."""
+def _base_state(
+    job: TrainJob, measured_flops: list[float] | None, kappa_s: list[float] | None = None
+) -> ClusterState:
+    """Cluster state the planner starts from: ``--cluster``'s devices when given (speeds and
+    κ replaced by measurements when there are any), else the local ranks."""
     if job.cluster is not None:
         state = cluster_from_dict(job.cluster, "--cluster").state()
-        if measured_flops is not None:
-            idx = state.index()
-            speed = state.speed_flops.copy()
-            for d, s in zip(job.devices, measured_flops, strict=True):
-                speed[idx[d]] = s
-            state = state.with_changes(speed_flops=speed)
-        return state
-    return local_cluster_state(job.devices, measured_flops or [1e9] * len(job.devices))
+    else:
+        state = local_cluster_state(job.devices, [1e9] * len(job.devices))
+    if measured_flops is not None:
+        idx = state.index()
+        speed = state.speed_flops.copy()
+        kap = state.kappa_s.copy()
+        for i, d in enumerate(job.devices):
+            speed[idx[d]] = measured_flops[i]
+            if kappa_s is not None:
+                kap[idx[d]] = kappa_s[i]
+        state = state.with_changes(speed_flops=speed, kappa_s=kap)
+    return state
 
 
 class _Progress:
