@@ -18,7 +18,8 @@ repository), ``batch``, ``slots``, ``seed``, ``cluster`` (``kinds: {KIND: count}
 :func:`hetrain.sim.dynamics.generate_trace` — ``stragglers``, ``bamboo_events``,
 ``spot_log``, ``spot_prices``; each converter entry names a file under the data folder and the
 device-id prefixes it applies to), ``noise`` (``time``, ``measurement``), ``budget``
-(``money_fraction_of_greedy``: the money budget is that fraction of greedy's mean cost),
+(``money``: currency per iteration, or ``money_fraction_of_greedy``: that fraction of greedy's
+mean cost; checked against the minimum feasible budget),
 ``fast_links`` (whether the 1.3x-of-lower-bound target applies).
 """
 
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from hetrain.catalog import DEVICE_KINDS, make_cluster  # noqa: E402
+from hetrain.commands.simulate import minimum_budget  # noqa: E402
 from hetrain.control import BASELINE_NAMES, make_policy  # noqa: E402
 from hetrain.costmodel import TrainingConfig  # noqa: E402
 from hetrain.profile import load_profile  # noqa: E402
@@ -114,17 +116,28 @@ def run_scenario(spec: dict, slots_override: int | None = None) -> dict:
         pol = make_policy(name, profile, config)
         results[name] = simulate(pol, timeline, profile, config, **sim_kw)
     if "budget" in spec:
-        greedy_money = results["greedy"].summary()["mean_cost"]["money"]
-        budgets = {"money": float(spec["budget"]["money_fraction_of_greedy"]) * greedy_money}
+        if "money" in spec["budget"]:
+            budgets = {"money": float(spec["budget"]["money"])}
+        else:
+            greedy_money = results["greedy"].summary()["mean_cost"]["money"]
+            budgets = {"money": float(spec["budget"]["money_fraction_of_greedy"]) * greedy_money}
+        least = minimum_budget(timeline, profile, config, "money", slots)
+        if budgets["money"] < least:
+            raise SystemExit(f"{spec['name']}: budget {budgets['money']:.4g} is below the "
+                             f"minimum feasible {least:.4g}")  # fmt: skip
+        print(f"{spec['name']}: money budget {budgets['money']:.4g} per iteration, minimum "
+              f"feasible {least:.4g}")  # fmt: skip
         pol = make_policy("lyapunov", profile, config, v=float(spec.get("v", 1.0)),
                           budgets=budgets)  # fmt: skip
         results["lyapunov"] = simulate(pol, timeline, profile, config, budgets=budgets, **sim_kw)
     speeds = [DEVICE_KINDS[k].tflops for k in kinds]
-    out = {"_meta": {"slots": slots, "batch": config.batch, "model": spec["model"],
+    out = {"_results": results, "_timeline": timeline, "_profile": profile, "_config": config,
+           "_sim_kw": sim_kw}  # fmt: skip
+    out["_meta"] = {"slots": slots, "batch": config.batch, "model": spec["model"],
                      "devices": len(cluster.ids), "budgets": budgets,
                      "speed_ratio_slowest_to_fastest": min(speeds) / max(speeds),
                      "heterogeneous": bool(spec.get("heterogeneous", len(kinds) > 1)),
-                     "fast_links": bool(spec.get("fast_links", False))}}  # fmt: skip
+                     "fast_links": bool(spec.get("fast_links", False))}  # fmt: skip
     for name in POLICIES:
         res = results[name]
         s = res.summary()
@@ -197,6 +210,28 @@ def report(name: str, out: dict) -> list[tuple[str, bool, str]]:
     return checks
 
 
+def write_plots(name: str, out: dict, folder: Path) -> None:
+    """Per-policy plots of one scenario; for a budgeted scenario also the V sweep."""
+    from hetrain.report.sim_plots import plot_policies, plot_v_sweep
+
+    folder.mkdir(parents=True, exist_ok=True)
+    results = [out["_results"][p] for p in POLICIES]
+    plot_policies(results, folder / f"{name}.png", title=name)
+    budgets = out["_meta"]["budgets"]
+    if budgets:
+        sweep = {}
+        for v in (0.3, 1.0, 3.0, 10.0, 30.0):
+            pol = make_policy("lyapunov", out["_profile"], out["_config"], v=v, budgets=budgets)
+            sweep[v] = simulate(pol, out["_timeline"], out["_profile"], out["_config"],
+                                budgets=budgets, **out["_sim_kw"])  # fmt: skip
+        plot_v_sweep(sweep, folder / f"{name}-v-sweep.png")
+        for v, res in sweep.items():
+            s = res.summary()
+            print(f"  V={v:<5g} mean T {s['mean_iteration_time_s']:.4g} s, money/iter "
+                  f"{s['mean_cost']['money']:.4g} ({s['mean_cost']['money'] / budgets['money']:.3f}"
+                  f" of budget), final backlog {s['final_backlog']['money']:.4g}")  # fmt: skip
+
+
 def scale_run(devices: int = 1024, slots: int = 1000) -> dict:
     """Wall time of the Lyapunov controller on a ``devices``-device mixed cluster for ``slots``
     slots with drift, stragglers and preemptions (the 'under a minute' target of issue 4)."""
@@ -225,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     ap.add_argument("--slots", type=int, default=None, help="override every scenario's slots")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1024-device timing run")
+    ap.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="write per-scenario plots (and the V sweep of budgeted scenarios) here",
+    )
     args = ap.parse_args(argv)
     specs = [yaml.safe_load(p.read_text()) for p in sorted(args.scenarios.glob("*.yaml"))]
     if args.only:
@@ -242,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             for pol in POLICIES
         }
         summary["scenarios"][spec["name"]]["budget"] = out["_meta"]["budgets"]
+        if args.plots is not None:
+            write_plots(spec["name"], out, args.plots)
     if not args.no_scale:
         sc = scale_run()
         print(f"\nscale: lyapunov, {sc['devices']} devices, {sc['slots']} slots: "

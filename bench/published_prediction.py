@@ -7,7 +7,7 @@ per-layer forward/backward times. SPEC §3 models a stage's time per micro-batch
 
 A. sailor, per (model, GPU) at tensor-parallel degree 1: fit on all micro-batch sizes but the
    largest, predict (1) the whole chain at the largest size and (2) each of 4 FLOP-balanced
-   stages at every size (the stage κ taken as the chain's κ times the stage's share of layers).
+   stages at every size, with SPEC §3's κ per stage = the chain's κ (what the catalog ships).
 B. sailor, across models: the speed fitted on OPT-350M predicts GPT-Neo-2.7B on the same GPU
    (the catalog's speeds are per model family: this shows by how much that matters).
 C. pipedream (one minibatch size, so κ = 0): one speed per network from its total time,
@@ -77,8 +77,7 @@ def sailor_rows(data: Path):
         stages = balanced_stages(flops, 4)
         for mu, lt in zip(mus, layer_t, strict=True):
             for s0, s1 in stages:
-                kappa = fit.kappa_s * (s1 - s0) / len(flops)
-                p = mu * flops[s0:s1].sum() / fit.speed_flops + kappa
+                p = mu * flops[s0:s1].sum() / fit.speed_flops + fit.kappa_s
                 rows_stage.append((model, gpu, mu, (s0, s1), p, float(lt[s0:s1].sum())))
     return rows_a, rows_stage, fits
 
@@ -121,13 +120,20 @@ def main() -> None:
         )
 
     print("C. pipedream (one minibatch size, kappa = 0): one speed per network")
-    layer_errs, stage_errs_pd = [], []
+    layer_errs, layer_errs_mm, stage_errs_pd = [], [], []
     for net in ("vgg16", "resnet18", "resnet50", "alexnet", "resnext50", "resnet101"):
         ch = pipedream_chain(data / "pipedream-profiles" / f"{net}_graph.txt")
         flops = ch.profile.arrays().train_flops * ch.batch_size
         meas = (ch.fwd_ms + ch.bwd_ms) / 1e3
         speed = flops.sum() / meas.sum()
         le = [abs(rel(f / speed, m)) for f, m in zip(flops, meas, strict=True) if m > 0]
+        names = [ly.name for ly in ch.profile.layers]
+        le_mm = [
+            abs(rel(f / speed, m))
+            for f, m, n in zip(flops, meas, names, strict=True)
+            if m > 0 and n.split(":")[1].startswith(("Conv2d", "Linear"))
+        ]
+        layer_errs_mm += le_mm
         se = [
             abs(rel(flops[a:b].sum() / speed, meas[a:b].sum()))
             for a, b in balanced_stages(flops, 4)
@@ -136,7 +142,8 @@ def main() -> None:
         stage_errs_pd += se
         print(
             f"    {net:<10} {speed / 1e12:6.2f} TFLOP/s  per-layer median |err| "
-            f"{np.median(le):6.1%}  4 stages median |err| {np.median(se):6.1%} max "
+            f"{np.median(le):6.1%} (conv/linear-led {np.median(le_mm):6.1%})  4 stages median "
+            f"|err| {np.median(se):6.1%} max "
             f"{max(se):6.1%}"
         )
     summary = {
@@ -146,6 +153,7 @@ def main() -> None:
         "sailor_stage_max_abs_rel_error": float(max(stage_errs)),
         "sailor_cross_model_abs_rel_errors": [abs(c) for c in cross],
         "pipedream_layer_median_abs_rel_error": float(np.median(layer_errs)),
+        "pipedream_conv_linear_layer_median_abs_rel_error": float(np.median(layer_errs_mm)),
         "pipedream_stage_median_abs_rel_error": float(np.median(stage_errs_pd)),
         "pipedream_stage_max_abs_rel_error": float(max(stage_errs_pd)),
     }

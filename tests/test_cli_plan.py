@@ -172,3 +172,27 @@ def test_batch_zero_exit_2(files, capsys) -> None:
                             capsys)  # fmt: skip
         assert code == 2
         assert "--batch: expected an integer >= 1, got 0" in err
+
+
+def test_plan_naming_unavailable_device_is_input_error() -> None:
+    from hetrain.cluster import cluster_from_dict
+    from hetrain.commands.plan import check_plan_devices
+    from hetrain.errors import InputError
+    from hetrain.plan import plan_from_dict
+
+    state = cluster_from_dict(CLUSTER).state()
+    state = state.with_changes(available=state.available & [True, False, True])
+    plan = plan_from_dict(
+        {
+            "groups": [
+                {
+                    "devices": ["a", "b"],
+                    "stages": [[0, 2], [2, 5]],
+                    "microbatch_size": 1,
+                    "batch": 4,
+                }
+            ]
+        }  # fmt: skip
+    )
+    with pytest.raises(InputError, match=r"p.json: groups\[0\].devices\[1\]: expected an avail"):
+        check_plan_devices(plan, state, "p.json")

@@ -280,14 +280,10 @@ def make_cluster(
             )
         if count > 0:
             node_no += 1
-    intra = intra_node_gbps if intra_node_gbps is not None else min(
-        DEVICE_KINDS[k].intra_node_gbps for k in used
-    )  # fmt: skip
-    return cluster_from_dict(
-        {"links": {"intra_node_gbps": round(intra, 3), "latency_us": latency_us},
-         "devices": devices},
-        "<catalog>",
-    )  # fmt: skip
+    if intra_node_gbps is None:
+        intra_node_gbps = min(DEVICE_KINDS[k].intra_node_gbps for k in used)
+    links = {"intra_node_gbps": round(intra_node_gbps, 3), "latency_us": latency_us}
+    return cluster_from_dict({"links": links, "devices": devices}, "<catalog>")
 
 
 def mixed_kind_counts(

@@ -267,3 +267,51 @@ def test_make_policy_rejects_unknown_names_and_bad_v():
     with pytest.raises(ValueError, match="v"):
         make_policy("lyapunov", PROFILE, CONFIG, v=0.0)
     assert math.isinf(make_policy("greedy", PROFILE, CONFIG).v)
+
+
+def _naive_migration_s(old, new, state, per_layer):
+    """Reference: per receiver and missing layer, the old owner with the best bandwidth."""
+    idx = state.index()
+    held = {d: set(range(s, e)) for g in old.groups if g.batch > 0
+            for d, (s, e) in zip(g.devices, g.stages, strict=True)}  # fmt: skip
+    owners = {}
+    for d, layers in held.items():
+        for layer in layers:
+            owners.setdefault(layer, []).append(d)
+    worst = 0.0
+    for g in new.groups:
+        if g.batch <= 0:
+            continue
+        for d, (s, e) in zip(g.devices, g.stages, strict=True):
+            per_src = {}
+            for layer in set(range(s, e)) - held.get(d, set()):
+                bws = [state.link_bandwidth(idx[o], idx[d]) for o in owners[layer]]
+                src = owners[layer][int(np.argmax(bws))]
+                per_src[src] = per_src.get(src, 0.0) + per_layer[layer] / max(bws)
+            if per_src:
+                worst = max(worst, sum(per_src.values()) + len(per_src) * state.latency_s)
+    return worst
+
+
+def test_migration_time_matches_a_naive_reference_on_random_plans():
+    rng = np.random.default_rng(1)
+    ids = list(CLUSTER.ids)
+    state = CLUSTER.state()
+    per_layer = PROFILE.param_bytes * 3.0
+
+    def random_plan():
+        perm, groups, at = list(rng.permutation(ids)), [], 0
+        while at < len(perm):
+            devs = perm[at : at + int(rng.integers(1, 4))]
+            at += len(devs)
+            cuts = sorted(int(c) for c in rng.choice(np.arange(1, 8), len(devs) - 1, replace=False))
+            bounds = [0, *cuts, 8]
+            groups.append({"devices": devs, "stages": [bounds[i : i + 2] for i in range(len(devs))],
+                           "microbatch_size": 2, "batch": int(rng.integers(0, 20))})  # fmt: skip
+        groups[0]["batch"] += 1
+        return plan_from_dict({"groups": groups})
+
+    for _ in range(60):
+        old, new = random_plan(), random_plan()
+        expected = _naive_migration_s(old, new, state, per_layer)
+        assert migration_time_s(old, new, state, PROFILE, 2.0) == pytest.approx(expected, rel=1e-9)

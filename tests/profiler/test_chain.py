@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +10,7 @@ import torch
 from torch import nn
 
 from hetrain.calibration import fit_speed_kappa
+from hetrain.cli import main
 from hetrain.cluster import load_cluster
 from hetrain.models.registry import EXAMPLES
 from hetrain.profile import load_profile
@@ -114,20 +112,31 @@ def test_time_layers_shapes_and_restores_threads():
         time_layers(model, lambda n: ex.make_input(n), ())
 
 
-def _run(*args, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, "-m", "hetrain", "profile", *args],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False,
-    )  # fmt: skip
+def _run(*args):
+    """The CLI in-process (``hetrain.cli.main``): exit status."""
+    return main(["profile", *args])
 
 
-def test_cli_profile_and_measure(tmp_path):
-    r = _run("--example", "digits", "--out", "d.json", "--measure", "--microbatch-sizes", "4,64",
-             "--repeats", "2", "--warmup", "1", "--workers", "3", "--no-link",
-             tmp_path=tmp_path)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    prof = load_profile(tmp_path / "d.json")
+def test_cli_profile_and_measure(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    code = _run(
+        "--example",
+        "digits",
+        "--out",
+        str(out),
+        "--measure",
+        "--microbatch-sizes",
+        "4,1024",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--workers",
+        "3",
+        "--no-link",
+    )
+    assert code == 0, capsys.readouterr().err
+    prof = load_profile(out)
     assert prof.num_layers == 6 and prof.layers[1].fwd_flops == 2 * 64 * 16 * 9 * 32
     cluster = load_cluster(tmp_path / "d.cluster.yaml")
     details = json.loads((tmp_path / "d.measure.json").read_text())
@@ -138,13 +147,14 @@ def test_cli_profile_and_measure(tmp_path):
     assert np.array(details["fwd_s"]).shape == (2, 6)
 
 
-def test_cli_bad_input_exits_2(tmp_path):
-    r = _run("--example", "nope", tmp_path=tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    assert _run("--example", "nope") == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "hetrain: error: --example: expected one of bert-base, charlm, digits, gpt2-small, "
         "resnet50, got 'nope'"
     ]
-    r = _run("--example", "digits", "--measure", "--out", "x.json", "--microbatch-sizes", "4",
-             tmp_path=tmp_path)  # fmt: skip
-    assert r.returncode == 2 and "--microbatch-sizes" in r.stderr
+    out = str(tmp_path / "x.json")
+    assert _run("--example", "digits", "--measure", "--out", out, "--microbatch-sizes", "4") == 2
+    assert "--microbatch-sizes" in capsys.readouterr().err
+    assert _run("--example", "digits", "--batch", "0") == 2
+    assert "--batch: expected an integer >= 1, got 0" in capsys.readouterr().err

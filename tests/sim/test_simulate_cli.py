@@ -80,13 +80,16 @@ def test_fixed_plan_slot_time_equals_hetrain_evaluate(files: Path):
                             "mean_cost", "plan_changes"}  # fmt: skip
 
 
-def test_simulate_json_for_every_policy(files: Path):
+def test_simulate_json_for_every_policy(files: Path, capsys, monkeypatch):
+    from hetrain.cli import main
+
+    monkeypatch.chdir(files)
     for policy in ("lyapunov", "greedy", "dp-even", "dp-proportional", "pipeline", "static-hybrid"):
-        out = _run("simulate", "--cluster", "cluster.yaml", "--model", "model.json", "--batch",
-                   "64", "--trace", "trace.csv", "--slots", "6", "--policy", policy, "--json",
-                   cwd=files)  # fmt: skip
-        assert out.returncode == 0, (policy, out.stderr)
-        summary = json.loads(out.stdout)
+        args = ["simulate", "--cluster", "cluster.yaml", "--model", "model.json", "--batch", "64"]
+        rc = main([*args, "--trace", "trace.csv", "--slots", "6", "--policy", policy, "--json"])
+        out = capsys.readouterr()
+        assert rc == 0, (policy, out.err)
+        summary = json.loads(out.out)
         assert summary["policy"] == policy
         assert summary["mean_iteration_time_s"] >= summary["mean_lower_bound_s"] > 0
 

@@ -126,6 +126,7 @@ def _measure(
     from hetrain.cluster import cluster_from_dict
     from hetrain.profiler import fit_device, measure_p2p, time_layers
 
+    load_before = os.getloadavg()[0]
     torch.manual_seed(seed)
     model = ex.build()
     model.train()
@@ -178,6 +179,8 @@ def _measure(
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
         "microbatch_sizes": list(times.microbatch_sizes),
         "layer_names": [ly.name for ly in profile.layers],
         "fwd_s": times.fwd_s.tolist(),

@@ -81,48 +81,81 @@ def migration_time_s(
     moves or ``old`` is None).
 
     Each receiving device ``d`` gets every missing layer from the old owner with the highest
-    ``bw(owner, d)`` (SPEC §2 link bandwidth of ``state``); its time is
-    ``Σ_src bytes_src / bw(src, d) + lat`` per distinct source; the migration time is the max over
-    receivers (they copy in parallel). Shapes: plans name device ids of ``state``.
+    ``bw(owner, d)`` (SPEC §2 link bandwidth of ``state``: an owner on ``d``'s node if there is
+    one, else the owner with the fastest NIC); its time is ``Σ_src bytes_src / bw(src, d) + lat``
+    per distinct source; the migration time is the max over receivers (they copy in parallel).
+    Vectorised over (receiver, layer) pairs.
 
     Raises:
         KeyError: a plan names a device that is not in ``state``.
     """
     if old is None:
         return 0.0
-    num_layers = profile.num_layers
-    per_layer = profile.param_bytes * (1.0 + float(optimizer_state_factor))
-    held = _held_layers(old, num_layers)
-    owners = layer_owners(old, num_layers)
     index = state.index()
-    owner_idx = [np.array([index[d] for d in ow], dtype=np.int64) for ow in owners]
-    nic = state.nic_bytes_per_s
-    node = state.node
-    intra = float(state.intra_node_bytes_per_s)
-    worst = 0.0
+    num_layers = profile.num_layers
+    per_layer = np.asarray(profile.param_bytes, dtype=float) * (1.0 + float(optimizer_state_factor))
+    node = np.asarray(state.node, dtype=np.int64)
+    nic = np.asarray(state.nic_bytes_per_s, dtype=float)
+    num_nodes = int(node.max()) + 1 if len(node) else 1
+    old_start = np.full(len(state.ids), -1, dtype=np.int64)
+    old_end = np.full(len(state.ids), -1, dtype=np.int64)
+    own_dev: list[np.ndarray] = []
+    own_layer: list[np.ndarray] = []
+    for group in old.groups:
+        if group.batch <= 0:
+            continue
+        for dev, (start, end) in zip(group.devices, group.stages, strict=True):
+            i = index[dev]
+            old_start[i], old_end[i] = start, end
+            own_layer.append(np.arange(start, end, dtype=np.int64))
+            own_dev.append(np.full(end - start, i, dtype=np.int64))
+    if not own_dev:
+        return 0.0
+    o_dev = np.concatenate(own_dev)
+    o_layer = np.concatenate(own_layer)
+    # per layer: the owner with the fastest NIC (first on ties)
+    order = np.lexsort((-nic[o_dev], o_layer))
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = o_layer[order][1:] != o_layer[order][:-1]
+    best_owner = np.full(num_layers, -1, dtype=np.int64)
+    best_owner[o_layer[order][first]] = o_dev[order][first]
+    # per (layer, node): the first owner on that node
+    key = o_layer * num_nodes + node[o_dev]
+    uniq, pos = np.unique(key, return_index=True)
+    node_owner = o_dev[pos]
+    # receiver/layer pairs of the new plan that are not held already
+    r_dev: list[np.ndarray] = []
+    r_layer: list[np.ndarray] = []
     for group in new.groups:
         if group.batch <= 0:
             continue
         for dev, (start, end) in zip(group.devices, group.stages, strict=True):
-            have = held.get(dev)
-            d = index[dev]
-            per_source: dict[int, float] = {}
-            for layer in range(start, end):
-                if have is not None and have[layer]:
-                    continue
-                if per_layer[layer] <= 0:
-                    continue
-                srcs = owner_idx[layer]
-                if srcs.size == 0:  # cannot happen for a valid old plan; charge nothing
-                    continue
-                bw = np.where(node[srcs] == node[d], intra, np.minimum(nic[srcs], nic[d]))
-                best = int(np.argmax(bw))
-                src = int(srcs[best])
-                per_source[src] = per_source.get(src, 0.0) + per_layer[layer] / float(bw[best])
-            if per_source:
-                t = sum(per_source.values()) + len(per_source) * float(state.latency_s)
-                worst = max(worst, t)
-    return worst
+            i = index[dev]
+            layers = np.arange(start, end, dtype=np.int64)
+            missing = layers[(layers < old_start[i]) | (layers >= old_end[i])]
+            if missing.size:
+                r_layer.append(missing)
+                r_dev.append(np.full(missing.size, i, dtype=np.int64))
+    if not r_dev:
+        return 0.0
+    d = np.concatenate(r_dev)
+    layer = np.concatenate(r_layer)
+    keep = (per_layer[layer] > 0) & (best_owner[layer] >= 0)
+    d, layer = d[keep], layer[keep]
+    if d.size == 0:
+        return 0.0
+    want = layer * num_nodes + node[d]
+    at = np.clip(np.searchsorted(uniq, want), 0, len(uniq) - 1)
+    local = uniq[at] == want
+    src = np.where(local, node_owner[at], best_owner[layer])
+    bw = np.where(
+        local, float(state.intra_node_bytes_per_s), np.minimum(nic[best_owner[layer]], nic[d])
+    )
+    seconds = np.bincount(d, weights=per_layer[layer] / bw, minlength=len(state.ids))
+    pairs = np.unique(d * len(state.ids) + src)
+    sources = np.bincount(pairs // len(state.ids), minlength=len(state.ids))
+    total = seconds + sources * float(state.latency_s)
+    return float(total.max())
 
 
 def _held_layers(plan: Plan, num_layers: int) -> dict[str, np.ndarray]:

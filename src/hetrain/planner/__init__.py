@@ -140,7 +140,8 @@ def best_plan(
                 plan, objective = other, obj
     if plan is None:
         raise NoFeasiblePlanError(
-            "the model fits no arrangement of the available devices "
-            f"({len(ctx.available)} available, {profile.num_layers} layers)"
+            f"no arrangement of the {len(ctx.available)} available devices holds the "
+            f"{profile.num_layers}-layer model's parameters, gradients, optimizer state and "
+            f"{config.schedule} activations for B = {config.batch}"
         )
     return plan

@@ -18,7 +18,13 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.costmodel import TrainingConfig, profile_prefix, stage_memory_bytes
 from hetrain.plan import GroupPlan, Plan
-from hetrain.planner.search import SearchContext, candidate_to_plan, fill_figures, solve_structure
+from hetrain.planner.search import (
+    SearchContext,
+    _order_in_node,
+    candidate_to_plan,
+    fill_figures,
+    solve_structure,
+)
 from hetrain.profile import ProfileArrays
 
 
@@ -171,14 +177,14 @@ def pipeline_plan(
 def static_hybrid_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:
-    """``static-hybrid`` (HetPipe-style): groups = nodes (available devices, cluster-file
-    order, at most ``L`` per node), stages and shares solved by the planner for that fixed
-    structure; None when no node can hold the model."""
+    """``static-hybrid`` (HetPipe-style): groups = nodes (available devices ordered by memory
+    then speed, as the planner orders a node, at most ``L`` per node), stages and shares
+    solved by the planner for that fixed structure; None when no node can hold the model."""
     ctx = SearchContext(state, profile, config)
     by_node: dict[int, list[int]] = {}
     for d in np.flatnonzero(state.available):
         by_node.setdefault(int(state.node[d]), []).append(int(d))
-    groups = [tuple(v[: profile.num_layers]) for v in by_node.values()]
+    groups = [tuple(_order_in_node(ctx, v)[: profile.num_layers]) for v in by_node.values()]
     if not groups:
         return None
     cand = solve_structure(ctx, groups)

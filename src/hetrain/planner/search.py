@@ -46,6 +46,7 @@ from hetrain.planner.partition import (
     count_splits,
     enumerate_splits,
     envelope_splits,
+    max_microbatches,
     pareto,
     split_table,
 )
@@ -57,6 +58,7 @@ EXHAUSTIVE_MAX_LAYERS = 8
 EXHAUSTIVE_MAX_BATCH = 64
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
+MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
 
 
 @dataclass
@@ -532,9 +534,10 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
             by_kind.setdefault(kind[d], []).append(d)
     for k in depths(max(len(v) for v in by_kind.values())):
         out.append((f"kind-pipelines-{k}", [c for v in by_kind.values() for c in chunks(v, k)]))
-    # one pipeline of the fastest L devices (the file-order pipeline is the SPEC §6
-    # baseline, which best_plan evaluates anyway)
+    # one pipeline: the first L devices in file order (the SPEC §6 baseline's devices, here
+    # with optimised stages, μ and share), and the fastest L devices
     if len(avail) > 1:
+        out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
         fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
         out.append(("pipeline-fastest", [tuple(fastest)]))
     seen, unique = set(), []
@@ -570,24 +573,43 @@ def solve_structure(
     keys = list(entries)
     # a group rarely gets more than a few times the average share, and a pipeline of K
     # stages wants about K micro-batches or more: larger μ are left to the refinement
-    opts = []
+    quick = (
+        fixed_bounds is not None
+        and extra_mus is not None
+        and all(fixed[entries[k][0]] is not None for k in keys)
+    )
+    mu_lists = []
     for k in keys:
         g0 = entries[k][0]
         cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
         old_mus = {int(extra_mus[g]) for g in entries[k] if extra_mus is not None
                    and extra_mus[g] is not None}  # fmt: skip
         if fixed[g0] is not None and old_mus:
-            # warm start with its stages kept: the previous μ and its neighbours (refined below)
-            mus = {m for o in old_mus for m in (max(1, o // 2), o, 2 * o) if m <= ctx.batch}
+            # warm start with its stages kept: the previous μ and its neighbours
+            mus = {
+                m for o in old_mus for m in (max(1, o // 2), o - 1, o, o + 1, 2 * o)
+                if 1 <= m <= ctx.batch
+            }  # fmt: skip
         else:
             mus = set(ctx.mu_candidates(cap)) | old_mus
-        opts.append(ctx.envelope_options(garr[g0], sorted(mus), fixed[g0]))
+        mu_lists.append(sorted(mus))
+    if quick:
+        opts = fixed_split_options(
+            ctx, [garr[entries[k][0]] for k in keys], [fixed[entries[k][0]] for k in keys],
+            mu_lists,
+        )  # fmt: skip
+        refine = False
+    else:
+        opts = [
+            ctx.envelope_options(garr[entries[k][0]], mus, fixed[entries[k][0]])
+            for k, mus in zip(keys, mu_lists, strict=True)
+        ]
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound)
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick)
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -606,10 +628,61 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound)
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick)
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
+
+
+def fixed_split_options(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    bounds: Sequence[np.ndarray],
+    mus: Sequence[Sequence[int]],
+) -> list[GroupOptions]:
+    """Options of groups whose stages are fixed (a warm start), one per ``μ`` of each group's
+    list, computed for all groups of one depth at once: ``(G, U, K)`` arrays of the SPEC §3
+    stage and boundary times, memory limits from :func:`max_microbatches`."""
+    st, pre, cfg = ctx.state, ctx.prefix, ctx.config
+    out: list[GroupOptions | None] = [None] * len(groups)
+    by_depth: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_depth.setdefault(len(g), []).append(i)
+    for k, idx in by_depth.items():
+        devs = np.stack([np.asarray(groups[i], dtype=np.int64) for i in idx])  # (G, K)
+        bnd = np.stack([np.asarray(bounds[i], dtype=np.int64) for i in idx])  # (G, K+1)
+        width = max(len(mus[i]) for i in idx)
+        mu = np.array([list(mus[i]) + [mus[i][0]] * (width - len(mus[i])) for i in idx])
+        mu3 = mu[:, :, None].astype(float)  # (G, U, 1)
+        flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
+        compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
+        compute = compute + st.kappa_s[devs][:, None, :]
+        fill = compute.sum(axis=2)
+        worst = compute.max(axis=2)
+        if k > 1:
+            a, b = devs[:, :-1], devs[:, 1:]
+            bw = np.where(st.node[a] == st.node[b], st.intra_node_bytes_per_s,
+                          np.minimum(st.nic_bytes_per_s[a], st.nic_bytes_per_s[b]))  # fmt: skip
+            transfer = mu3 * pre.boundary_bytes[bnd[:, 1:-1] - 1][:, None, :] / bw[:, None, :]
+            transfer = transfer + 2.0 * st.latency_s
+            fill = fill + transfer.sum(axis=2)
+            worst = np.maximum(worst, transfer.max(axis=2))
+        theta = pre.param_bytes[bnd[:, 1:]] - pre.param_bytes[bnd[:, :-1]]
+        act = pre.act_mem_bytes[bnd[:, 1:]] - pre.act_mem_bytes[bnd[:, :-1]]
+        g_count, u_count = mu.shape
+        rows = np.repeat(np.arange(g_count), u_count)
+        nmax = max_microbatches(
+            theta[rows], act[rows], st.memory_bytes[devs][rows],
+            mu.reshape(-1, 1), cfg.optimizer_state_factor, cfg.schedule,
+        ).reshape(g_count, u_count)  # fmt: skip
+        nmax = np.minimum(nmax, -(-ctx.batch // mu))
+        for r, i in enumerate(idx):
+            keep = nmax[r] >= 1
+            out[i] = GroupOptions(
+                mu[r][keep], fill[r][keep], worst[r][keep], nmax[r][keep],
+                np.repeat(bnd[r][None, :], int(keep.sum()), axis=0),
+            )  # fmt: skip
+    return out  # type: ignore[return-value]
 
 
 def _solve_entries(
@@ -621,12 +694,16 @@ def _solve_entries(
     feasible: Sequence[int],
     best: Candidate | None,
     bound: float | None = None,
+    quick: bool = False,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
     otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
-        [float(np.max(opts[i].microbatch_size / opts[i].bottleneck_s)) for i in feasible]
+        [
+            float(np.max(opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)))
+            for i in feasible
+        ]
     )
     w = np.array([ctx.weight(garr[entries[keys[i]][0]]) - ctx.v for i in feasible])
     queues = bool(np.any(w > 0))
@@ -637,12 +714,11 @@ def _solve_entries(
     if total <= 24:
         sizes = list(range(total, 0, -1))
     else:
-        # without queues only the slowest groups are worth idling (sync); with queues
-        # the cost makes much smaller active sets worth trying
+        # (a warm re-plan that keeps its stages only tries idling the slowest groups)
         fractions = (
-            (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05) if queues else (0.95, 0.85, 0.7)
+            (0.95, 0.85, 0.7) if quick else (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)
         )
-        small = (1, 2, 4, 8) if queues else ()
+        small = () if quick else (1, 2, 4, 8)
         sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
                        reverse=True)  # fmt: skip
     speeds = ctx.state.speed_flops
@@ -694,6 +770,61 @@ def pruned_search(
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
         best = solve_structure(ctx, groups, best)
+    if len(ctx.available) >= MIXED_DEPTH_MIN_DEVICES:
+        best = mixed_depth_search(ctx, best, deadline=deadline)
+    return best
+
+
+def mixed_depth_search(
+    ctx: SearchContext, best: Candidate | None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Pipeline depth chosen per kind of node: nodes of equal make-up form a class; each
+    class cuts its nodes into pipelines of depth ``K ∈ {1, 2, 4, …, node size}``. One pass of
+    coordinate descent from "one group per node", class by class (fastest classes first),
+    keeping a depth when the objective improves. Worth it when kinds differ in NIC or memory:
+    slow-NIC devices want deep pipelines (less to all-reduce), fast ones shallow."""
+    s = ctx.state
+    num_layers = ctx.prefix.num_layers
+    by_node: dict[int, list[int]] = {}
+    for d in ctx.available:
+        by_node.setdefault(int(s.node[d]), []).append(int(d))
+    classes: dict[tuple, list[list[int]]] = {}
+    for devs in by_node.values():
+        devs = _order_in_node(ctx, devs)
+        make_up = tuple(ctx.signature(np.array([d]))[0][0] + (float(s.nic_bytes_per_s[d]),)
+                        for d in devs)  # fmt: skip
+        classes.setdefault(make_up, []).append(devs)
+    if len(classes) < 2:
+        return best
+    keys = sorted(classes, key=lambda c: -sum(x[0] for x in c) * len(classes[c]))
+
+    def groups_for(choice: dict[tuple, int]) -> list[tuple[int, ...]]:
+        out = []
+        for c, nodes in classes.items():
+            k = choice[c]
+            for n in nodes:
+                out.extend(tuple(n[i : i + k]) for i in range(0, len(n), k))
+        return out
+
+    choice = {c: min(len(c), num_layers) for c in keys}
+    current = solve_structure(ctx, groups_for(choice))
+    if current is None:
+        return best
+    for c in keys:
+        size = min(len(c), num_layers)
+        options = sorted({1, size, *[2**i for i in range(1, 8) if 2**i < size]})
+        for k in options:
+            if k == choice[c]:
+                continue
+            if deadline is not None and best is not None and time.perf_counter() > deadline:
+                break
+            trial = dict(choice)
+            trial[c] = k
+            cand = solve_structure(ctx, groups_for(trial))
+            if cand is not None and cand.objective < current.objective:
+                current, choice = cand, trial
+    if best is None or current.objective < best.objective:
+        return current
     return best
 
 

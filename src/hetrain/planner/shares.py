@@ -53,8 +53,15 @@ class GroupOptions:
                 np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64),
                 np.zeros((0, num_stages + 1), np.int64),
             )  # fmt: skip
+        if len(tables) == 1:
+            t = tables[0]
+            return cls(np.full(len(t), t.microbatch_size, np.int64), t.fill_s, t.bottleneck_s,
+                       t.max_microbatches, t.bounds)  # fmt: skip
         return cls(
-            np.concatenate([np.full(len(t), t.microbatch_size, np.int64) for t in tables]),
+            np.repeat(
+                np.array([t.microbatch_size for t in tables], dtype=np.int64),
+                [len(t) for t in tables],
+            ),
             np.concatenate([t.fill_s for t in tables]),
             np.concatenate([t.bottleneck_s for t in tables]),
             np.concatenate([t.max_microbatches for t in tables]),

@@ -46,7 +46,8 @@ def time_layers(
     threads: int | None = 1,
 ) -> LayerTimes:
     """Time every layer's forward and backward, per micro-batch size: ``warmup`` untimed
-    passes, then the median of ``repeats`` timed ones (``time.perf_counter``; CUDA is
+    rounds, then the median of ``repeats`` timed ones (a round = one pass per size, sizes
+    interleaved so that they see the same background load) (``time.perf_counter``; CUDA is
     synchronised around each layer).
 
     A pass runs the layers in order, each on the detached output of the previous one (input
@@ -70,17 +71,19 @@ def time_layers(
     try:
         fwd = np.zeros((len(microbatch_sizes), len(children)))
         bwd = np.zeros_like(fwd)
-        for i, mu in enumerate(microbatch_sizes):
-            runs_f: list[list[float]] = [[] for _ in children]
-            runs_b: list[list[float]] = [[] for _ in children]
-            for rep in range(warmup + repeats):
+        runs_f = [[[] for _ in children] for _ in microbatch_sizes]
+        runs_b = [[[] for _ in children] for _ in microbatch_sizes]
+        # sizes interleaved within each repeat: on a shared machine all sizes see the same load
+        for rep in range(warmup + repeats):
+            for i, mu in enumerate(microbatch_sizes):
                 f_s, b_s = _one_pass(children, make_input(mu), device)
                 if rep >= warmup:
                     for l_idx in range(len(children)):
-                        runs_f[l_idx].append(f_s[l_idx])
-                        runs_b[l_idx].append(b_s[l_idx])
-            fwd[i] = [statistics.median(r) for r in runs_f]
-            bwd[i] = [statistics.median(r) for r in runs_b]
+                        runs_f[i][l_idx].append(f_s[l_idx])
+                        runs_b[i][l_idx].append(b_s[l_idx])
+        for i in range(len(microbatch_sizes)):
+            fwd[i] = [statistics.median(r) for r in runs_f[i]]
+            bwd[i] = [statistics.median(r) for r in runs_b[i]]
         model.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(old_threads)

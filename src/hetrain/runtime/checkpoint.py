@@ -12,9 +12,11 @@ Layout of a checkpoint folder ``D``::
 :func:`save` is collective (every rank calls it); rank 0 writes the manifest into the temporary
 folder and renames it (``os.replace``: atomic on POSIX), so a crash never leaves a half
 checkpoint under a ``step-*`` name. :func:`load_latest` picks the highest complete step and
-validates its manifest; :func:`restore` loads into a worker **under any plan and world size**:
-each rank reads exactly the keys of the layers it owns in its current plan, whatever rank wrote
-them. On several nodes ``D`` must be a shared file system.
+validates its manifest and the size and sha256 of every file (corruption is a one-line
+:class:`~hetrain.runtime.checkpoint_io.CheckpointError`); :func:`restore` loads into a
+worker **under any plan and world size**: each rank reads exactly the keys of the layers it
+owns in its current plan, whatever rank wrote them. On several nodes ``D`` must be a shared
+file system.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
+from hetrain.runtime.checkpoint_io import file_digests, fsync_dir, verify_files
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -97,11 +100,26 @@ def save(
     dcp.save(dict(layer_state), checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
-        data = {"format": FORMAT, "step": int(step), **manifest}
-        (tmp / MANIFEST).write_text(json.dumps(data, indent=1), encoding="utf-8")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
+        # load; the manifest is written last (fsync + rename), then the folder is published
+        data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
+        part = tmp / (MANIFEST + ".part")
+        with open(part, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(data, indent=1))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(part, tmp / MANIFEST)
+        fsync_dir(tmp)
+        if final.exists():  # re-saving a step after a restart: swap, never delete first
+            old = root / f".old-{final.name}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(root)
     _barrier()
     return final
 
@@ -136,6 +154,10 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
             raise InputError(source, key, f"expected an integer >= 0, got {data.get(key)!r}")
     if not isinstance(data.get("model_fingerprint"), str):
         raise InputError(source, "model_fingerprint", "expected a string")
+    if "files" in data:  # written by this version: verify every DCP file
+        if not isinstance(data["files"], dict) or ".metadata" not in data["files"]:
+            raise InputError(source, "files", "expected sizes and sha256 of the DCP files")
+        verify_files(path, data["files"], source)
     plan = plan_from_dict(data.get("plan"), f"{source}: plan")
     return Checkpoint(
         path=path,

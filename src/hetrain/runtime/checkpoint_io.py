@@ -98,6 +98,46 @@ def _tmp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step-{int(step):09d}"
 
 
+def fsync_dir(path: str | Path) -> None:
+    """``fsync`` a folder so that renames and new entries in it are durable (best effort)."""
+    _fsync_dir(Path(path))
+
+
+def file_digests(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """``{file name: {"size": bytes, "sha256": hex}}`` of the regular files of ``folder``."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file()
+    }
+
+
+def verify_files(folder: str | Path, files: Mapping[str, Any], manifest_path: str) -> None:
+    """Check that every file listed in a manifest exists in ``folder`` with its size and sha256.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    folder = Path(folder)
+    for name, rec in files.items():
+        fpath = folder / name
+        if not fpath.is_file():
+            raise CheckpointError(str(fpath), "", "missing (checkpoint corrupted)")
+        try:
+            size, digest = int(rec["size"]), str(rec["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                manifest_path, f"files.{name}", "expected size and sha256"
+            ) from None
+        actual = fpath.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                str(fpath), "", f"size {actual} bytes, manifest says {size} (checkpoint corrupted)"
+            )
+        if _sha256(fpath) != digest:
+            raise CheckpointError(str(fpath), "", "checksum mismatch (checkpoint corrupted)")
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -195,11 +235,7 @@ def save_checkpoint(
             no_dist=process_group is None,
         )
     if rank == 0:
-        files = {
-            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.iterdir())
-            if p.is_file()
-        }
+        files = file_digests(tmp)
         manifest = {
             "format": FORMAT_VERSION,
             "step": int(step),
@@ -271,22 +307,7 @@ def validate_checkpoint(path: str | Path, *, fingerprint: str | None = None) -> 
             "fingerprint",
             f"checkpoint of another model (fingerprint {stored_fp}, this model {fingerprint})",
         )
-    for name, rec in files.items():
-        fpath = path / name
-        if not fpath.is_file():
-            raise CheckpointError(str(fpath), "", "missing (checkpoint corrupted)")
-        try:
-            size, digest = int(rec["size"]), str(rec["sha256"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(str(mpath), f"files.{name}", "expected size and sha256") from None
-        if fpath.stat().st_size != size:
-            raise CheckpointError(
-                str(fpath),
-                "",
-                f"size {fpath.stat().st_size} bytes, manifest says {size} (checkpoint corrupted)",
-            )
-        if _sha256(fpath) != digest:
-            raise CheckpointError(str(fpath), "", "checksum mismatch (checkpoint corrupted)")
+    verify_files(path, files, str(mpath))
     if ".metadata" not in files:
         raise CheckpointError(str(path / ".metadata"), "", "not listed (checkpoint incomplete)")
     try:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -84,6 +85,10 @@ class ElasticConfig:
             use it to have time to kill a device mid-run), seconds.
         cluster: optional cluster file: shares proportional to ``tflops``; else equal shares.
         keep: checkpoints kept on disk.
+        executor: ``"engine"`` (default): the planner's best plan for the round's devices
+            (:func:`hetrain.planner.best_plan`, any mix of pipelines and data parallelism), run
+            by :class:`hetrain.runtime.engine.Worker`; ``"dp"``: the built-in data-parallel
+            executor with shares proportional to speed (no planner, no engine).
     """
 
     steps: int
@@ -98,12 +103,15 @@ class ElasticConfig:
     min_step_time_s: float = 0.0
     cluster: Path | None = None
     keep: int = 2
+    executor: str = "engine"
 
     def validate(self) -> ElasticConfig:
         """Raises :class:`InputError` (one line, exit 2) for a bad option."""
         for name, lo in (("steps", 1), ("batch", 1), ("checkpoint_every", 1), ("keep", 1)):
             if int(getattr(self, name)) < lo:
                 raise InputError(f"--{name.replace('_', '-')}", "", f"expected >= {lo}")
+        if self.executor not in ("engine", "dp"):
+            raise InputError("--executor", "", f"expected engine or dp, got {self.executor!r}")
         for name in ("lr", "momentum", "hang_timeout_s", "min_step_time_s"):
             v = float(getattr(self, name))
             if not math.isfinite(v) or v < 0 or (name == "hang_timeout_s" and v == 0):
@@ -125,6 +133,7 @@ def _parse_args(argv: Sequence[str] | None) -> ElasticConfig:
     p.add_argument("--min-step-time", type=float, default=0.0, dest="min_step_time_s")
     p.add_argument("--cluster", type=Path, default=None)
     p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--executor", default="engine", choices=["engine", "dp"])
     a = p.parse_args(argv)
     return ElasticConfig(**vars(a)).validate()
 
@@ -218,6 +227,80 @@ def plan_for_devices(
     return plan_from_dict({"groups": groups}, "<elastic plan>")
 
 
+def cluster_state_for(devices: Sequence[str], cluster: Path | None):
+    """The SPEC §2 cluster state of a round: the cluster file with only ``devices`` available,
+    or (no file) equal emulated devices in sorted id order: 1 MFLOP/s (``tflops: 1e-6``, so that
+    the toy model's compute, not link latency, dominates the plan), 16 GiB, 10 Gbit/s, 1 ms per
+    micro-batch.
+
+    Raises:
+        InputError: a device of the round is not in the cluster file.
+    """
+    import numpy as np
+
+    from hetrain.cluster import cluster_from_dict, load_cluster
+
+    if cluster is None:
+        spec = cluster_from_dict(
+            {"devices": [{"id": d, "tflops": 1e-6, "memory_gib": 16, "nic_gbps": 10,
+                          "microbatch_overhead_ms": 1.0} for d in sorted(devices)]},
+            "<elastic cluster>",
+        )  # fmt: skip
+    else:
+        spec = load_cluster(cluster)
+        unknown = sorted(set(devices) - set(spec.ids))
+        if unknown:
+            raise InputError(str(cluster), "devices", f"expected device ids {unknown} in it")
+    state = spec.state()
+    return state.with_changes(available=np.array([d in set(devices) for d in state.ids]))
+
+
+def planned_for_devices(devices: Sequence[str], model, batch: int, cluster: Path | None):
+    """The planner's best plan (SPEC §4, minimum iteration time) for the round's devices and
+    the model's measured profile (:func:`hetrain.profiler.chain.profile_chain`)."""
+    import torch
+
+    from hetrain.costmodel import TrainingConfig
+    from hetrain.planner import best_plan
+    from hetrain.profiler.chain import profile_chain
+
+    probe = copy.deepcopy(model)  # profiling runs backward: keep the model's grads untouched
+    profile = profile_chain(probe, torch.zeros(2, IN_FEATURES), name="elastic-toy").arrays()
+    state = cluster_state_for(devices, cluster)
+    return best_plan(state, profile, TrainingConfig(batch=batch, optimizer_state_factor=1.0))
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean(dim=1).mean()
+
+
+class EngineExecutor:
+    """Runs any plan with :class:`hetrain.runtime.engine.Worker` (SGD with momentum, mean
+    squared error); state dicts in the engine's ``layer_state_dict`` format."""
+
+    def __init__(self, model, plan, device_id: str, lr: float, momentum: float) -> None:
+        from hetrain.runtime.engine import Worker
+        from hetrain.runtime.optim import OptimizerSpec
+
+        self.worker = Worker(
+            model, plan, device_id, _mse, OptimizerSpec(name="sgd", lr=lr, momentum=momentum),
+            allow_unused_ranks=True,
+        )  # fmt: skip
+
+    def step(self, x, y, step: int) -> float:
+        return float(self.worker.step(x, y, step).loss)
+
+    def state_dict(self, canonical: bool) -> dict[str, Any]:  # noqa: ARG002 - engine dedups
+        return self.worker.layer_state_dict()
+
+    def wanted(self, key: str) -> bool:
+        parts = key.split(".")
+        return len(parts) > 2 and parts[1].isdigit() and int(parts[1]) in self.worker.owned_layers
+
+    def load(self, tensors: dict[str, Any]) -> None:
+        self.worker.load_layer_state_dict(tensors)
+
+
 class DataParallelExecutor:
     """Executes a pure data-parallel plan on the ranks of the current process group: rank ``r``
     (device ``devices[r]``) computes the summed loss of its rows of the global batch, gradients
@@ -239,7 +322,10 @@ class DataParallelExecutor:
             offset += g.batch
         self.batch = offset
 
-    def step(self, x, y) -> float:
+    def wanted(self, key: str) -> bool:  # noqa: ARG002 - every rank holds every layer
+        return True
+
+    def step(self, x, y, step: int) -> float:  # noqa: ARG002
         import torch
         import torch.distributed as dist
 
@@ -398,14 +484,17 @@ def worker_main(config: ElasticConfig) -> int:
     model = build_model(config.seed)
     num_layers = len(model)
     fingerprint = model_fingerprint(model, task="elastic-toy", seed=config.seed)
-    plan = plan_for_devices(devices, config.batch, num_layers, speeds)
     root = Path(config.checkpoint_dir)
     info = load_latest(root, fingerprint=fingerprint)  # every rank validates the same files
     start = info.step if info is not None else 0
 
-    # rank 0: plan id, membership change, metrics
-    header: list[Any] = [None]
+    # rank 0: the plan, its id, the membership change, metrics
+    header: list[Any] = [None, None]
     if rank == 0:
+        if config.executor == "engine":
+            plan = planned_for_devices(devices, model, config.batch, config.cluster)
+        else:
+            plan = plan_for_devices(devices, config.batch, num_layers, speeds)
         prev = _read_membership(root)
         plan_id = int(prev.get("plan_id", -1)) + 1
         old = list(prev.get("devices", []))
@@ -432,16 +521,21 @@ def worker_main(config: ElasticConfig) -> int:
         append_jsonl(config.metrics_out, record)
         append_jsonl(
             config.metrics_out,
-            {"event": "plan", "plan_id": plan_id, "step": start,
+            {"event": "plan", "plan_id": plan_id, "step": start, "executor": config.executor,
              "plan": plan.model_copy(update={"plan_id": plan_id}).to_json_dict()},
         )  # fmt: skip
-        header = [plan_id]
+        header = [plan_id, plan.model_copy(update={"plan_id": plan_id}).to_json_dict()]
     dist.broadcast_object_list(header, src=0)
     plan_id = header[0]
+    from hetrain.plan import plan_from_dict
 
-    executor = DataParallelExecutor(model, plan, device, config.lr, config.momentum)
+    plan = plan_from_dict(header[1], "<round plan>")
+    if config.executor == "engine":
+        executor: Any = EngineExecutor(model, plan, device, config.lr, config.momentum)
+    else:
+        executor = DataParallelExecutor(model, plan, device, config.lr, config.momentum)
     if info is not None:
-        executor.load(load_tensors(info))
+        executor.load(load_tensors(info, executor.wanted))
     data = Dataset(config.seed)
     flag = torch.zeros(1)
     # until here SIGTERM kills at once (nothing to save); from here a stop is graceful
@@ -452,7 +546,7 @@ def worker_main(config: ElasticConfig) -> int:
         for step in range(start, config.steps):
             t0 = time.perf_counter()
             x, y = data.batch(step, config.batch)
-            loss = executor.step(x, y)
+            loss = executor.step(x, y, step)
             pad = config.min_step_time_s - (time.perf_counter() - t0)
             if pad > 0:
                 time.sleep(pad)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import Plan
-from hetrain.runtime.data_parallel import GroupCache, build_buckets, sync_gradients
-from hetrain.runtime.emulation import Emulation
+from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
+from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
@@ -82,8 +82,10 @@ class StepResult:
 
 @dataclass(frozen=True)
 class MigrationResult:
-    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all, of which this
-    rank sent ``bytes_sent`` and received ``bytes_received`` bytes, in ``time_s`` seconds."""
+    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all (every rank),
+    of which this rank sent ``bytes_sent`` and received ``bytes_received`` payload bytes
+    (parameters, buffers and optimizer state, serialised), in ``time_s`` seconds (emulated
+    link time included)."""
 
     transfers: int
     bytes_sent: int
@@ -93,13 +95,24 @@ class MigrationResult:
 
 def check_exact_layers(layers: nn.Sequential) -> None:
     """Refuse layers whose training result depends on how the batch is split or on random
-    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU.
+    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU;
+    and parameters shared by two layers (tied weights cannot live on two stages).
 
     Raises:
         ValueError: naming the layer index, the sub-module path and the class.
     """
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
+
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            first = owner.setdefault(id(tensor), index)
+            if first != index:
+                raise ValueError(
+                    f"layer {index} ({name}) shares a tensor with layer {first}: tied weights "
+                    "across layers cannot be split into stages; untie them"
+                )
 
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
@@ -181,6 +194,8 @@ class Worker:
             plan must name every rank (world size = the plan's device count).
         bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
             consecutive layers with the same owners is split at layer boundaries above it).
+        overlap_grad_sync: start a bucket's all-reduce during the stage's last backward as
+            soon as its gradients are final (same arithmetic; False = after the backward).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -205,6 +220,7 @@ class Worker:
         device: torch.device | str | None = None,
         allow_unused_ranks: bool = False,
         bucket_cap_bytes: int = 64 * 2**20,
+        overlap_grad_sync: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -229,6 +245,7 @@ class Worker:
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
         self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.overlap_grad_sync = bool(overlap_grad_sync)
         self.layout: Layout = build_layout(
             plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
         )
@@ -302,6 +319,15 @@ class Worker:
         p2p = P2P(
             self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
         )
+        grad_sync = GradientSync(
+            layout=self.layout,
+            buckets=self._buckets,
+            groups=self._groups,
+            rank=self.rank,
+            layers=self.layers,
+            device=self.device,
+            emulation=self.emulation,
+        )
         pos = self.layout.position(self.rank)
         loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
         group = stage = None
@@ -321,33 +347,30 @@ class Worker:
                         x = x.to(self.dtype)
                 if k == len(group.ranks) - 1:
                     y = targets[rows].to(self.device)
-                loss_part = run_stage(
-                    stage_module=self.layers[stage[0] : stage[1]],
-                    ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
-                    microbatches=microbatches,
-                    inputs=x,
-                    targets=y,
-                    loss_fn=self.loss_fn,
-                    global_batch=batch,
-                    prev_rank=group.ranks[k - 1] if k > 0 else None,
-                    next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
-                    p2p=p2p,
-                    timers=timers,
-                    device=self.device,
-                    device_id=self.device_id,
-                    emulation=self.emulation,
-                    autocast_dtype=self.autocast_dtype,
-                )
+                try:
+                    loss_part = run_stage(
+                        stage_module=self.layers[stage[0] : stage[1]],
+                        ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
+                        microbatches=microbatches,
+                        inputs=x,
+                        targets=y,
+                        loss_fn=self.loss_fn,
+                        global_batch=batch,
+                        prev_rank=group.ranks[k - 1] if k > 0 else None,
+                        next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
+                        p2p=p2p,
+                        timers=timers,
+                        device=self.device,
+                        device_id=self.device_id,
+                        emulation=self.emulation,
+                        autocast_dtype=self.autocast_dtype,
+                        before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
+                    )
+                except BaseException:
+                    grad_sync.disarm()  # no stale hooks if the step fails
+                    raise
         p2p.wait_sends()
-        sync_time_s, sync_bytes = sync_gradients(
-            layout=self.layout,
-            buckets=self._buckets,
-            groups=self._groups,
-            rank=self.rank,
-            layers=self.layers,
-            device=self.device,
-            emulation=self.emulation,
-        )
+        sync_time_s, sync_bytes = grad_sync.finish()
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for index in self.owned_layers:
@@ -421,18 +444,28 @@ class Worker:
             if t.src == self.rank:
                 payload = {
                     "module": self.layers[t.layer].state_dict(),
+                    # non-persistent buffers (e.g. attention masks) are not in state_dict
+                    "buffers": dict(self.layers[t.layer].named_buffers()),
                     "optim": None if (o := self.optimizers[t.layer]) is None else o.state_dict(),
                 }
                 sent += send_object(payload, t.dst, self.device)
             elif t.dst == self.rank:
-                payload = recv_object(t.src, self.device)
+                t_recv = time.perf_counter()
+                payload, nbytes = recv_object(t.src, self.device)
+                received += nbytes
+                if self.emulation is not None and self.emulation.limits_links():
+                    link = (self.layout.devices[t.src], self.device_id)
+                    duration = self.emulation.transfer_time_s(*link, nbytes)
+                    sleep_s(duration - (time.perf_counter() - t_recv))
                 layer = self.layers[t.layer].to_empty(device=self.device)
                 layer.load_state_dict(payload["module"])
+                with torch.no_grad():
+                    for name, buf in layer.named_buffers():
+                        buf.copy_(payload["buffers"][name])
                 opt = self._build_optimizer(layer)
                 if opt is not None:
                     opt.load_state_dict(payload["optim"])
                 self.optimizers[t.layer] = opt
-                received += 1
         now_owned = set(new.owned_layers(self.rank))
         for index in old.owned_layers(self.rank):
             if index not in now_owned:
@@ -460,7 +493,7 @@ class Worker:
                 send_object(self.layers[index].state_dict(), 0, self.device)
                 continue
             elif self.rank == 0:
-                sd = recv_object(src, self.device)
+                sd, _ = recv_object(src, self.device)
             else:
                 continue
             out.update({f"{index}.{k}": v for k, v in sd.items()})

@@ -187,6 +187,7 @@ def run_stage(
     device_id: str,
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Run one stage's forward/backward operations of one step; return the sum of the scaled
     micro-batch losses (a 0-dim float64 tensor, 0 except on the last stage).
@@ -194,13 +195,15 @@ def run_stage(
     Each micro-batch loss is ``loss_fn(output, target) * rows / B``: with ``loss_fn`` a mean
     over the micro-batch's samples, gradients accumulate to the gradient of the mean over the
     whole global batch ``B`` (the group contributes its rows; groups are summed afterwards).
-    Gradients accumulate into ``.grad`` of the stage's parameters.
+    Gradients accumulate into ``.grad`` of the stage's parameters; ``before_last_backward``
+    is called right before the last backward (to start gradient all-reduces during it).
     """
     first = prev_rank is None
     last = next_rank is None
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for op, i in ops:
+    last_backward = max((n for n, (op, _) in enumerate(ops) if op == "B"), default=-1)
+    for n, (op, i) in enumerate(ops):
         start, end = microbatches[i]
         if op == "F":
             if first:
@@ -221,7 +224,7 @@ def run_stage(
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
             dt = time.perf_counter() - t0
-            slept = slow_down(emulation, device_id, dt)
+            slept = slow_down(emulation, device_id, dt, microbatch=True)
             timers.emulated_compute_s += slept
             timers.forward_time_s += dt + slept
             if last:
@@ -234,6 +237,8 @@ def run_stage(
             grad = None
             if not last and (y.is_floating_point() or y.is_complex()):
                 grad = p2p.recv(next_rank)
+            if n == last_backward and before_last_backward is not None:
+                before_last_backward()
             _sync(device)
             t0 = time.perf_counter()
             if y.requires_grad and (last or grad is not None):

@@ -1,0 +1,353 @@
+"""Predicted (SPEC §3 cost model) vs measured iteration time of real runs on local ranks.
+
+Four forked gloo ranks ``w0..w3`` (one torch thread each, rendezvous through a file) train the
+``charlm`` chain (6 layers) with the runtime engine (:class:`hetrain.runtime.Worker`) under
+plans of every kind: data parallel (even and uneven shares), pipelines (1F1B and GPipe),
+hybrids, with emulated slow ranks (the engine sleeps ``(f − 1)×`` each measured compute op)
+and emulated slow links between "nodes". The same cluster is written as a SPEC
+:class:`~hetrain.cluster.ClusterState` and every plan is evaluated with
+:func:`hetrain.costmodel.evaluate_plan`.
+
+Calibration, side by side with the runs and with the same ranks: every rank runs the whole
+chain alone (4 data-parallel groups) at micro-batch sizes 2, 4, 8, 16 (one step of each,
+round-robin with one step of every plan, so that calibration and plans see the same background
+load of this shared machine); the per-micro-batch compute times give the speed ``s`` and ``κ``
+by least squares (:func:`hetrain.calibration.fit_speed_kappa`). The link between two local
+ranks is measured by a gloo ping-pong (:func:`hetrain.profiler.measure_p2p`). Every device
+computes at ``F0 = 4``x slow-down or more, so that most of a rank's compute time is sleep:
+four ranks then share the machine's cores without slowing each other much (the cost model
+assumes each device has its own compute). A device emulated with factor ``f`` has speed
+``s·F0/f`` and ``κ·f/F0`` in the cluster state.
+
+Measured iteration time = the slowest rank's ``iteration_time_s`` of a step, median over the
+measured steps (after warm-up). Prints every pair and, as the last line, JSON
+``{"pairs": [[predicted_s, measured_s], ...], "median_abs_rel_error": e,
+"max_abs_rel_error": m}``. Targets (issue 5): median ≤ 15 %, worst ≤ 30 %.
+
+Run: ``PYTHONPATH=src python bench/prediction_error.py [--steps 5] [--warmup 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hetrain.calibration import ClusterEstimator, fit_speed_kappa
+from hetrain.cluster import cluster_from_dict
+from hetrain.costmodel import TrainingConfig, evaluate_plan
+from hetrain.models.registry import EXAMPLES
+from hetrain.plan import plan_from_dict
+from hetrain.profiler import measure_p2p, profile_chain
+from hetrain.runtime import Emulation, OptimizerSpec, Worker, gather_measurements
+from hetrain.runtime.testing import run_ranks
+
+WORLD = 4
+IDS = [f"w{r}" for r in range(WORLD)]
+F0 = 8.0  # base slow-down of every device
+B = 32
+CAL_MICROBATCHES = (2, 4, 8, 16)
+SLOW_NIC = 20e6  # bytes/s of an emulated slow inter-node link
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run: a plan, per-device slow-down factors, nodes and emulated NICs (bytes/s)."""
+
+    name: str
+    groups: list[dict]
+    factors: dict[str, float] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
+    nic: dict[str, float] = field(default_factory=dict)
+    schedule: str = "1f1b"
+
+    def factor(self, d: str) -> float:
+        return self.factors.get(d, F0)
+
+    def emulation(self) -> Emulation:
+        return Emulation(
+            slowdown={d: self.factor(d) for d in IDS},
+            node=dict(self.nodes),
+            nic_bandwidth_bytes_per_s=dict(self.nic),
+        )
+
+    def plan_dict(self) -> dict:
+        return {"schedule": self.schedule, "groups": self.groups}
+
+
+def g(devices, stages, mb, batch):
+    return {"devices": devices, "stages": stages, "microbatch_size": mb, "batch": batch}
+
+
+WHOLE = [[0, 6]]
+TWO = [[0, 3], [3, 6]]
+FOUR = [[0, 2], [2, 3], [3, 4], [4, 6]]
+SPLIT_NODES = {"w0": "n0", "w1": "n0", "w2": "n1", "w3": "n1"}
+SLOW_LINKS = dict.fromkeys(IDS, SLOW_NIC)
+
+
+def idle(devices):
+    return [g([d], WHOLE, 1, 0) for d in devices]
+
+
+SCENARIOS = [
+    Scenario("dp-even", [g([d], WHOLE, 8, 8) for d in IDS]),
+    Scenario(
+        "dp-uneven, w3 3x slower",
+        [
+            g(["w0"], WHOLE, 10, 10),
+            g(["w1"], WHOLE, 10, 10),
+            g(["w2"], WHOLE, 8, 8),
+            g(["w3"], WHOLE, 4, 4),
+        ],
+        factors={"w3": 3 * F0},
+    ),
+    Scenario(
+        "dp-even, slow links (2 nodes)",
+        [g([d], WHOLE, 8, 8) for d in IDS],
+        nodes={d: d for d in IDS},
+        nic=SLOW_LINKS,
+    ),
+    Scenario("pipeline-4 1f1b", [g(IDS, FOUR, 4, 32)]),
+    Scenario("pipeline-4 gpipe", [g(IDS, FOUR, 4, 32)], schedule="gpipe"),
+    Scenario(
+        "pipeline-4, w2 2x slower",
+        [g(IDS, [[0, 2], [2, 4], [4, 5], [5, 6]], 4, 32)],
+        factors={"w2": 2 * F0},
+    ),
+    Scenario(
+        "pipeline-2, slow link",
+        [g(["w0", "w2"], TWO, 4, 32), *idle(["w1", "w3"])],
+        nodes=SPLIT_NODES,
+        nic=SLOW_LINKS,
+    ),
+    Scenario("hybrid 2x2", [g(["w0", "w1"], TWO, 4, 16), g(["w2", "w3"], TWO, 4, 16)]),
+    Scenario(
+        "hybrid 2x2, w3 3x slower",
+        [g(["w0", "w1"], TWO, 4, 20), g(["w2", "w3"], [[0, 4], [4, 6]], 4, 12)],
+        factors={"w3": 3 * F0},
+    ),
+    Scenario(
+        "hybrid 2x2, groups across slow link",
+        [g(["w0", "w1"], TWO, 4, 16), g(["w2", "w3"], TWO, 4, 16)],
+        nodes=SPLIT_NODES,
+        nic=SLOW_LINKS,
+    ),
+    Scenario(
+        "hybrid 1+3, w0 2x faster",
+        [g(["w0"], WHOLE, 8, 16), g(["w1", "w2", "w3"], [[0, 2], [2, 4], [4, 6]], 4, 16)],
+        factors={"w0": F0 / 2},
+    ),
+]
+
+
+def _data(batch: int, seed: int = 0):
+    ex = EXAMPLES["charlm"]
+    gen = torch.Generator().manual_seed(seed)
+    x = ex.make_input(batch, gen)
+    y = torch.randint(0, 96, x.shape, generator=gen)
+    return x, y
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _worker(plan: dict, emulation: Emulation, rank: int) -> Worker:
+    torch.manual_seed(0)
+    return Worker(
+        EXAMPLES["charlm"].build(),
+        plan_from_dict(plan),
+        IDS[rank],
+        _loss,
+        OptimizerSpec("sgd", lr=0.01),
+        emulation=emulation,
+    )
+
+
+def _all(rank: int, world: int, scenarios, steps: int, warmup: int):
+    """Every rank: one worker per calibration size and per scenario (same process group),
+    stepped round-robin so that all of them see the same background load; returns, per
+    worker, the per-rank measurements of the ``steps`` steps after ``warmup`` discarded."""
+    configs = [
+        (
+            {"groups": [g([d], WHOLE, mu, 2 * mu) for d in IDS]},
+            Emulation(slowdown=dict.fromkeys(IDS, F0)),
+        )
+        for mu in CAL_MICROBATCHES
+    ] + [(s.plan_dict(), s.emulation()) for s in scenarios]
+    workers = [_worker(plan, em, rank) for plan, em in configs]
+    data = [_data(w.plan.global_batch) for w in workers]
+    out: list[list] = [[] for _ in workers]
+    for t in range(warmup + steps):
+        for i, (w, (x, y)) in enumerate(zip(workers, data, strict=True)):
+            rows = gather_measurements(w.step(x, y, t))
+            if t >= warmup:
+                out[i].append(rows)
+    n = len(CAL_MICROBATCHES)
+    return out[:n], out[n:]
+
+
+def calibrate(cal) -> tuple[float, float, float]:
+    """(speed FLOP/s at factor F0, κ s at F0, fit RMS rel error) from the calibration runs.
+
+    Per micro-batch size: the slowest rank's compute time per micro-batch in each step (a
+    step waits for its slowest rank, and on a shared machine ranks straggle at random), median
+    over the steps; then the least-squares fit over the sizes."""
+    prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
+    flops = float(prof.arrays().train_flops.sum())
+    times = [
+        statistics.median(
+            max(r["compute_time_s"] / r["num_microbatches"] for r in rows) for rows in steps
+        )
+        for steps in cal
+    ]
+    fit = fit_speed_kappa(CAL_MICROBATCHES, flops, times)
+    return fit.speed_flops, fit.kappa_s, fit.rms_rel_error
+
+
+def cluster_state(s: Scenario, speed: float, kappa: float, bw: float, lat: float):
+    devices = []
+    for d in IDS:
+        f = s.factor(d)
+        devices.append(
+            {
+                "id": d,
+                "node": s.nodes.get(d, "local"),
+                "tflops": speed * F0 / f / 1e12,
+                "memory_gib": 64,
+                "nic_gbps": s.nic.get(d, bw) * 8 / 1e9,
+                "microbatch_overhead_ms": kappa * f / F0 * 1e3,
+            }
+        )
+    spec = cluster_from_dict(
+        {"links": {"intra_node_gbps": bw * 8 / 1e9, "latency_us": lat * 1e6}, "devices": devices}
+    )
+    return spec.state()
+
+
+def online_state(offline, steps, flops_per_sample: np.ndarray):
+    """``offline`` with speeds re-estimated by :class:`hetrain.calibration.ClusterEstimator`
+    from the given steps' per-rank compute measurements (what the runtime feeds the
+    controller): speed = stage FLOPs done / (compute time − n κ)."""
+    est = ClusterEstimator.for_state(offline)
+    for rows in steps:
+        for r in rows:
+            if r["batch"] > 0 and r["stage"] is not None:
+                a, b = r["stage"]
+                flops = float(flops_per_sample[a:b].sum()) * r["batch"]
+                est.observe_compute(
+                    r["device_id"], flops, r["compute_time_s"], r["num_microbatches"]
+                )
+    return est.apply(offline)
+
+
+def _print_table(title, names, pairs):
+    print(title)
+    print(f"{'plan':<38}{'predicted s':>12}{'measured s':>12}{'error':>9}")
+    for name, (p, m) in zip(names, pairs, strict=True):
+        print(f"{name:<38}{p:>12.4f}{m:>12.4f}{(p - m) / m:>+9.1%}")
+    errs = [abs(p - m) / m for p, m in pairs]
+    print(f"median |error| {np.median(errs):.1%}, max {max(errs):.1%}")
+    return float(np.median(errs)), float(max(errs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per plan")
+    ap.add_argument("--warmup", type=int, default=1, help="discarded first steps per plan")
+    ap.add_argument("--online", type=int, default=2, help="steps feeding the online estimates")
+    ap.add_argument("--only", type=int, nargs="*", help="scenario indices to run")
+    ap.add_argument("--verbose", action="store_true", help="print where the time went")
+    args = ap.parse_args()
+    scenarios = [SCENARIOS[i] for i in args.only] if args.only else SCENARIOS
+    torch.set_num_threads(1)
+    t0 = time.time()
+    link = measure_p2p((4, 1 << 16, 1 << 20, 4 << 20), repeats=15, warmup=5)
+    with tempfile.TemporaryDirectory() as tmp:
+        cal, runs = run_ranks(
+            _all,
+            WORLD,
+            tmp,
+            args=(scenarios, args.online + args.steps, args.warmup),
+            timeout_s=1500,
+            pg_timeout_s=300,
+        )[0]
+    speed, kappa, cal_rms = calibrate(cal)
+    print(
+        f"offline calibration (4 ranks, factor {F0:g}): speed {speed / 1e9:.3f} GFLOP/s, kappa "
+        f"{kappa * 1e3:.3f} ms, fit rms {cal_rms:.3f}; link "
+        f"{link.bandwidth_bytes_per_s / 1e9:.3f} GB/s, latency {link.latency_s * 1e6:.1f} us"
+    )
+    if args.verbose:
+        for mu, steps in zip(CAL_MICROBATCHES, cal, strict=True):
+            per = [r["compute_time_s"] / r["num_microbatches"] for rows in steps for r in rows]
+            print(
+                f"  calibration mu={mu}: per-micro-batch compute median {np.median(per):.4f} s,"
+                f" min {min(per):.4f}, max {max(per):.4f}"
+            )
+    prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
+    arrays = prof.arrays()
+    config = TrainingConfig(batch=B, optimizer_state_factor=0)
+    offline_pairs, online_pairs = [], []
+    for s, steps in zip(scenarios, runs, strict=True):
+        offline = cluster_state(s, speed, kappa, link.bandwidth_bytes_per_s, link.latency_s)
+        plan = plan_from_dict(s.plan_dict())
+        measured_steps = steps[args.online :]
+        measured = statistics.median(
+            max(r["iteration_time_s"] for r in rows) for rows in measured_steps
+        )
+        ev_off = evaluate_plan(plan, offline, arrays, config)
+        online = online_state(offline, steps[: args.online], arrays.train_flops)
+        ev_on = evaluate_plan(plan, online, arrays, config)
+        offline_pairs.append([ev_off.iteration_time_s, measured])
+        online_pairs.append([ev_on.iteration_time_s, measured])
+        if args.verbose:
+            med = {
+                k: statistics.median(max(r[k] for r in rows) for rows in measured_steps)
+                for k in ("compute_time_s", "sync_time_s", "optimizer_time_s", "send_recv_time_s")
+            }
+            print(
+                f"  {s.name}: online groups {[round(t, 4) for t in ev_on.group_times_s]} sync "
+                f"{ev_on.sync_time_s:.4f}; measured max-rank medians "
+                + ", ".join(f"{k[:-7]} {v:.4f}" for k, v in med.items())
+            )
+    names = [s.name for s in scenarios]
+    off_med, off_max = _print_table(
+        "A. offline: one speed and kappa for all plans (calibration runs above)",
+        names,
+        offline_pairs,
+    )
+    on_med, on_max = _print_table(
+        f"B. online: speeds re-estimated from each plan's {args.online} earlier iterations "
+        "(ClusterEstimator, as the runtime feeds the controller), predicting the next "
+        f"{args.steps}",
+        names,
+        online_pairs,
+    )
+    print(f"{len(names)} plans, wall {time.time() - t0:.0f} s", file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "pairs": online_pairs,
+                "median_abs_rel_error": on_med,
+                "max_abs_rel_error": on_max,
+                "prediction": "online estimates from earlier iterations of the same run",
+                "offline_pairs": offline_pairs,
+                "offline_median_abs_rel_error": off_med,
+                "offline_max_abs_rel_error": off_max,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
