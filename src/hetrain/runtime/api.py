@@ -395,7 +395,7 @@ def train(
         workers: local ranks ``w0 … w{N-1}`` without ``cluster`` (default 4).
         steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
         run_dir: folder for metrics, report and the exported ``state_dict`` (default
-            ``./hetrain-runs/<name>``).
+            ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` (it must be an
             ``nn.Sequential``) when done.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
@@ -411,7 +411,7 @@ def train(
         hetrain.runtime.launch.LaunchError: a rank failed.
     """
     task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
-    run_dir = Path(run_dir) if run_dir is not None else Path("hetrain-runs") / task.name
+    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
     job = build_job(
