@@ -66,7 +66,7 @@ def test_virtual_queue_update_is_spec_formula():
 @pytest.fixture(scope="module")
 def budget_runs():
     """Lyapunov at V = 1 and V = 30 with a binding money budget, and greedy, on one trace."""
-    slots = 600
+    slots = 800
     timeline = _price_timeline(slots)
     greedy = simulate(make_policy("greedy", PROFILE, CONFIG), timeline, PROFILE, CONFIG)
     budget = 0.6 * greedy.summary()["mean_cost"]["money"]
