@@ -116,9 +116,10 @@ class LyapunovPolicy:
         replan_every: search at least this often (slots).
         search_time_budget_s: passed to the planner as ``time_budget_s`` (soft, seconds).
         incremental_above: with more available devices than this, searches are rationed (one
-            per ``D / search_devices_per_slot`` slots) and, between searches, lost devices are
-            repaired (their groups dropped) and returning devices added as data-parallel groups,
-            re-solving only the shares.
+            per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
+            replaced by an interchangeable spare (else its group is dropped) and unused devices
+            are added as data-parallel groups when that lowers the objective, re-solving only
+            the shares.
         search_devices_per_slot: the ration above.
         name: the policy's name in reports.
 
@@ -528,11 +529,13 @@ class LyapunovPolicy:
                 score = self._objective(plan, observed, weights)
             if current is not None and plan.structure() == current.structure():
                 continue
+            if not math.isfinite(score):
+                continue  # does not fit memory in the observed state
             penalty = self._switch_penalty(self._current, plan, observed, weights)
             options.append((score + penalty, plan))
         if current is None:
             if not options:
-                raise NoFeasiblePlanError("the planner found no plan")
+                raise NoFeasiblePlanError("no known plan fits the available devices")
             return min(options, key=lambda o: o[0])[1]
         current_score = self._objective(current, observed, weights)
         best = min(options, key=lambda o: o[0], default=None)
