@@ -218,6 +218,7 @@ def build_job(
     out: str | Path | None = None,
     progress: bool = False,
     devices: Sequence[str] | None = None,
+    hang_timeout_s: float | None = None,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -247,6 +248,8 @@ def build_job(
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
+    if hang_timeout_s is not None:
+        hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
     if grad_clip_norm == "default":
         grad_clip_norm = d.get("grad_clip_norm")
     if grad_clip_norm is not None:
@@ -360,6 +363,7 @@ def build_job(
         out=str(out) if out is not None else None,
         progress=progress,
         example=task.name,
+        hang_timeout_s=hang_timeout_s,
     )
 
 
