@@ -98,7 +98,7 @@ def run_train(
 
     task = _task(example, model, data)
     name = task.name if model is None else "model"
-    run_dir = run_dir or Path("hetrain-runs") / name
+    run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"
     options: dict[str, Any] = dict(
         steps=steps,

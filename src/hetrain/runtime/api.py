@@ -227,7 +227,8 @@ def build_job(
     caller), else ``w0 … w{N-1}`` for ``N = workers * nnodes``.
 
     Raises:
-        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a plan naming
+        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
+            BatchNorm or dropout (results would depend on the plan), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files.
     """
@@ -297,7 +298,14 @@ def build_job(
         device_ids = [f"w{i}" for i in range(n)]
 
     torch.manual_seed(seed)
-    num_layers = len(task.build_model())
+    chain = task.build_model()
+    num_layers = len(chain)
+    from hetrain.runtime.engine import check_exact_layers
+
+    try:  # BatchNorm / dropout: refused before any process starts
+        check_exact_layers(chain)
+    except ValueError as exc:
+        raise InputError(task.name, "model", str(exc)) from None
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
@@ -391,7 +399,7 @@ def train(
         workers: local ranks ``w0 … w{N-1}`` without ``cluster`` (default 4).
         steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
         run_dir: folder for metrics, report and the exported ``state_dict`` (default
-            ``./hetrain-runs/<name>``).
+            ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` (it must be an
             ``nn.Sequential``) when done.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
@@ -407,7 +415,7 @@ def train(
         hetrain.runtime.launch.LaunchError: a rank failed.
     """
     task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
-    run_dir = Path(run_dir) if run_dir is not None else Path("hetrain-runs") / task.name
+    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
     job = build_job(

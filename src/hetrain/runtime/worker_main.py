@@ -335,9 +335,10 @@ def _measure_device(
 # --------------------------------------------------------------------------------------------
 
 
-def run_worker(job: TrainJob) -> dict[str, Any] | None:
+def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] | None:
     """Train on this rank (``torch.distributed`` initialised from the environment when not yet
-    up). Returns the run summary on rank 0, None elsewhere."""
+    up). ``num_threads``: torch threads of this rank (default: cores / local ranks). Returns
+    the run summary on rank 0, None elsewhere."""
     from hetrain.runtime.engine import Worker, gather_measurements
     from hetrain.runtime.optim import OptimizerSpec
 
@@ -353,7 +354,7 @@ def run_worker(job: TrainJob) -> dict[str, Any] | None:
         own_group = True
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
         return _train(job, Worker, gather_measurements, OptimizerSpec)
     finally:
         if own_group and dist.is_initialized():
