@@ -438,6 +438,32 @@ def _device_id() -> str:
     return ids[local] if local < len(ids) else f"{ids[-1]}-{local}"
 
 
+def elastic_device_ids_given() -> bool:
+    """True in a rank started by an :class:`ElasticController` agent (``HETRAIN_DEVICE_ID``)."""
+    return bool(os.environ.get("HETRAIN_DEVICE_ID"))
+
+
+def gather_device_ids(hang_timeout_s: float | None = None) -> list[str]:
+    """Start the round's process group (gloo; collective timeout ``hang_timeout_s`` if given)
+    and all-gather every rank's device id (index = rank): the devices of this round.
+
+    Raises:
+        InputError: two agents claim the same device id.
+    """
+    import torch.distributed as dist
+
+    from hetrain.runtime.watchdog import process_group_timeout
+
+    if not dist.is_initialized():
+        kwargs = {"timeout": process_group_timeout(hang_timeout_s)} if hang_timeout_s else {}
+        dist.init_process_group("gloo", **kwargs)
+    ids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, _device_id())
+    if len(set(ids)) != len(ids):
+        raise InputError("HETRAIN_DEVICE_ID", "", f"expected unique device ids, got {ids}")
+    return [str(d) for d in ids]
+
+
 def _speeds(cluster: Path | None) -> dict[str, float]:
     if cluster is None:
         return {}
@@ -643,6 +669,9 @@ class ElasticController:
         log_dir: each agent's stdout/stderr go to ``log_dir/agent-{device}-{n}.log``.
         last_call_s: how long a round waits for more devices once ``min_devices`` joined.
         env: extra environment for the agents.
+        worker_module: what each rank runs (``python -m``): this module's :func:`main` (the
+            toy task), or ``"hetrain"`` with ``worker_args = ["train", ...]`` for
+            ``hetrain train`` (devices = the agents present; no ``--plan``/``--cluster``).
     """
 
     worker_args: list[str]
@@ -653,6 +682,7 @@ class ElasticController:
     last_call_s: int = 2
     env: dict[str, str] = field(default_factory=dict)
     run_id: str = "hetrain"
+    worker_module: str = "hetrain.runtime.elastic"
     port: int = 0
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
     _store: Any = None
@@ -687,7 +717,7 @@ class ElasticController:
             f"--max-restarts={self.max_restarts}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--monitor-interval=0.2", "--local-addr=127.0.0.1",
-            "-m", "hetrain.runtime.elastic", *self.worker_args,
+            "-m", self.worker_module, *self.worker_args,
         ]  # fmt: skip
 
     def add_device(self, device: str) -> subprocess.Popen:
