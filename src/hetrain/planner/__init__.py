@@ -26,13 +26,20 @@ from hetrain.planner.search import (
     candidate_to_plan,
     exhaustive_is_small,
     exhaustive_search,
+    local_search,
     plan_objective,
     pruned_search,
     solve_structure,
+    structure_count,
+    structure_search,
 )
 from hetrain.profile import ProfileArrays
 
 __all__ = ["best_plan", "warm_structure"]
+
+STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices)
+POLISH_TIME_FRACTION = 0.25  # local search gets this fraction of the candidate family's time
+POLISH_MAX_SOLVES_PER_DEVICE = 4  # ... and at most this many structure solves per device
 
 
 def warm_structure(
@@ -115,7 +122,22 @@ def best_plan(
             best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
             if deadline is None or time.perf_counter() < deadline:
                 best = solve_structure(ctx, groups, best)
+    family_start = time.perf_counter()
     best = pruned_search(ctx, best, deadline=deadline)
+    num_structures = structure_count(len(ctx.available), profile.num_layers, config.batch)
+    if deadline is None or time.perf_counter() < deadline:
+        if num_structures <= STRUCTURES_EXACT_MAX:
+            best = structure_search(ctx, best, deadline=deadline)
+        else:
+            # polish for a time proportional to what the candidate family took
+            now = time.perf_counter()
+            stop = now + POLISH_TIME_FRACTION * (now - family_start)
+            if deadline is not None:
+                stop = min(stop, deadline)
+            best = local_search(
+                ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
+                deadline=stop,
+            )  # fmt: skip
     if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None

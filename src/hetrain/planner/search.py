@@ -152,6 +152,40 @@ class SearchContext:
         )
         return per, links
 
+    def rate_bound(self, devices: tuple[int, ...]) -> float:
+        """An upper bound on the samples per second of the ordered group ``devices`` over
+        every ``μ``, split and share: ``1 / min over splits of max_k max(F_k / s_k, 2 a / bw_k)``
+        (per-sample stage and boundary times; ``κ``, latency and activation memory dropped,
+        ``T_g ≥ b_g`` times that bottleneck). 0 when no split holds the parameters.
+        Cached per group."""
+        key = ("rate", devices)
+        cached = self.option_cache.get(key)
+        if cached is not None:
+            return cached
+        st, pre = self.state, self.prefix
+        devs = np.asarray(devices, dtype=np.int64)
+        num_layers = pre.num_layers
+        idx = np.arange(num_layers + 1)
+        valid = idx[None, :] > idx[:, None]
+        flops = pre.train_flops[None, :] - pre.train_flops[:, None]
+        theta = (pre.param_bytes[None, :] - pre.param_bytes[:, None]) * (
+            2.0 + self.config.optimizer_state_factor
+        )
+        last = np.clip(idx - 1, 0, num_layers - 1)
+        bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
+        best = np.full(num_layers + 1, np.inf)
+        best[0] = 0.0
+        for k, d in enumerate(devs):
+            worst = flops / st.speed_flops[d]
+            if k < len(devs) - 1:
+                worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
+            worst = np.where(valid & (theta <= st.memory_bytes[d]), worst, np.inf)
+            best = np.min(np.maximum(best[:, None], worst), axis=0)
+        bottleneck = float(best[-1])
+        rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
+        self.option_cache[key] = rate
+        return rate
+
     def envelope_options(
         self,
         devices: np.ndarray,
@@ -225,6 +259,26 @@ class SearchContext:
             self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
             top, n_cap=n_design,
         )  # fmt: skip
+
+    def sync_bound_s(self, groups: Sequence[tuple[int, ...]]) -> float:
+        """A lower bound on ``T_sync`` when all ``groups`` are active (any splits): a group's
+        devices hold all ``P`` parameter bytes, so ``max_d θ_d/β_d ≥ P / Σ_d β_d``, with
+        ``β_d`` the intra-node bandwidth only where every other group has a device on ``d``'s
+        node, else ``nic_d``."""
+        count = len(groups)
+        if count <= 1:
+            return 0.0
+        st = self.state
+        node_sets = [{int(st.node[d]) for d in g} for g in groups]
+        worst = 0.0
+        for g, devs in enumerate(groups):
+            total = 0.0
+            for d in devs:
+                node = int(st.node[d])
+                local = all(node in ns for h, ns in enumerate(node_sets) if h != g)
+                total += st.intra_node_bytes_per_s if local else float(st.nic_bytes_per_s[d])
+            worst = max(worst, float(self.prefix.param_bytes[-1]) / total)
+        return 2.0 * (count - 1) * st.latency_s + 2.0 * (count - 1) / count * worst
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
@@ -324,6 +378,70 @@ def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) ->
                     continue
                 for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
                     best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
+    return best
+
+
+def structure_count(num_devices: int, num_layers: int, batch: int, cap: int = 10**9) -> int:
+    """Number of structures of ``num_devices`` devices: a non-empty subset, split into at most
+    ``batch`` unordered groups of at most ``num_layers`` devices, each group ordered
+    (1, 3, 13, 73, 501 orderings of all of 1-5 devices; 147 structures of 4 devices, 1031 of
+    5, 8463 of 6 when ``L`` and ``B`` do not limit). Returns ``cap`` when larger."""
+    n = num_devices
+    if n > 12:
+        return cap
+    # lists[m][g]: ways to split m labelled devices into g unordered ordered groups
+    lists = [[0] * (n + 1) for _ in range(n + 1)]
+    lists[0][0] = 1
+    for m in range(1, n + 1):
+        for g in range(1, m + 1):
+            lists[m][g] = sum(
+                math.comb(m - 1, k - 1) * math.factorial(k) * lists[m - k][g - 1]
+                for k in range(1, min(num_layers, m) + 1)
+            )
+    total = sum(
+        math.comb(n, m) * sum(lists[m][g] for g in range(1, min(m, batch) + 1))
+        for m in range(1, n + 1)
+    )
+    return min(total, cap)
+
+
+def structure_search(
+    ctx: SearchContext, incumbent: Candidate | None = None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Every structure of the available devices (subset, grouping, order inside each group),
+    each solved like the pruned search solves one (stages from the envelope DP, exact shares,
+    ``μ`` candidates refined around the shares), all groups active (a structure with an idle
+    group is the smaller structure without it, enumerated too). Subsets are visited by their
+    lower bound ``(B Σ(f+w) / Σ s_d) · weight`` and skipped once it reaches the incumbent."""
+    best = incumbent
+    avail = [int(d) for d in ctx.available]
+    num_layers = ctx.prefix.num_layers
+    speeds = ctx.state.speed_flops
+    subsets = []
+    for size in range(len(avail), 0, -1):
+        for subset in itertools.combinations(avail, size):
+            sub = np.asarray(subset, dtype=np.int64)
+            weight = ctx.weight(sub)
+            floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[sub])) * weight
+            subsets.append((floor, -size, subset, weight))
+    subsets.sort()
+    for floor, _, subset, weight in subsets:
+        if best is not None and floor >= best.objective:
+            break
+        for blocks in set_partitions(subset):
+            if len(blocks) > ctx.batch or max(len(b) for b in blocks) > num_layers:
+                continue
+            for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                if deadline is not None and best is not None and time.perf_counter() > deadline:
+                    return best
+                rates = [ctx.rate_bound(o) for o in orders]
+                if min(rates) <= 0.0:
+                    continue  # a group that holds no split: the smaller structure covers it
+                if best is not None:
+                    bound = ctx.batch / sum(rates) + ctx.sync_bound_s(orders)
+                    if bound * weight >= best.objective:
+                        continue
+                best = solve_structure(ctx, list(orders), best, all_active=True)
     return best
 
 
@@ -540,6 +658,13 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
         out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
         fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
         out.append(("pipeline-fastest", [tuple(fastest)]))
+        # whole-cluster pipelines in more orders: memory first (1F1B stashes most at the
+        # front), slowest first, and node by node (ranked nodes, each ordered as above)
+        by_memory = sorted(avail, key=lambda d: (-s.memory_bytes[d], -s.speed_flops[d], d))
+        out.append(("pipeline-memory", [tuple(by_memory[:num_layers])]))
+        out.append(("pipeline-slowest", [tuple(fastest[::-1])]))
+        by_node_order = [d for n in ranked for d in n]
+        out.append(("pipeline-nodes", [tuple(by_node_order[:num_layers])]))
     seen, unique = set(), []
     for name, groups in out:
         key = tuple(sorted(groups))
@@ -557,12 +682,15 @@ def solve_structure(
     refine: bool = True,
     fixed_bounds: Sequence[np.ndarray | None] | None = None,
     extra_mus: Sequence[int | None] | None = None,
+    all_active: bool = False,
 ) -> Candidate | None:
     """Solve one structure (pruned mode): envelope splits per group (or the given
     ``fixed_bounds`` per group, e.g. a warm start's stages; ``extra_mus``: a μ per group to
     try as well, e.g. the warm start's), shares with identical groups
     merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
-    around the shares found. Returns the better of this structure's solution and ``best``."""
+    around the shares found. Returns the better of this structure's solution and ``best``.
+    ``all_active``: do not try idling groups beyond what the share solver does (the structure
+    enumeration covers the smaller structures)."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
@@ -609,7 +737,8 @@ def solve_structure(
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick)
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick,
+                          all_active)  # fmt: skip
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -628,7 +757,8 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick)
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
+                              all_active)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
@@ -695,9 +825,12 @@ def _solve_entries(
     best: Candidate | None,
     bound: float | None = None,
     quick: bool = False,
+    all_active: bool = False,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
-    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
+    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped.
+    ``all_active``: only the whole structure (the share solver may still idle groups; the
+    structure search enumerates the smaller structures itself)."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
@@ -711,7 +844,9 @@ def _solve_entries(
     order = [feasible[i] for i in np.argsort(-score, kind="stable")]
     counts_in_order = [len(entries[keys[i]]) for i in order]
     total = sum(counts_in_order)
-    if total <= 24:
+    if all_active:
+        sizes = [total]
+    elif total <= 24:
         sizes = list(range(total, 0, -1))
     else:
         # (a warm re-plan that keeps its stages only tries idling the slowest groups)
@@ -772,6 +907,109 @@ def pruned_search(
         best = solve_structure(ctx, groups, best)
     if len(ctx.available) >= MIXED_DEPTH_MIN_DEVICES:
         best = mixed_depth_search(ctx, best, deadline=deadline)
+    return best
+
+
+def _structure_moves(
+    ctx: SearchContext, groups: list[tuple[int, ...]], unused: list[int]
+) -> Iterator[list[tuple[int, ...]]]:
+    """Neighbouring structures of ``groups`` (cheap moves first). Groups of equal signature
+    form a class and a move applies to every member of a class at once (a no-op on small
+    clusters, where classes are single groups; on large ones it keeps identical groups
+    identical, so the share solver still merges them): swap two adjacent devices; move the
+    last or first device of a pipeline to its own group or onto the end of another class's
+    pipelines; split pipelines at a cut; merge a class with another one (zipped, both
+    orders); add an unused device as its own group, at the end or the front of a pipeline."""
+    num_layers = ctx.prefix.num_layers
+    classes: dict[tuple, list[int]] = {}
+    for g, devs in enumerate(groups):
+        classes.setdefault(ctx.signature(np.asarray(devs, dtype=np.int64)), []).append(g)
+    members = list(classes.values())
+
+    def rebuild(changed: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = []
+        for g, devs in enumerate(groups):
+            out.extend(changed.get(g, [devs]))
+        return [x for x in out if x]
+
+    for cls in members:  # swap adjacent devices
+        k = len(groups[cls[0]])
+        for i in range(k - 1):
+            yield rebuild({g: [groups[g][:i] + (groups[g][i + 1], groups[g][i])
+                               + groups[g][i + 2 :]] for g in cls})  # fmt: skip
+    for cls in members:  # a device to its own group
+        if len(groups[cls[0]]) < 2:
+            continue
+        yield rebuild({g: [groups[g][:-1], (groups[g][-1],)] for g in cls})
+        yield rebuild({g: [groups[g][1:], (groups[g][0],)] for g in cls})
+    for d in unused:  # an unused device: its own group, or the end/front of a pipeline
+        yield [*groups, (d,)]
+        for cls in members:
+            if len(groups[cls[0]]) < num_layers:
+                g = cls[0]
+                yield rebuild({g: [groups[g] + (d,)]})
+                yield rebuild({g: [(d,) + groups[g]]})
+    for a, ca in enumerate(members):  # move a device between classes; merge classes
+        for b, cb in enumerate(members):
+            if a == b:
+                continue
+            pairs = list(zip(ca, cb, strict=False))
+            if len(groups[ca[0]]) >= 2 and len(groups[cb[0]]) < num_layers:
+                change = {}
+                for ga, gb in pairs:
+                    change[ga] = [groups[ga][:-1]]
+                    change[gb] = [groups[gb] + (groups[ga][-1],)]
+                yield rebuild(change)
+            if a < b and len(groups[ca[0]]) + len(groups[cb[0]]) <= num_layers:
+                for first, second in ((ca, cb), (cb, ca)):
+                    yield rebuild(
+                        {
+                            **{
+                                ga: [groups[ga] + groups[gb]]
+                                for ga, gb in zip(first, second, strict=False)
+                            },
+                            **{gb: [] for _, gb in zip(first, second, strict=False)},
+                        }
+                    )
+    for cls in members:  # split pipelines
+        k = len(groups[cls[0]])
+        for cut in range(1, k):
+            yield rebuild({g: [groups[g][:cut], groups[g][cut:]] for g in cls})
+
+
+def local_search(
+    ctx: SearchContext,
+    best: Candidate | None,
+    *,
+    max_solves: int,
+    deadline: float | None = None,
+) -> Candidate | None:
+    """Polish ``best`` by first-improvement local search over :func:`_structure_moves`
+    (each neighbour re-solved by :func:`solve_structure`: stages, μ refined around the
+    shares, exact shares), at most ``max_solves`` structure solves and until ``deadline``
+    (``time.perf_counter()``)."""
+    if best is None:
+        return best
+    seen: set[tuple] = set()
+    solves = 0
+    improved = True
+    while improved:
+        improved = False
+        groups = [tuple(int(x) for x in g) for g in best.groups]
+        used = {d for g in groups for d in g}
+        unused = [int(d) for d in ctx.available if int(d) not in used]
+        for trial in _structure_moves(ctx, groups, unused):
+            key = tuple(sorted(trial))
+            if key in seen:
+                continue
+            seen.add(key)
+            if solves >= max_solves or (deadline is not None and time.perf_counter() > deadline):
+                return best
+            solves += 1
+            cand = solve_structure(ctx, trial, best)
+            if cand is not best and cand.objective < best.objective * (1 - 1e-9):
+                best, improved = cand, True
+                break
     return best
 
 
