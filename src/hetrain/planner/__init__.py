@@ -32,14 +32,20 @@ from hetrain.planner.search import (
     solve_structure,
     structure_count,
     structure_search,
+    whole_cluster_pipelines,
 )
 from hetrain.profile import ProfileArrays
 
 __all__ = ["best_plan", "warm_structure"]
 
 STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices)
-POLISH_TIME_FRACTION = 0.25  # local search gets this fraction of the candidate family's time
-POLISH_MAX_SOLVES_PER_DEVICE = 4  # ... and at most this many structure solves per device
+# local-search polish (more than STRUCTURES_EXACT_MAX structures): at most this many
+# structure solves per device, within this fraction of the candidate family's CPU time, or
+# POLISH_SMALL_CPU_S on clusters of at most POLISH_SMALL_DEVICES devices
+POLISH_MAX_SOLVES_PER_DEVICE = 40
+POLISH_TIME_FRACTION = 0.25
+POLISH_SMALL_DEVICES = 12
+POLISH_SMALL_CPU_S = 1.5
 
 
 def warm_structure(
@@ -122,21 +128,27 @@ def best_plan(
             best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
             if deadline is None or time.perf_counter() < deadline:
                 best = solve_structure(ctx, groups, best)
-    family_start = time.perf_counter()
+    family_cpu = time.process_time()
     best = pruned_search(ctx, best, deadline=deadline)
+    family_cpu = time.process_time() - family_cpu
     num_structures = structure_count(len(ctx.available), profile.num_layers, config.batch)
     if deadline is None or time.perf_counter() < deadline:
         if num_structures <= STRUCTURES_EXACT_MAX:
             best = structure_search(ctx, best, deadline=deadline)
         else:
-            # polish for a time proportional to what the candidate family took
-            now = time.perf_counter()
-            stop = now + POLISH_TIME_FRACTION * (now - family_start)
-            if deadline is not None:
-                stop = min(stop, deadline)
+            # polish: a CPU-time budget proportional to what the candidate family took (CPU
+            # time, so that a loaded machine gives the same plan), more on small clusters
+            budget = POLISH_TIME_FRACTION * family_cpu
+            if len(ctx.available) <= POLISH_SMALL_DEVICES:
+                budget = max(budget, POLISH_SMALL_CPU_S)
+            starts = []
+            for order in whole_cluster_pipelines(ctx):
+                cand = solve_structure(ctx, [order])  # splits cached: cheap
+                if cand is not None and (not starts or cand.objective < starts[0].objective):
+                    starts = [cand]
             best = local_search(
                 ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
-                deadline=stop,
+                deadline=deadline, cpu_budget_s=budget, starts=starts,
             )  # fmt: skip
     if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best)

@@ -405,6 +405,20 @@ def structure_count(num_devices: int, num_layers: int, batch: int, cap: int = 10
     return min(total, cap)
 
 
+def structure_bound(
+    ctx: SearchContext, groups: Sequence[tuple[int, ...]], weight: float | None = None
+) -> float:
+    """A lower bound on the objective of ``groups`` with all of them active:
+    ``(B / Σ_g rate_g + T_sync bound) · weight`` (:meth:`SearchContext.rate_bound`,
+    :meth:`SearchContext.sync_bound_s`); inf when a group holds no split."""
+    rates = [ctx.rate_bound(tuple(g)) for g in groups]
+    if min(rates) <= 0.0:
+        return np.inf
+    if weight is None:
+        weight = ctx.weight(np.asarray([d for g in groups for d in g], dtype=np.int64))
+    return (ctx.batch / sum(rates) + ctx.sync_bound_s(groups)) * weight
+
+
 def structure_search(
     ctx: SearchContext, incumbent: Candidate | None = None, *, deadline: float | None = None
 ) -> Candidate | None:
@@ -434,13 +448,8 @@ def structure_search(
             for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
                 if deadline is not None and best is not None and time.perf_counter() > deadline:
                     return best
-                rates = [ctx.rate_bound(o) for o in orders]
-                if min(rates) <= 0.0:
-                    continue  # a group that holds no split: the smaller structure covers it
-                if best is not None:
-                    bound = ctx.batch / sum(rates) + ctx.sync_bound_s(orders)
-                    if bound * weight >= best.objective:
-                        continue
+                if best is not None and structure_bound(ctx, orders, weight) >= best.objective:
+                    continue  # (a group that holds no split: the smaller structure covers it)
                 best = solve_structure(ctx, list(orders), best, all_active=True)
     return best
 
@@ -910,16 +919,29 @@ def pruned_search(
     return best
 
 
+def _swapped(devs: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
+    out = list(devs)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
+def _moved(devs: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
+    out = list(devs)
+    out.insert(j, out.pop(i))
+    return tuple(out)
+
+
 def _structure_moves(
     ctx: SearchContext, groups: list[tuple[int, ...]], unused: list[int]
 ) -> Iterator[list[tuple[int, ...]]]:
     """Neighbouring structures of ``groups`` (cheap moves first). Groups of equal signature
     form a class and a move applies to every member of a class at once (a no-op on small
     clusters, where classes are single groups; on large ones it keeps identical groups
-    identical, so the share solver still merges them): swap two adjacent devices; move the
-    last or first device of a pipeline to its own group or onto the end of another class's
-    pipelines; split pipelines at a cut; merge a class with another one (zipped, both
-    orders); add an unused device as its own group, at the end or the front of a pipeline."""
+    identical, so the share solver still merges them): swap two adjacent devices, then any
+    two, or move one to another position; move the last or first device of a pipeline to its
+    own group, out of the structure, or onto the end of another class's pipelines; drop a
+    class; add an unused device as its own group, at the end or the front of a pipeline;
+    merge a class with another one (zipped, both orders); split pipelines at a cut."""
     num_layers = ctx.prefix.num_layers
     classes: dict[tuple, list[int]] = {}
     for g, devs in enumerate(groups):
@@ -937,11 +959,25 @@ def _structure_moves(
         for i in range(k - 1):
             yield rebuild({g: [groups[g][:i] + (groups[g][i + 1], groups[g][i])
                                + groups[g][i + 2 :]] for g in cls})  # fmt: skip
-    for cls in members:  # a device to its own group
+    for cls in members:  # swap any two devices; move one device to another position
+        k = len(groups[cls[0]])
+        for i in range(k):
+            for j in range(i + 2, k):
+                yield rebuild({g: [_swapped(groups[g], i, j)] for g in cls})
+        for i in range(k):
+            for j in range(k):
+                if j not in (i, i + 1, i - 1):
+                    yield rebuild({g: [_moved(groups[g], i, j)] for g in cls})
+    for cls in members:  # the last or first device to its own group, or unused
         if len(groups[cls[0]]) < 2:
             continue
         yield rebuild({g: [groups[g][:-1], (groups[g][-1],)] for g in cls})
         yield rebuild({g: [groups[g][1:], (groups[g][0],)] for g in cls})
+        yield rebuild({g: [groups[g][:-1]] for g in cls})
+        yield rebuild({g: [groups[g][1:]] for g in cls})
+    if len(members) > 1:
+        for cls in members:  # a class of groups unused
+            yield rebuild({g: [] for g in cls})
     for d in unused:  # an unused device: its own group, or the end/front of a pipeline
         yield [*groups, (d,)]
         for cls in members:
@@ -983,34 +1019,59 @@ def local_search(
     *,
     max_solves: int,
     deadline: float | None = None,
+    cpu_budget_s: float | None = None,
+    starts: Sequence[Candidate] = (),
 ) -> Candidate | None:
-    """Polish ``best`` by first-improvement local search over :func:`_structure_moves`
-    (each neighbour re-solved by :func:`solve_structure`: stages, μ refined around the
-    shares, exact shares), at most ``max_solves`` structure solves and until ``deadline``
-    (``time.perf_counter()``)."""
+    """Polish by first-improvement local search over :func:`_structure_moves` (each
+    neighbour re-solved by :func:`solve_structure`: stages, μ refined around the shares,
+    exact shares), from ``best`` and then from each of ``starts`` (e.g. the best whole-cluster
+    pipeline, which a descent from a hybrid rarely reaches), at most ``max_solves`` structure
+    solves in all, until ``deadline`` (``time.perf_counter()``) and within ``cpu_budget_s``
+    seconds of process CPU time. Returns the best found."""
     if best is None:
         return best
+    cpu_stop = None if cpu_budget_s is None else time.process_time() + cpu_budget_s
     seen: set[tuple] = set()
     solves = 0
-    improved = True
-    while improved:
-        improved = False
-        groups = [tuple(int(x) for x in g) for g in best.groups]
-        used = {d for g in groups for d in g}
-        unused = [int(d) for d in ctx.available if int(d) not in used]
-        for trial in _structure_moves(ctx, groups, unused):
-            key = tuple(sorted(trial))
-            if key in seen:
-                continue
-            seen.add(key)
-            if solves >= max_solves or (deadline is not None and time.perf_counter() > deadline):
-                return best
-            solves += 1
-            cand = solve_structure(ctx, trial, best)
-            if cand is not best and cand.objective < best.objective * (1 - 1e-9):
-                best, improved = cand, True
-                break
+    for start in [best, *starts]:
+        current = start
+        improved = True
+        while improved:
+            improved = False
+            groups = [tuple(int(x) for x in g) for g in current.groups]
+            used = {d for g in groups for d in g}
+            unused = [int(d) for d in ctx.available if int(d) not in used]
+            for trial in _structure_moves(ctx, groups, unused):
+                key = tuple(sorted(trial))
+                if key in seen:
+                    continue
+                seen.add(key)
+                if (
+                    solves >= max_solves
+                    or (deadline is not None and time.perf_counter() > deadline)
+                    or (cpu_stop is not None and time.process_time() > cpu_stop)
+                ):
+                    return best if best.objective <= current.objective else current
+                if structure_bound(ctx, trial) >= current.objective:
+                    continue  # cannot beat the current structure with all its groups active
+                solves += 1
+                cand = solve_structure(ctx, trial, current)
+                if cand is not current and cand.objective < current.objective * (1 - 1e-9):
+                    current, improved = cand, True
+                    break
+        if current.objective < best.objective:
+            best = current
     return best
+
+
+def whole_cluster_pipelines(ctx: SearchContext) -> list[tuple[int, ...]]:
+    """The single-pipeline structures of :func:`candidate_structures` (first ``L`` devices in
+    file, speed, memory, slowest-first and node order)."""
+    return [
+        groups[0]
+        for name, groups in candidate_structures(ctx)
+        if name.startswith("pipeline-") and len(groups) == 1
+    ]
 
 
 def mixed_depth_search(
