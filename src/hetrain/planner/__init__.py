@@ -141,11 +141,13 @@ def best_plan(
             budget = POLISH_TIME_FRACTION * family_cpu
             if len(ctx.available) <= POLISH_SMALL_DEVICES:
                 budget = max(budget, POLISH_SMALL_CPU_S)
-            starts = []
-            for order in whole_cluster_pipelines(ctx):
-                cand = solve_structure(ctx, [order])  # splits cached: cheap
-                if cand is not None and (not starts or cand.objective < starts[0].objective):
-                    starts = [cand]
+
+            def starts() -> list[Candidate]:
+                """The best whole-cluster pipeline (splits cached: cheap)."""
+                found = [solve_structure(ctx, [order]) for order in whole_cluster_pipelines(ctx)]
+                found = [c for c in found if c is not None]
+                return [min(found, key=lambda c: c.objective)] if found else []
+
             best = local_search(
                 ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
                 deadline=deadline, cpu_budget_s=budget, starts=starts,

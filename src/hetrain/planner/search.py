@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -1020,12 +1020,13 @@ def local_search(
     max_solves: int,
     deadline: float | None = None,
     cpu_budget_s: float | None = None,
-    starts: Sequence[Candidate] = (),
+    starts: Callable[[], Sequence[Candidate]] | None = None,
 ) -> Candidate | None:
     """Polish by first-improvement local search over :func:`_structure_moves` (each
     neighbour re-solved by :func:`solve_structure`: stages, μ refined around the shares,
-    exact shares), from ``best`` and then from each of ``starts`` (e.g. the best whole-cluster
-    pipeline, which a descent from a hybrid rarely reaches), at most ``max_solves`` structure
+    exact shares), from ``best`` and then, once that descent converged, from each of
+    ``starts()`` (e.g. the best whole-cluster pipeline, which a descent from a hybrid rarely
+    reaches; computed only then), at most ``max_solves`` structure
     solves in all, until ``deadline`` (``time.perf_counter()``) and within ``cpu_budget_s``
     seconds of process CPU time. Returns the best found."""
     if best is None:
@@ -1033,8 +1034,9 @@ def local_search(
     cpu_stop = None if cpu_budget_s is None else time.process_time() + cpu_budget_s
     seen: set[tuple] = set()
     solves = 0
-    for start in [best, *starts]:
-        current = start
+    queue = [best]
+    while queue:
+        current = queue.pop(0)
         improved = True
         while improved:
             improved = False
@@ -1061,6 +1063,9 @@ def local_search(
                     break
         if current.objective < best.objective:
             best = current
+        if starts is not None:
+            queue.extend(starts())
+            starts = None
     return best
 
 
