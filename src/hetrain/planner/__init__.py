@@ -138,8 +138,9 @@ def best_plan(
         else:
             # polish: a CPU-time budget proportional to what the candidate family took (CPU
             # time, so that a loaded machine gives the same plan), more on small clusters
+            # (a warm re-plan, the controller's per-slot call, gets only the fraction)
             budget = POLISH_TIME_FRACTION * family_cpu
-            if len(ctx.available) <= POLISH_SMALL_DEVICES:
+            if warm_start is None and len(ctx.available) <= POLISH_SMALL_DEVICES:
                 budget = max(budget, POLISH_SMALL_CPU_S)
 
             def starts() -> list[Candidate]:
