@@ -18,7 +18,8 @@ repository), ``batch``, ``slots``, ``seed``, ``cluster`` (``kinds: {KIND: count}
 :func:`hetrain.sim.dynamics.generate_trace` — ``stragglers``, ``bamboo_events``,
 ``spot_log``, ``spot_prices``; each converter entry names a file under the data folder and the
 device-id prefixes it applies to), ``noise`` (``time``, ``measurement``), ``budget``
-(``money_fraction_of_greedy``: the money budget is that fraction of greedy's mean cost),
+(``money``: currency per iteration, or ``money_fraction_of_greedy``: that fraction of greedy's
+mean cost; checked against the minimum feasible budget),
 ``fast_links`` (whether the 1.3x-of-lower-bound target applies).
 """
 
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from hetrain.catalog import DEVICE_KINDS, make_cluster  # noqa: E402
+from hetrain.commands.simulate import minimum_budget  # noqa: E402
 from hetrain.control import BASELINE_NAMES, make_policy  # noqa: E402
 from hetrain.costmodel import TrainingConfig  # noqa: E402
 from hetrain.profile import load_profile  # noqa: E402
@@ -114,8 +116,17 @@ def run_scenario(spec: dict, slots_override: int | None = None) -> dict:
         pol = make_policy(name, profile, config)
         results[name] = simulate(pol, timeline, profile, config, **sim_kw)
     if "budget" in spec:
-        greedy_money = results["greedy"].summary()["mean_cost"]["money"]
-        budgets = {"money": float(spec["budget"]["money_fraction_of_greedy"]) * greedy_money}
+        if "money" in spec["budget"]:
+            budgets = {"money": float(spec["budget"]["money"])}
+        else:
+            greedy_money = results["greedy"].summary()["mean_cost"]["money"]
+            budgets = {"money": float(spec["budget"]["money_fraction_of_greedy"]) * greedy_money}
+        least = minimum_budget(timeline, profile, config, "money", slots)
+        if budgets["money"] < least:
+            raise SystemExit(f"{spec['name']}: budget {budgets['money']:.4g} is below the "
+                             f"minimum feasible {least:.4g}")  # fmt: skip
+        print(f"{spec['name']}: money budget {budgets['money']:.4g} per iteration, minimum "
+              f"feasible {least:.4g}")  # fmt: skip
         pol = make_policy("lyapunov", profile, config, v=float(spec.get("v", 1.0)),
                           budgets=budgets)  # fmt: skip
         results["lyapunov"] = simulate(pol, timeline, profile, config, budgets=budgets, **sim_kw)

@@ -55,7 +55,7 @@ def main() -> None:
         optimizer="adamw",
         lr=3e-3,
         slowdown={"w1": 3.0},
-        run_dir="hetrain-runs/own-model",
+        run_dir="runs/own-model",
     )
     print(f"plan changes: {result['replans']}, final plan: {result['final_plan']['groups']}")
     print(f"validation loss {result['metrics']['val_loss']:.4f}")

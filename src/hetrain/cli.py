@@ -205,6 +205,10 @@ def train(
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every")] = 0,
     max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+    hang_timeout: Annotated[
+        float | None,
+        typer.Option("--hang-timeout", help="seconds without a finished step = rank failed"),
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
     ] = None,
@@ -270,6 +274,7 @@ def train(
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             max_restarts=max_restarts,
+            hang_timeout_s=hang_timeout,
             model=model,
             data=data,
             schedule=schedule,

@@ -66,7 +66,7 @@ def test_virtual_queue_update_is_spec_formula():
 @pytest.fixture(scope="module")
 def budget_runs():
     """Lyapunov at V = 1 and V = 30 with a binding money budget, and greedy, on one trace."""
-    slots = 600
+    slots = 800
     timeline = _price_timeline(slots)
     greedy = simulate(make_policy("greedy", PROFILE, CONFIG), timeline, PROFILE, CONFIG)
     budget = 0.6 * greedy.summary()["mean_cost"]["money"]
@@ -315,3 +315,26 @@ def test_migration_time_matches_a_naive_reference_on_random_plans():
         old, new = random_plan(), random_plan()
         expected = _naive_migration_s(old, new, state, per_layer)
         assert migration_time_s(old, new, state, PROFILE, 2.0) == pytest.approx(expected, rel=1e-9)
+
+
+def test_rationed_searches_repair_and_extend_between_searches():
+    """The large-cluster path (forced here with ``incremental_above=2``): a lost device is
+    replaced by an interchangeable spare, searches stay rationed."""
+    rows = [
+        TraceRow(slot=3, device="b1", available=False),
+        TraceRow(slot=6, device="b1", available=True),
+        TraceRow(slot=8, device="a1", available=False),
+    ]
+    timeline = Trace(tuple(rows)).timeline(CLUSTER, 12)
+    pol = make_policy("lyapunov", PROFILE, CONFIG, incremental_above=2, search_devices_per_slot=0.2)
+    res = simulate(pol, timeline, PROFILE, CONFIG, keep_plans=True)
+    assert res.infeasible_slots == 0
+    assert pol.searches == 1  # at most one search per ceil(D / 0.2) >= 20 slots
+    used = [{d for g in p.groups if g.batch > 0 for d in g.devices} for p in res.plans]
+    assert {"a1", "b1"} <= used[2] and len(used[2]) == 4
+    # b1 is replaced by a spare of its kind on its node: same devices count, same time
+    assert "b1" not in used[3] and len(used[3]) == 4 and used[3] - used[2] <= {"b2", "b3"}
+    assert res.records[4].iteration_time_s == pytest.approx(res.records[2].iteration_time_s)
+    assert "a1" not in used[8]  # a1 has no spare of its kind: its group is dropped
+    for t, devices in enumerate(used):
+        assert all(timeline.available[t, CLUSTER.ids.index(d)] for d in devices)

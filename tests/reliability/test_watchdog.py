@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -125,3 +126,37 @@ def test_bad_timeouts_are_value_errors(bad):
         Watchdog(bad)
     with pytest.raises(ValueError, match="hang_timeout_s"):
         process_group_timeout(bad)
+
+
+def _train_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "hetrain", "train", "--example", "digits", *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_train_with_a_stuck_rank_fails_instead_of_waiting(tmp_path):
+    """``hetrain train --hang-timeout 3``: rank w1 is stuck (emulated slow-down of 10^5, a step
+    of minutes); the run fails with one error line instead of waiting (torch's default
+    collective timeout is 30 minutes)."""
+    proc = _train_cli(
+        ["--workers", "2", "--steps", "5", "--slowdown", "w1=100000", "--hang-timeout", "3",
+         "--run-dir", str(tmp_path / "run"), "--no-report"],
+        tmp_path,
+    )  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert last.startswith("hetrain: error: rank ") and "failed" in last, last
+    assert "Timed out" in proc.stderr or "no progress" in proc.stderr
+
+
+def test_train_rejects_a_bad_hang_timeout(tmp_path):
+    proc = _train_cli(["--workers", "1", "--steps", "1", "--hang-timeout", "-1"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "hetrain: error: --hang-timeout: expected a finite number > 0, got -1.0"
+    ]

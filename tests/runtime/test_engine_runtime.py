@@ -48,8 +48,10 @@ def test_slowdown_grows_measured_compute_time(tmp_path):
     emulation = Emulation(slowdown={"w1": 3.0})
     steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 8))[0]
     assert [m["device_id"] for m in steps[0]] == ["w0", "w1"]
-    ratios = sorted(s[1]["compute_time_s"] / s[0]["compute_time_s"] for s in steps[1:])
-    assert ratios[len(ratios) // 2] > 2.0  # median over 7 steps; factor 3, loose (shared CPU)
+    # least-disturbed step of each rank (the CPU is shared): factor 3, loose bound
+    fast = min(s[0]["compute_time_s"] for s in steps[1:])
+    slow = min(s[1]["compute_time_s"] for s in steps[1:])
+    assert slow / fast > 2.0
     for s in steps:
         assert s[0]["emulated_compute_time_s"] == 0.0
         own = s[1]["compute_time_s"] - s[1]["emulated_compute_time_s"]

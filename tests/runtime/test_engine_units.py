@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetrain.errors import InputError
 from hetrain.plan import plan_from_dict
@@ -141,3 +143,62 @@ def test_emulation_from_cluster_state_and_microbatch_overhead():
     slept = slow_down(em, "a", 0.001, microbatch=True)  # factor 1, κ = 3 ms
     assert slept >= 3e-3
     assert slow_down(em, "c", 0.004) >= 4e-3  # (2 - 1) x 4 ms
+
+
+@st.composite
+def _plans(draw, world=5, num_layers=6):
+    """A random valid plan over devices d0..d{world-1} (some unused, some groups idle)."""
+    devices = draw(st.permutations([f"d{i}" for i in range(world)]))
+    used = devices[: draw(st.integers(1, world))]
+    cuts = sorted(
+        draw(st.sets(st.integers(1, len(used) - 1), max_size=len(used) - 1))
+        if len(used) > 1
+        else set()
+    )
+    members = [used[a:b] for a, b in zip([0, *cuts], [*cuts, len(used)], strict=True)]
+    groups = []
+    for i, m in enumerate(members):
+        m = m[:num_layers]
+        splits = sorted(
+            draw(st.sets(st.integers(1, num_layers - 1), min_size=len(m) - 1, max_size=len(m) - 1))
+        )
+        bounds = [0, *splits, num_layers]
+        batch = draw(st.integers(1 if i == 0 else 0, 20))
+        groups.append(
+            {
+                "devices": m,
+                "stages": [[bounds[k], bounds[k + 1]] for k in range(len(m))],
+                "microbatch_size": draw(st.integers(1, 8)),
+                "batch": batch,
+            }
+        )
+    return plan_from_dict({"groups": groups})
+
+
+RANK_DEVICES = [f"d{i}" for i in range(5)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(old=_plans(), new=_plans(), cap=st.integers(1, 40))
+def test_layout_buckets_and_transfers_invariants(old, new, cap):
+    a = build_layout(old, RANK_DEVICES, 6, require_all=False)
+    b = build_layout(new, RANK_DEVICES, 6, require_all=False)
+    for lay in (a, b):
+        for layer in range(6):  # one owner per group, canonical = first active group's owner
+            assert len(lay.owners[layer]) == len(lay.groups)
+            first_active = next(g for g in lay.groups if g.active)
+            assert lay.canonical[layer] in first_active.ranks
+        for g in lay.groups:  # micro-batches tile the group's rows
+            rows = [r for s, e in g.microbatches() for r in range(s, e)]
+            assert rows == list(range(g.offset, g.offset + g.batch))
+    buckets = build_buckets(b, [10] * 6, cap_bytes=cap)
+    assert [layer for bk in buckets for layer in bk.layers] == list(range(6))
+    for bk in buckets:
+        assert set(bk.active) | set(bk.idle) == set(b.owners[bk.layers[0]])
+        assert len(bk.layers) == 1 or 10 * len(bk.layers) <= cap
+    holders = {layer: set(a.owners[layer]) for layer in range(6)}
+    for t in plan_transfers(a, b):  # sources already hold the layer when it is sent
+        assert t.src in holders[t.layer] and t.dst not in holders[t.layer]
+        holders[t.layer].add(t.dst)
+    for layer in range(6):
+        assert set(b.owners[layer]) <= holders[layer]

@@ -78,10 +78,15 @@ def test_slowdown_mid_training_triggers_replan(tmp_path):
     }
     replans = [r for r in events if r["event"] == "replan" and r["step"] > SLOW_STEP]
     assert replans, "no re-plan after the slowdown"
-    first = replans[0]
-    assert first["step"] <= SLOW_STEP + 14
-    assert share_w1[first["step"]] < 0.9 * share_w1[SLOW_STEP]
-    assert share_w1[STEPS - 1] < 0.9 * share_w1[SLOW_STEP]
+    # within a few iterations a plan that gives w1 clearly less work (the controller runs in a
+    # background thread, so its first answer may still be based on pre-slowdown measurements)
+    base = share_w1[SLOW_STEP]
+    moved = [r for r in replans if share_w1[r["step"]] < 0.9 * base]
+    assert moved and moved[0]["step"] <= SLOW_STEP + 14, [
+        (r["step"], share_w1[r["step"]]) for r in replans
+    ]
+    first = moved[0]
+    assert share_w1[STEPS - 1] < 0.9 * base
     # iteration time before/after (logged, not asserted: tests never assert on timing)
     slow = [e["iteration_time_s"] for e in steps[SLOW_STEP : first["step"]]]
     after = [e["iteration_time_s"] for e in steps[first["step"] :]]

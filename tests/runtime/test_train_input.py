@@ -104,3 +104,25 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     trace.write_text("slot,device,speed_factor\n3,w5,0.5\n")
     code, err = _run(capsys, "--workers", "2", "--trace", str(trace))
     assert code == 2 and "w5" in err
+
+
+def test_batchnorm_model_is_refused_before_launch(tmp_path):
+    import torch
+    from torch import nn
+
+    import hetrain
+    from hetrain.errors import InputError
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    data = (torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    with pytest.raises(InputError, match="BatchNorm"):
+        hetrain.train(
+            model=model,
+            dataset=data,
+            loss_fn=nn.functional.cross_entropy,
+            workers=2,
+            steps=2,
+            batch=8,
+            run_dir=tmp_path / "run",
+        )
+    assert not (tmp_path / "run").exists()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import hetrain
@@ -49,7 +50,10 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
-def test_two_torchrun_nodes_match_single_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "hetrain"])
+def test_two_nodes_match_single_process(tmp_path, launcher):
+    """Two agents as two nodes: ``torchrun ... -m hetrain train`` or ``hetrain train --nnodes 2``
+    (torch's elastic launch API inside hetrain)."""
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
     port = _free_port()
     # the processes import the hetrain under test (this checkout), whatever the cwd
@@ -85,33 +89,22 @@ def test_two_torchrun_nodes_match_single_process(tmp_path):
         "--no-report",
         "--no-progress",
     ]
+    rdzv = ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hetrain-test"]
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        command += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", *rdzv, *train_args]
+    else:
+        command = [sys.executable, *train_args, "--nnodes", "2", "--workers", "1", *rdzv]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "hetrain-test",
-                "--node-rank",
-                str(node),
-                *train_args,
-            ],
+            command,
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for node in range(2)
+        for _node in range(2)
     ]
     outputs = []
     try:

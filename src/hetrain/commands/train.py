@@ -70,6 +70,7 @@ def run_train(
     checkpoint_dir: Path | None = None,
     checkpoint_every: int = 0,
     max_restarts: int = 0,
+    hang_timeout_s: float | None = None,
     model: str | None = None,
     data: Path | None = None,
     schedule: str | None = None,
@@ -97,7 +98,7 @@ def run_train(
 
     task = _task(example, model, data)
     name = task.name if model is None else "model"
-    run_dir = run_dir or Path("hetrain-runs") / name
+    run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"
     options: dict[str, Any] = dict(
         steps=steps,
@@ -122,6 +123,7 @@ def run_train(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         out=out,
+        hang_timeout_s=hang_timeout_s,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm

@@ -116,9 +116,10 @@ class LyapunovPolicy:
         replan_every: search at least this often (slots).
         search_time_budget_s: passed to the planner as ``time_budget_s`` (soft, seconds).
         incremental_above: with more available devices than this, searches are rationed (one
-            per ``D / search_devices_per_slot`` slots) and, between searches, lost devices are
-            repaired (their groups dropped) and returning devices added as data-parallel groups,
-            re-solving only the shares.
+            per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
+            replaced by an interchangeable spare (else its group is dropped) and unused devices
+            are added as data-parallel groups when that lowers the objective, re-solving only
+            the shares.
         search_devices_per_slot: the ration above.
         name: the policy's name in reports.
 
@@ -295,43 +296,83 @@ class LyapunovPolicy:
         return slot - self._last_search_slot >= gap
 
     def _repair(self, plan: Plan, observed: ClusterState) -> Plan | None:
-        """``plan`` without the groups that lost a device, shares re-solved (None if nothing
-        is left or the rest cannot take the batch)."""
+        """``plan`` after losing devices, shares re-solved: a lost device is replaced by an
+        unused available device of the same kind (memory and NIC equal, speed within 5%,
+        same node preferred); a group where that is impossible is dropped. None if nothing is
+        left or the rest cannot take the batch."""
         available = np.asarray(observed.available, dtype=bool)
-        keep = [
-            g.model_copy(update={"batch": 1})
-            for g in plan.groups
-            if g.batch > 0 and all(available[self._index[d]] for d in g.devices)
-        ]
+        index = self._index
+        used = {d for g in plan.groups if g.batch > 0 for d in g.devices}
+        spare = [d for d, ok in zip(observed.ids, available, strict=True) if ok and d not in used]
+        keep = []
+        for g in plan.groups:
+            if g.batch <= 0:
+                continue
+            devices = list(g.devices)
+            for k, d in enumerate(devices):
+                if available[index[d]]:
+                    continue
+                sub = self._substitute(d, spare, observed)
+                if sub is None:
+                    devices = []
+                    break
+                spare.remove(sub)
+                devices[k] = sub
+            if devices:
+                keep.append(g.model_copy(update={"devices": tuple(devices), "batch": 1}))
         if not keep:
             return None
         trimmed = plan.model_copy(update={"groups": tuple(keep)})
         new, _ = self._rebalance(trimmed, observed)
         return new if new.global_batch == self.config.batch else None
 
+    def _substitute(self, lost: str, spare: list[str], observed: ClusterState) -> str | None:
+        """An unused device interchangeable with ``lost`` (same node first), or None."""
+        i = self._index[lost]
+        best = None
+        for d in spare:
+            j = self._index[d]
+            if (
+                observed.memory_bytes[j] == observed.memory_bytes[i]
+                and observed.nic_bytes_per_s[j] == observed.nic_bytes_per_s[i]
+                and abs(observed.speed_flops[j] / observed.speed_flops[i] - 1.0) < 0.05
+            ):
+                if observed.node[j] == observed.node[i]:
+                    return d
+                best = best or d
+        return best
+
     def _extend(self, plan: Plan, observed: ClusterState) -> Plan | None:
-        """``plan`` plus one data-parallel group per available device it does not use (idle
-        where the model does not fit the device alone), shares re-solved."""
+        """``plan`` plus data-parallel groups of the fastest available devices it does not use
+        (the best of adding 1, 2, 4, ... of them, by the objective), shares re-solved."""
         available = np.asarray(observed.available, dtype=bool)
         used = {d for g in plan.groups if g.batch > 0 for d in g.devices}
         fresh = [d for d, ok in zip(observed.ids, available, strict=True) if ok and d not in used]
         if not fresh:
             return None
+        fresh.sort(key=lambda d: -float(observed.speed_flops[self._index[d]]))
         singles = [g.microbatch_size for g in plan.groups if g.batch > 0 and len(g.devices) == 1]
         mu = int(np.median(singles)) if singles else 1
         num_layers = self.profile.num_layers
         from hetrain.plan import GroupPlan
 
-        added = tuple(
-            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=mu, batch=1)
-            for d in fresh
-        )
         active = tuple(g for g in plan.groups if g.batch > 0)
-        grown = plan.model_copy(update={"groups": active + added})
-        new, _ = self._rebalance(grown, observed)
-        if new.global_batch != self.config.batch or new is grown:
-            return None
-        return new
+        weights = self.queue_weights()
+        best, best_score = None, math.inf
+        counts = sorted({min(2**k, len(fresh)) for k in range(len(fresh).bit_length() + 1)})
+        for count in counts:
+            added = tuple(
+                GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=mu, batch=1)
+                for d in fresh[:count]
+            )
+            grown = plan.model_copy(update={"groups": active + added})
+            new, _ = self._rebalance(grown, observed)
+            if new.global_batch != self.config.batch or new is grown:
+                continue
+            score = self._objective(new, observed, weights)
+            if score < best_score:
+                best, best_score = new, score
+        return best
 
     def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
         """Feed the measured cost of ``slot`` (migration included) into the virtual queues and
@@ -488,11 +529,13 @@ class LyapunovPolicy:
                 score = self._objective(plan, observed, weights)
             if current is not None and plan.structure() == current.structure():
                 continue
+            if not math.isfinite(score):
+                continue  # does not fit memory in the observed state
             penalty = self._switch_penalty(self._current, plan, observed, weights)
             options.append((score + penalty, plan))
         if current is None:
             if not options:
-                raise NoFeasiblePlanError("the planner found no plan")
+                raise NoFeasiblePlanError("no known plan fits the available devices")
             return min(options, key=lambda o: o[0])[1]
         current_score = self._objective(current, observed, weights)
         best = min(options, key=lambda o: o[0], default=None)

@@ -44,13 +44,30 @@ def plot_iteration_times(events: Sequence[dict[str, Any]], path: str | Path) -> 
             fontsize=7,
             color="tab:red",
         )
+    previous: dict[str, float] = {}
+    for e in steps:  # emulated slow-down changes (trace, demo), dotted grey
+        now = e.get("slowdown") or {}
+        changed = [f"{d}x{f:g}" for d, f in now.items() if previous and previous.get(d) != f]
+        if changed:
+            ax.axvline(e["step"] - 0.5, color="tab:gray", ls=":", lw=1.0)
+            ax.annotate(
+                " ".join(changed),
+                (e["step"] - 0.5, 0.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="bottom",
+                ha="right",
+                fontsize=7,
+                color="tab:gray",
+            )
+        previous = now
     ax.set_xlabel("step")
     ax.set_ylabel("iteration time (s)")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
     ax2.plot(xs, [e["loss"] for e in steps], color="tab:gray", lw=0.8, alpha=0.6, label="loss")
     ax2.set_ylabel("loss")
-    ax.set_title("iteration time over steps (dashed: plan changes)")
+    ax.set_title("iteration time over steps (dashed: plan changes, dotted: emulated slow-down)")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -69,6 +86,7 @@ def plot_timeline(timeline: dict[str, Any], path: str | Path) -> Path:
         1,
         figsize=(8, 1.0 + 0.7 * sum(len(g["devices"]) for g in groups)),
         squeeze=False,
+        sharex=True,
     )
     colors = {
         "compute": "tab:blue",
@@ -113,7 +131,6 @@ def plot_timeline(timeline: dict[str, Any], path: str | Path) -> Path:
                         left=left,
                         height=0.6,
                         color=colors[kind],
-                        label=kind if (gi == 0 and k == 0) else None,
                     )
                     left += width
         ax.set_yticks(range(len(group["devices"])))
@@ -127,9 +144,10 @@ def plot_timeline(timeline: dict[str, Any], path: str | Path) -> Path:
             f"group {gi}: b={group['batch']}, μ={group['microbatch_size']}", fontsize=8, loc="left"
         )
     axes[-1, 0].set_xlabel("seconds within the iteration")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="upper right", fontsize=7, ncol=5)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in colors.items()]
+    fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=5)
     fig.suptitle(
         f"one iteration (step {timeline['step']}, plan {plan.get('plan_id')})",
         fontsize=9,

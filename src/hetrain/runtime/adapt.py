@@ -70,7 +70,7 @@ class SpeedEstimates:
             from hetrain.calibration import ClusterEstimator
 
             self._cluster = ClusterEstimator(
-                self.ids, kappa_s=kappa_s, alpha=0.1, threshold=6.0, max_consecutive_outliers=3
+                self.ids, kappa_s=kappa_s, alpha=0.3, threshold=4.0, max_consecutive_outliers=3
             )
             self._fallback = None
         except ImportError:  # the calibration module is not on this branch yet

@@ -218,6 +218,7 @@ def build_job(
     out: str | Path | None = None,
     progress: bool = False,
     devices: Sequence[str] | None = None,
+    hang_timeout_s: float | None = None,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -226,7 +227,8 @@ def build_job(
     caller), else ``w0 … w{N-1}`` for ``N = workers * nnodes``.
 
     Raises:
-        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a plan naming
+        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
+            BatchNorm or dropout (results would depend on the plan), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files.
     """
@@ -246,6 +248,8 @@ def build_job(
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
+    if hang_timeout_s is not None:
+        hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
     if grad_clip_norm == "default":
         grad_clip_norm = d.get("grad_clip_norm")
     if grad_clip_norm is not None:
@@ -294,7 +298,14 @@ def build_job(
         device_ids = [f"w{i}" for i in range(n)]
 
     torch.manual_seed(seed)
-    num_layers = len(task.build_model())
+    chain = task.build_model()
+    num_layers = len(chain)
+    from hetrain.runtime.engine import check_exact_layers
+
+    try:  # BatchNorm / dropout: refused before any process starts
+        check_exact_layers(chain)
+    except ValueError as exc:
+        raise InputError(task.name, "model", str(exc)) from None
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
@@ -352,6 +363,7 @@ def build_job(
         out=str(out) if out is not None else None,
         progress=progress,
         example=task.name,
+        hang_timeout_s=hang_timeout_s,
     )
 
 
@@ -387,7 +399,7 @@ def train(
         workers: local ranks ``w0 … w{N-1}`` without ``cluster`` (default 4).
         steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
         run_dir: folder for metrics, report and the exported ``state_dict`` (default
-            ``./hetrain-runs/<name>``).
+            ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` (it must be an
             ``nn.Sequential``) when done.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
@@ -403,7 +415,7 @@ def train(
         hetrain.runtime.launch.LaunchError: a rank failed.
     """
     task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
-    run_dir = Path(run_dir) if run_dir is not None else Path("hetrain-runs") / task.name
+    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
     job = build_job(

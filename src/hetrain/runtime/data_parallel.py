@@ -183,6 +183,13 @@ class GradientSync:
                 self._bucket_of[id(p)] = i
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    def disarm(self) -> None:
+        """Remove the hooks without launching anything (after a failed step)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._remaining.clear()
+
     def _on_grad(self, param: torch.Tensor) -> None:
         i = self._bucket_of.get(id(param))
         if i is None or i not in self._remaining:
@@ -206,10 +213,7 @@ class GradientSync:
             and gradient bytes this rank all-reduced.
         """
         t0 = time.perf_counter()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._remaining.clear()
+        self.disarm()
         while self._next < len(self.order):
             self._launch(self.order[self._next])
             self._next += 1

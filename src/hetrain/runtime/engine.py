@@ -347,24 +347,28 @@ class Worker:
                         x = x.to(self.dtype)
                 if k == len(group.ranks) - 1:
                     y = targets[rows].to(self.device)
-                loss_part = run_stage(
-                    stage_module=self.layers[stage[0] : stage[1]],
-                    ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
-                    microbatches=microbatches,
-                    inputs=x,
-                    targets=y,
-                    loss_fn=self.loss_fn,
-                    global_batch=batch,
-                    prev_rank=group.ranks[k - 1] if k > 0 else None,
-                    next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
-                    p2p=p2p,
-                    timers=timers,
-                    device=self.device,
-                    device_id=self.device_id,
-                    emulation=self.emulation,
-                    autocast_dtype=self.autocast_dtype,
-                    before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
-                )
+                try:
+                    loss_part = run_stage(
+                        stage_module=self.layers[stage[0] : stage[1]],
+                        ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
+                        microbatches=microbatches,
+                        inputs=x,
+                        targets=y,
+                        loss_fn=self.loss_fn,
+                        global_batch=batch,
+                        prev_rank=group.ranks[k - 1] if k > 0 else None,
+                        next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
+                        p2p=p2p,
+                        timers=timers,
+                        device=self.device,
+                        device_id=self.device_id,
+                        emulation=self.emulation,
+                        autocast_dtype=self.autocast_dtype,
+                        before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
+                    )
+                except BaseException:
+                    grad_sync.disarm()  # no stale hooks if the step fails
+                    raise
         p2p.wait_sends()
         sync_time_s, sync_bytes = grad_sync.finish()
         t_opt = time.perf_counter()

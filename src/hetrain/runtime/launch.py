@@ -4,6 +4,8 @@
 - Local (default): ``nproc_per_node = N`` worker processes on this machine, c10d rendezvous on
   ``127.0.0.1`` with a free port, started with ``fork`` (the job, including the user's model and
   data, is inherited, nothing is pickled; about 0.5 s instead of several seconds per spawn).
+  Forked ranks use one torch thread each (OpenMP's pool does not survive ``fork``); ranks
+  started by ``torchrun`` use ``cores / local ranks`` threads.
 - Several nodes: every node runs the same ``hetrain train ... --nnodes M --nproc-per-node K
   --rdzv-endpoint HOST:PORT`` (c10d rendezvous; the ranks of node ``i`` get global ranks by
   the rendezvous order); ``torchrun`` itself works too (see ``docs/training.md``).
@@ -39,7 +41,9 @@ def free_port() -> int:
 
 
 def _entry(job: TrainJob) -> dict[str, Any] | None:
-    return run_worker(job)
+    # forked from a process that has used torch: OpenMP's thread pool does not survive fork
+    # (a parallel region in the child can hang), so forked ranks compute with one thread
+    return run_worker(job, num_threads=1)
 
 
 def launch(

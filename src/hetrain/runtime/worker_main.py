@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from hetrain.runtime.adapt import (
 )
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
 from hetrain.runtime.metrics import MetricsWriter
+from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 FIRST_PLAN_MIN_GAIN = 0.2  # relative predicted gain over even shares needed for the first plan
@@ -71,6 +73,8 @@ class TrainJob:
         checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
         out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
         progress: show a rich progress bar on rank 0.
+        hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
+            :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
     """
 
     task: Task
@@ -103,6 +107,7 @@ class TrainJob:
     progress: bool = False
     timeline_steps: int = 1
     example: str | None = None
+    hang_timeout_s: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,9 +335,10 @@ def _measure_device(
 # --------------------------------------------------------------------------------------------
 
 
-def run_worker(job: TrainJob) -> dict[str, Any] | None:
+def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] | None:
     """Train on this rank (``torch.distributed`` initialised from the environment when not yet
-    up). Returns the run summary on rank 0, None elsewhere."""
+    up). ``num_threads``: torch threads of this rank (default: cores / local ranks). Returns
+    the run summary on rank 0, None elsewhere."""
     from hetrain.runtime.engine import Worker, gather_measurements
     from hetrain.runtime.optim import OptimizerSpec
 
@@ -341,11 +347,14 @@ def run_worker(job: TrainJob) -> dict[str, Any] | None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        kwargs = {}
+        if job.hang_timeout_s is not None:
+            kwargs["timeout"] = process_group_timeout(job.hang_timeout_s)
+        dist.init_process_group(backend, **kwargs)
         own_group = True
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
         return _train(job, Worker, gather_measurements, OptimizerSpec)
     finally:
         if own_group and dist.is_initialized():
@@ -474,11 +483,16 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     timelines: list[dict[str, Any]] = []
     last_loss = float("nan")
     step_times: list[float] = []
+    watchdog = Watchdog(job.hang_timeout_s, rank=rank) if job.hang_timeout_s else None
+    if watchdog is not None:
+        watchdog.start()
     try:
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
             x, y = job.task.train.batch(sampler.indices(step))
             result = worker.step(x, y, step)
+            if watchdog is not None:
+                watchdog.beat(step)
             mine = torch.tensor(
                 [
                     result.compute_time_s,
@@ -565,24 +579,27 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 and job.checkpoint_every > 0
                 and (step + 1) % job.checkpoint_every == 0
             ):
-                path = ckpt.save(
-                    job.checkpoint_dir,
-                    step + 1,
-                    worker.layer_state_dict(),
-                    {
-                        "data_position": sampler.position(step + 1),
-                        "plan": plan.to_json_dict(),
-                        "model_fingerprint": fingerprint,
-                        "world_size": world,
-                        "devices": job.devices,
-                        "seed": job.seed,
-                        "batch": job.batch,
-                        "example": job.example,
-                    },
-                )
+                with watchdog.suspended() if watchdog is not None else nullcontext():
+                    path = ckpt.save(
+                        job.checkpoint_dir,
+                        step + 1,
+                        worker.layer_state_dict(),
+                        {
+                            "data_position": sampler.position(step + 1),
+                            "plan": plan.to_json_dict(),
+                            "model_fingerprint": fingerprint,
+                            "world_size": world,
+                            "devices": job.devices,
+                            "seed": job.seed,
+                            "batch": job.batch,
+                            "example": job.example,
+                        },
+                    )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if progress is not None:
             progress.close()
 
