@@ -146,6 +146,10 @@ def simulate(
     csv_out: Annotated[
         Path | None, typer.Option("--csv-out", help="write per-slot rows to this CSV")
     ] = None,
+    plan: Annotated[
+        Path | None,
+        typer.Option("--plan", help="simulate this fixed plan every slot (policy 'fixed')"),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -164,6 +168,7 @@ def simulate(
             optimizer_state_factor=optimizer_state_factor,
             csv_out=csv_out,
             json_out=json_out,
+            plan=plan,
         )
     )
 
@@ -176,7 +181,10 @@ def simulate(
 @app.command()
 def train(
     example: Annotated[str, typer.Option("--example", help="charlm or digits")] = "charlm",
-    workers: Annotated[int, typer.Option("--workers", help="local ranks (devices w0..)")] = 4,
+    workers: Annotated[
+        int | None,
+        typer.Option("--workers", help="local ranks w0..w{N-1} (default 4, or the cluster size)"),
+    ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="iterations to run")] = None,
     plan: Annotated[Path | None, typer.Option("--plan", help="fixed plan (no re-planning)")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
@@ -190,11 +198,60 @@ def train(
     trace: Annotated[
         Path | None, typer.Option("--trace", help="trace CSV, 1 slot = 1 step")
     ] = None,
-    cluster: Annotated[Path | None, typer.Option("--cluster", help="cluster file")] = None,
+    cluster: Annotated[
+        Path | None, typer.Option("--cluster", help="cluster file the local ranks emulate")
+    ] = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSONL file")] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every")] = 0,
     max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+    hang_timeout: Annotated[
+        float | None,
+        typer.Option("--hang-timeout", help="seconds without a finished step = rank failed"),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option("--data", help="text file for --example charlm")
+    ] = None,
+    schedule: Annotated[str | None, typer.Option("--schedule", help="1f1b or gpipe")] = None,
+    microbatch_size: Annotated[
+        int | None, typer.Option("--microbatch-size", help="μ of the plans chosen online")
+    ] = None,
+    grad_clip_norm: Annotated[
+        float | None, typer.Option("--grad-clip-norm", help="clip the global gradient norm")
+    ] = None,
+    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 autocast of forward passes")] = False,
+    lr_schedule: Annotated[
+        str, typer.Option("--lr-schedule", help="cosine (to 10% at the end) or constant")
+    ] = "cosine",
+    warmup_steps: Annotated[
+        int | None, typer.Option("--warmup-steps", help="linear LR warm-up steps")
+    ] = None,
+    weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
+    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum")] = 0.0,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="nodes (each runs this command)")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
+    ] = None,
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="job id shared by nodes")] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", help="folder for metrics, report, model")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="export the trained state_dict here")
+    ] = None,
+    demo_slowdown: Annotated[
+        bool,
+        typer.Option(
+            "--demo-slowdown/--no-demo-slowdown",
+            help="example runs: w1 becomes 3x slower at step steps//3",
+        ),
+    ] = True,
+    report: Annotated[bool, typer.Option("--report/--no-report", help="plots at the end")] = True,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
@@ -217,6 +274,26 @@ def train(
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             max_restarts=max_restarts,
+            hang_timeout_s=hang_timeout,
+            model=model,
+            data=data,
+            schedule=schedule,
+            microbatch_size=microbatch_size,
+            grad_clip_norm=grad_clip_norm,
+            bf16=bf16,
+            lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_id=rdzv_id,
+            run_dir=run_dir,
+            out=out,
+            demo_slowdown=demo_slowdown,
+            report=report,
+            progress=progress,
+            json_out=json_out,
         )
     )
 

@@ -220,26 +220,25 @@ def sync_times_s(
     if num_active <= 1:
         return [np.zeros(len(devs)) for devs, _ in groups]
     num_layers = prefix.num_layers
-    owner_node = np.empty((num_layers, num_active), dtype=np.int64)
-    for g, (devs, bounds) in enumerate(groups):
-        owner_node[:, g] = np.repeat(state.node[devs], np.diff(bounds))
-    same = np.all(owner_node == owner_node[:, :1], axis=1)
-    # layer_node[l] = the common node of layer l's owners, or -1 when they span nodes
-    layer_node = np.where(same, owner_node[:, 0], -1)
-    # prefix count of "layer l is local to the node of its owner in group g"
-    out = []
+    devs_all = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
+    bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
+    sizes = np.array([len(b) - 1 for b in bounds_list])
+    starts = np.concatenate([b[:-1] for b in bounds_list])
+    ends = np.concatenate([b[1:] for b in bounds_list])
+    # owner_node[g, l]: node of the device of active group g that holds layer l
+    owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    same = np.all(owner_node == owner_node[:1], axis=0)
+    # layer_node[l]: the common node of layer l's owners, or -1 when they span nodes
+    layer_node = np.where(same, owner_node[0], -1)
+    local = np.cumsum(owner_node == layer_node[None, :], axis=1)
+    local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
+    row = np.repeat(np.arange(num_active), sizes)
+    all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
+    beta = np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
+    theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
     scale = 2.0 * (num_active - 1) / num_active
-    for devs, bounds in groups:
-        devs = np.asarray(devs, dtype=np.int64)
-        bounds = np.asarray(bounds, dtype=np.int64)
-        local = np.concatenate(
-            ([0], np.cumsum(layer_node == np.repeat(state.node[devs], np.diff(bounds))))
-        )
-        all_local = (local[bounds[1:]] - local[bounds[:-1]]) == np.diff(bounds)
-        beta = np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs])
-        theta = prefix.param_bytes[bounds[1:]] - prefix.param_bytes[bounds[:-1]]
-        out.append(2.0 * (num_active - 1) * state.latency_s + scale * theta / beta)
-    return out
+    t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
+    return np.split(t, np.cumsum(sizes)[:-1])
 
 
 def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> float:

@@ -1,6 +1,6 @@
 """The planner's objective equals an independent brute force over all plans on random tiny
 instances (<= 4 devices, <= 6 layers, B <= 16; one or several nodes; with and without a money
-queue)."""
+queue; 1F1B and GPipe memory)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def random_instance(seed: int) -> tuple[dict, dict, int]:
     return cluster, {"name": f"r{seed}", "layers": layers}, batch
 
 
-SEEDS = list(range(24))
+SEEDS = list(range(32))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -63,11 +63,12 @@ def test_planner_matches_brute_force(seed: int) -> None:
     cluster, profile, batch = random_instance(seed)
     state = cluster_from_dict(cluster).state()
     arrays = profile_from_dict(profile).arrays()
-    config = TrainingConfig(batch=batch)
+    schedule = "gpipe" if seed % 3 == 2 else "1f1b"
+    config = TrainingConfig(batch=batch, schedule=schedule)
     # with a money queue on odd seeds: V*T + Q*y_money, Q chosen to matter (~ V / price)
     q = 0.0 if seed % 2 == 0 else random.Random(seed).choice([300.0, 3000.0])
     queues = {"money": q} if q else None
-    expected = brute_force_objective(cluster, profile, batch, queue_money=q)
+    expected = brute_force_objective(cluster, profile, batch, queue_money=q, schedule=schedule)
     if expected == float("inf"):
         with pytest.raises(NoFeasiblePlanError):
             best_plan(state, arrays, config, queues=queues)

@@ -470,7 +470,7 @@ def _needs(module: str) -> None:
         pytest.skip(f"{module} not on this branch yet")
 
 
-CLI_FUZZ = settings(FUZZ, max_examples=int(os.environ.get("HETRAIN_FUZZ_CLI_EXAMPLES", "4")))
+CLI_FUZZ = settings(FUZZ, max_examples=int(os.environ.get("HETRAIN_FUZZ_CLI_EXAMPLES", "3")))
 
 
 def _valid_files(directory: Path) -> dict[str, Path]:

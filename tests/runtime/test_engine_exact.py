@@ -316,3 +316,66 @@ def test_layer_state_dict_resumes_exactly_under_another_plan(tmp_path):
     assert "optim.0.0.weight.exp_avg_sq" in keys and "optim.5.bias.step" in keys
     for key, value in ref_state.items():
         torch.testing.assert_close(results[0][2][key], value, **tol, msg=key)
+
+
+def _random_plan(rng, world, num_layers, batch):
+    """A random valid plan: a random subset of the ranks in random groups and orders, random
+    stage splits, micro-batch sizes, schedule and shares (some groups may be idle)."""
+    devices = [f"w{r}" for r in rng.sample(range(world), rng.randint(1, world))]
+    cuts = sorted(rng.sample(range(1, len(devices)), rng.randint(0, len(devices) - 1)))
+    members = [devices[a:b] for a, b in zip([0, *cuts], [*cuts, len(devices)], strict=True)]
+    members = [m[:num_layers] for m in members]
+    shares = [0] * len(members)
+    active = rng.sample(range(len(members)), rng.randint(1, len(members)))
+    for _ in range(batch):  # uneven shares; groups not in `active` stay idle
+        shares[rng.choice(active)] += 1
+    groups = []
+    for m, share in zip(members, shares, strict=True):
+        splits = sorted(rng.sample(range(1, num_layers), len(m) - 1))
+        bounds = [0, *splits, num_layers]
+        groups.append(
+            _group(m, [[bounds[i], bounds[i + 1]] for i in range(len(m))], rng.randint(1, 9), share)
+        )
+    return {"schedule": rng.choice(["1f1b", "gpipe"]), "groups": groups}
+
+
+def _random_replans(rank, world, plans):
+    build, data_fn, loss_fn = MODELS["digits"]
+    data = data_fn()
+    torch.manual_seed(0)
+    worker = Worker(
+        build(),
+        plan_from_dict(plans[0]),
+        f"w{rank}",
+        loss_fn,
+        SPECS["adamw"],
+        dtype=torch.float64,
+        grad_clip_norm=CLIP,
+        allow_unused_ranks=True,
+        overlap_grad_sync=False,  # the other tests cover the overlapped all-reduce
+        bucket_cap_bytes=4096,  # several buckets per owner set
+    )
+    losses = []
+    for t, plan in enumerate(plans):
+        if t > 0:
+            worker.apply_plan(plan_from_dict(plan))
+        losses.append(worker.step(*_batch(data, t), t).loss)
+    return losses, worker.full_state_dict()
+
+
+def test_a_new_random_plan_every_step_trains_like_one_process(tmp_path):
+    import random
+
+    rng = random.Random(3)
+    plans = [_random_plan(rng, 4, 6, BATCH) for _ in range(STEPS)]
+    assert len({str(p) for p in plans}) == STEPS
+    groups = [g for p in plans for g in p["groups"]]
+    assert any(g["batch"] == 0 for g in groups)  # an idle group
+    assert any(len(g["devices"]) > 1 for g in groups)  # a pipeline
+    assert any(sum(len(g["devices"]) for g in p["groups"]) < 4 for p in plans)  # unused ranks
+    results = run_ranks(_random_replans, 4, tmp_path, args=(plans,))
+    ref_losses, ref_state = _reference("digits", "adamw", torch.float64, STEPS)
+    tol = TOLERANCES["float64"]
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), **tol)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(results[0][1][key], value, **tol, msg=key)

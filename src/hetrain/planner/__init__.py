@@ -21,10 +21,10 @@ from hetrain.costmodel import TrainingConfig
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
 from hetrain.planner.search import (
-    EXHAUSTIVE_MAX_DEVICES,
     Candidate,
     SearchContext,
     candidate_to_plan,
+    exhaustive_is_small,
     exhaustive_search,
     plan_objective,
     pruned_search,
@@ -35,16 +35,24 @@ from hetrain.profile import ProfileArrays
 __all__ = ["best_plan", "warm_structure"]
 
 
-def warm_structure(plan: Plan, state: ClusterState) -> list[tuple[int, ...]]:
+def warm_structure(
+    plan: Plan, state: ClusterState
+) -> tuple[list[tuple[int, ...]], list[np.ndarray | None]]:
     """The groups of ``plan`` as ordered device-index tuples, keeping only devices that are
-    known and available in ``state`` (empty groups dropped)."""
+    known and available in ``state`` (empty groups dropped), and per group its stage bounds
+    (shape ``(K + 1,)``) when all its devices are still there, else None (to re-split)."""
     index = state.index()
-    out = []
+    groups, bounds = [], []
     for g in plan.groups:
         devs = tuple(index[d] for d in g.devices if d in index and state.available[index[d]])
-        if devs:
-            out.append(devs)
-    return out
+        if not devs:
+            continue
+        groups.append(devs)
+        if len(devs) == len(g.devices):
+            bounds.append(np.array([s for s, _ in g.stages] + [g.stages[-1][1]], dtype=np.int64))
+        else:
+            bounds.append(None)
+    return groups, bounds
 
 
 def best_plan(
@@ -66,9 +74,11 @@ def best_plan(
         v: weight ``V > 0`` of the iteration time.
         queues: virtual queue backlogs ``Q_j`` for ``"money"`` and/or ``"energy"`` (seconds
             per unit of resource).
-        warm_start: a previous plan; its structure (groups and order, minus devices that are
-            gone) is re-solved first (stages, μ, shares), which is cheap. With a
-            ``time_budget_s`` the rest of the search stops when the budget is spent.
+        warm_start: a previous plan. Its structure (groups and order, minus devices that are
+            gone) is re-solved first with its stages kept (μ and shares re-solved; groups that
+            lost a device re-split), which is cheap; then with its stages re-split. With a
+            ``time_budget_s`` the rest of the search stops when the budget is spent, so a
+            per-slot re-plan costs about one share solve of the previous structure.
         time_budget_s: soft wall-clock budget for the pruned search (the warm structure and
             the first candidate are always solved). ``None``: no limit.
         include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
@@ -94,16 +104,26 @@ def best_plan(
         raise NoFeasiblePlanError("no device is available")
     best: Candidate | None = None
     if warm_start is not None:
-        groups = warm_structure(warm_start, state)
+        groups, bounds = warm_structure(warm_start, state)
         if groups:
-            best = solve_structure(ctx, groups)
+            index = state.index()
+            mus = [
+                g.microbatch_size
+                for g in warm_start.groups
+                if any(d in index and state.available[index[d]] for d in g.devices)
+            ]
+            best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
+            if deadline is None or time.perf_counter() < deadline:
+                best = solve_structure(ctx, groups, best)
     best = pruned_search(ctx, best, deadline=deadline)
-    if len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES:
+    if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:
-        objective, _ = plan_objective(ctx, plan)
+        # the search's objective is the cost model's (an upper bound when the exhaustive
+        # search idled a group); re-evaluate exactly where that is cheap
+        objective = plan_objective(ctx, plan)[0] if len(ctx.available) <= 64 else best.objective
     if include_baselines and (deadline is None or time.perf_counter() < deadline):
         from hetrain.planner import baselines
 
@@ -120,7 +140,8 @@ def best_plan(
                 plan, objective = other, obj
     if plan is None:
         raise NoFeasiblePlanError(
-            "the model fits no arrangement of the available devices "
-            f"({len(ctx.available)} available, {profile.num_layers} layers)"
+            f"no arrangement of the {len(ctx.available)} available devices holds the "
+            f"{profile.num_layers}-layer model's parameters, gradients, optimizer state and "
+            f"{config.schedule} activations for B = {config.batch}"
         )
     return plan

@@ -18,7 +18,13 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.costmodel import TrainingConfig, profile_prefix, stage_memory_bytes
 from hetrain.plan import GroupPlan, Plan
-from hetrain.planner.search import SearchContext, candidate_to_plan, fill_figures, solve_structure
+from hetrain.planner.search import (
+    SearchContext,
+    _order_in_node,
+    candidate_to_plan,
+    fill_figures,
+    solve_structure,
+)
 from hetrain.profile import ProfileArrays
 
 
@@ -32,29 +38,41 @@ def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:
 
 
 def _fitting_mu(
-    state: ClusterState, profile: ProfileArrays, config: TrainingConfig, device: int, share: int
-) -> int:
-    """Largest ``μ ≤ share`` with which the whole model fits on ``device`` (0 if none)."""
+    state: ClusterState,
+    profile: ProfileArrays,
+    config: TrainingConfig,
+    devices: np.ndarray,
+    shares: np.ndarray,
+) -> np.ndarray:
+    """Largest ``μ ≤ share`` per device with which the whole model fits on it (0 if none),
+    shape ``(D,)``: memory ``P (2 + o) + h μ Σm ≤ M`` with ``h = 1`` under 1F1B (one stage)
+    and ``h = ceil(share / μ)`` under GPipe (SPEC §3)."""
     prefix = profile_prefix(profile)
+    params = prefix.param_bytes[-1] * (2.0 + config.optimizer_state_factor)
+    act = prefix.act_mem_bytes[-1]
+    free = state.memory_bytes[devices] - params
+    shares = np.asarray(shares, dtype=np.int64)
+    out = np.zeros(len(devices), dtype=np.int64)
     bounds = np.array([0, profile.num_layers])
-    for mu in range(share, 0, -1):
-        n = -(-share // mu)
-        mem = stage_memory_bytes(
-            prefix, bounds, mu, n, config.optimizer_state_factor, config.schedule
-        )
-        if mem[0] <= state.memory_bytes[device]:
-            return mu
-        if mu > 64:  # skip quickly down to a size that fits (memory is linear in μ)
-            act = prefix.act_mem_bytes[-1]
-            free = state.memory_bytes[device] - prefix.param_bytes[-1] * (
-                2 + config.optimizer_state_factor
+    for i, (room, share) in enumerate(zip(free, shares, strict=True)):
+        if room < 0 or share < 1:
+            continue
+        if config.schedule == "gpipe":
+            # h μ = ceil(share/μ) μ >= share: fits iff share * act <= room (any μ; take share)
+            mu = int(share) if share * act <= room else 0
+        else:
+            mu = int(share) if act <= 0 else int(min(share, room // act))
+        # confirm with the cost model's own expression (rounding)
+        while mu >= 1:
+            n = -(-int(share) // mu)
+            mem = stage_memory_bytes(
+                prefix, bounds, mu, n, config.optimizer_state_factor, config.schedule
             )
-            if free <= 0 or act <= 0:
-                continue
-            return _fitting_mu(
-                state, profile, config, device, max(1, min(mu - 1, int(free // act)))
-            )
-    return 0
+            if mem[0] <= state.memory_bytes[devices[i]]:
+                break
+            mu -= 1
+        out[i] = max(mu, 0)
+    return out
 
 
 def _dp_plan(
@@ -64,20 +82,28 @@ def _dp_plan(
     weights_of: str,
 ) -> Plan | None:
     avail = np.flatnonzero(state.available)
-    fits = [int(d) for d in avail if _fitting_mu(state, profile, config, int(d), 1) >= 1]
-    if not fits:
+    fits = _fitting_mu(state, profile, config, avail, np.ones(len(avail), dtype=np.int64))
+    devs = avail[fits >= 1]
+    if not len(devs):
         return None
-    devs = np.asarray(fits, dtype=np.int64)
-    w = np.ones(len(devs)) if weights_of == "even" else state.speed_flops[devs].astype(float)
-    shares = _largest_remainder(w, config.batch)
+    while True:
+        w = np.ones(len(devs)) if weights_of == "even" else state.speed_flops[devs].astype(float)
+        shares = _largest_remainder(w, config.batch)
+        mus = _fitting_mu(state, profile, config, devs, shares)
+        # (GPipe: a share's activations may not fit even when one sample does; drop those)
+        bad = (shares > 0) & (mus < 1)
+        if not np.any(bad):
+            break
+        devs = devs[~bad]
+        if not len(devs):
+            return None
     groups = []
-    for d, b in zip(devs, shares, strict=True):
+    for d, b, mu in zip(devs, shares, mus, strict=True):
         if b <= 0:
             continue
-        mu = _fitting_mu(state, profile, config, int(d), int(b))
         groups.append(
             GroupPlan(devices=(state.ids[d],), stages=((0, profile.num_layers),),
-                      microbatch_size=mu, batch=int(b))
+                      microbatch_size=int(mu), batch=int(b))
         )  # fmt: skip
     ctx = SearchContext(state, profile, config)
     return fill_figures(ctx, Plan(schedule=config.schedule, groups=tuple(groups)))
@@ -151,14 +177,14 @@ def pipeline_plan(
 def static_hybrid_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:
-    """``static-hybrid`` (HetPipe-style): groups = nodes (available devices, cluster-file
-    order, at most ``L`` per node), stages and shares solved by the planner for that fixed
-    structure; None when no node can hold the model."""
+    """``static-hybrid`` (HetPipe-style): groups = nodes (available devices ordered by memory
+    then speed, as the planner orders a node, at most ``L`` per node), stages and shares
+    solved by the planner for that fixed structure; None when no node can hold the model."""
     ctx = SearchContext(state, profile, config)
     by_node: dict[int, list[int]] = {}
     for d in np.flatnonzero(state.available):
         by_node.setdefault(int(state.node[d]), []).append(int(d))
-    groups = [tuple(v[: profile.num_layers]) for v in by_node.values()]
+    groups = [tuple(_order_in_node(ctx, v)[: profile.num_layers]) for v in by_node.values()]
     if not groups:
         return None
     cand = solve_structure(ctx, groups)

@@ -142,6 +142,33 @@ def max_microbatches(
     return nk.min(axis=1)
 
 
+@dataclass(frozen=True)
+class _StageMatrices:
+    """Per stage k over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
+    ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)`` (inf where out of position),
+    and the memory terms ``fixed`` (``θ (2 + o)``, bytes) and ``per_alive`` (``μ Σ m``, bytes
+    per micro-batch held alive), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+
+    total: np.ndarray
+    worst: np.ndarray
+    fixed: np.ndarray
+    per_alive: np.ndarray
+    limit: np.ndarray
+    schedule: str
+
+    def masked(self, n_design: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(total, worst)`` with stages that do not fit ``n_design`` micro-batches set to
+        inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe)."""
+        k_stages = self.total.shape[0]
+        n_d = max(int(n_design), 1)
+        if self.schedule == "gpipe":
+            alive = np.full((k_stages, 1, 1), n_d)
+        else:
+            alive = np.minimum(n_d, k_stages - np.arange(k_stages))[:, None, None]
+        ok = self.fixed + alive * self.per_alive <= self.limit
+        return np.where(ok, self.total, np.inf), np.where(ok, self.worst, np.inf)
+
+
 def _stage_matrices(
     state: ClusterState,
     prefix: ProfilePrefix,
@@ -149,53 +176,58 @@ def _stage_matrices(
     microbatch_size: int,
     optimizer_state_factor: float,
     schedule: str,
-    n_design: int,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per stage k, matrices over ``(i, j)`` (stage = layers ``[i, j)``), shape
-    ``(L + 1, L + 1)``: the summed time ``C_k + E_k`` and the max ``max(C_k, E_k)`` (inf where
-    not allowed: empty, out of position, or out of memory at ``n_design``)."""
+) -> _StageMatrices:
+    """The :class:`_StageMatrices` of one group and ``μ`` (same formulas as
+    :func:`hetrain.costmodel.stage_times_s` / :func:`~hetrain.costmodel.stage_memory_bytes`)."""
     num_layers = prefix.num_layers
     k_stages = len(devices)
     idx = np.arange(num_layers + 1)
-    i, j = idx[:, None], idx[None, :]
+    i, j = idx[None, :, None], idx[None, None, :]
+    kk = np.arange(k_stages)[:, None, None]
     mu = microbatch_size
-    flops = prefix.train_flops[j] - prefix.train_flops[i]
-    theta = prefix.param_bytes[j] - prefix.param_bytes[i]
-    act = prefix.act_mem_bytes[j] - prefix.act_mem_bytes[i]
-    bw = link_bandwidths_bytes_per_s(state, devices) if k_stages > 1 else np.zeros(0)
-    n_d = max(int(n_design), 1)
-    sums, maxes = [], []
-    for k, d in enumerate(devices):
-        compute = mu * flops / state.speed_flops[d] + state.kappa_s[d]
-        alive = n_d if schedule == "gpipe" else min(n_d, k_stages - k)
-        ok = (j > i) & (i >= k) & (j <= num_layers - (k_stages - 1 - k))
-        ok &= theta * (2.0 + optimizer_state_factor) + (alive * mu) * act <= state.memory_bytes[d]
-        if k == k_stages - 1:
-            ok &= j == num_layers
-            total, worst = compute, compute
-        else:
-            last = np.clip(idx - 1, 0, num_layers - 1)
-            transfer = mu * prefix.boundary_bytes[last] / bw[k] + 2.0 * state.latency_s
-            total = compute + transfer[None, :]
-            worst = np.maximum(compute, transfer[None, :])
-        sums.append(np.where(ok, total, np.inf))
-        maxes.append(np.where(ok, worst, np.inf))
-    return sums, maxes
+    flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
+    theta = (prefix.param_bytes[None, :] - prefix.param_bytes[:, None])[None]
+    act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
+    speed = state.speed_flops[devices][:, None, None]
+    kappa = state.kappa_s[devices][:, None, None]
+    compute = mu * flops / speed + kappa
+    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
+    ok &= (kk != k_stages - 1) | (j == num_layers)
+    if k_stages > 1:
+        bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
+        last = np.clip(idx - 1, 0, num_layers - 1)
+        transfer = mu * prefix.boundary_bytes[last][None, :] / bw[:, None] + 2.0 * state.latency_s
+        transfer[-1] = 0.0
+        transfer = transfer[:, None, :]
+        total = compute + transfer
+        worst = np.maximum(compute, transfer)
+    else:
+        total = worst = compute
+    # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
+    # and every split found is re-checked exactly by split_table
+    return _StageMatrices(
+        total=np.where(ok, total, np.inf),
+        worst=np.where(ok, worst, np.inf),
+        fixed=theta * (2.0 + optimizer_state_factor),
+        per_alive=mu * act,
+        limit=state.memory_bytes[devices][:, None, None],
+        schedule=schedule,
+    )
 
 
-def _min_sum_split(
-    sums: list[np.ndarray], maxes: list[np.ndarray], beta: float
-) -> np.ndarray | None:
+def _min_sum_split(sums: np.ndarray, maxes: np.ndarray, beta: float) -> np.ndarray | None:
     """Min-sum DP over split points with every stage/boundary time ``≤ beta``; bounds of shape
     ``(K + 1,)`` or None when infeasible."""
-    n1 = sums[0].shape[0]
+    n1 = sums.shape[1]
+    masked = np.where(maxes <= beta, sums, np.inf)
     best = np.full(n1, np.inf)
     best[0] = 0.0
     choices = []
-    for s, m in zip(sums, maxes, strict=True):
-        cand = best[:, None] + np.where(m <= beta, s, np.inf)
+    cols = np.arange(n1)
+    for s in masked:
+        cand = best[:, None] + s
         arg = np.argmin(cand, axis=0)
-        best = cand[arg, np.arange(n1)]
+        best = cand[arg, cols]
         choices.append(arg)
     if not np.isfinite(best[-1]):
         return None
@@ -225,16 +257,21 @@ def envelope_splits(
     n_design: int,
     *,
     exact: bool | None = None,
+    n_cap: int | None = None,
     ladder: int = 8,
     ladder_ratio: float = 1.25,
 ) -> SplitTable:
     """The splits on the lower envelope of ``T_g(n) = A + (n − 1) M`` for one group and one
-    ``μ`` (see the module docstring), memory checked at ``n_design`` micro-batches.
+    ``μ`` (see the module docstring), memory checked at ``n_design`` micro-batches (or, when
+    nothing fits that many, at the first of ``n_design / 2, / 4, ..., 1`` where a split fits;
+    ``max_microbatches`` of every split is its exact limit).
 
     Args:
         devices: device indices in pipeline order, shape ``(K,)``.
         exact: use every distinct stage/boundary time as a candidate ``β`` (exact envelope);
-            default: exact when there are at most 256 candidates.
+            default: exact when there are at most 24 candidates.
+        n_cap: the most micro-batches the group can ever be given (``max_microbatches`` is
+            capped there before dominated splits are dropped); default ``n_design``.
         ladder, ladder_ratio: otherwise ``β* · ratio^t`` for ``t < ladder`` plus ``β = ∞``.
 
     Returns:
@@ -246,18 +283,37 @@ def envelope_splits(
     if k_stages > num_layers:
         return split_table(state, prefix, devices, np.zeros((0, k_stages + 1), np.int64),
                            microbatch_size, optimizer_state_factor, schedule)  # fmt: skip
-    sums, maxes = _stage_matrices(
-        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule, n_design
-    )
-    beta_star = _least_bottleneck(maxes)
-    if not np.isfinite(beta_star):
-        empty = np.zeros((0, k_stages + 1), dtype=np.int64)
+    empty = np.zeros((0, k_stages + 1), dtype=np.int64)
+    params = prefix.param_bytes[-1] * (2.0 + optimizer_state_factor)
+    if params > float(np.sum(state.memory_bytes[devices])):
         return split_table(state, prefix, devices, empty, microbatch_size,
                            optimizer_state_factor, schedule)  # fmt: skip
-    values = np.unique(np.concatenate([m[np.isfinite(m)] for m in maxes]))
+    mats = _stage_matrices(
+        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule
+    )
+    # memory at n_design; when nothing fits, lower levels (halving) down to one micro-batch
+    # (one micro-batch first: when even that does not fit, nothing does)
+    levels = [1] if n_design <= 1 else [1, int(n_design)]
+    while levels[-1] > 2:
+        levels.append(levels[-1] // 2)
+    for tried, level in enumerate(levels):
+        sums, maxes = mats.masked(level)
+        beta_star = _least_bottleneck(maxes)
+        if tried == 0 and not np.isfinite(beta_star):
+            break
+        if tried > 0 and np.isfinite(beta_star):
+            break
+    else:
+        level = 1
+        sums, maxes = mats.masked(level)
+        beta_star = _least_bottleneck(maxes)
+    if not np.isfinite(beta_star):
+        return split_table(state, prefix, devices, empty, microbatch_size,
+                           optimizer_state_factor, schedule)  # fmt: skip
+    values = np.unique(maxes[np.isfinite(maxes)])
     values = values[values >= beta_star]
     if exact is None:
-        exact = len(values) <= 256
+        exact = len(values) <= 24
     if exact:
         betas = values
     else:
@@ -276,8 +332,8 @@ def envelope_splits(
     table = split_table(
         state, prefix, devices, bounds, microbatch_size, optimizer_state_factor, schedule
     )
-    # every split found fits n_design micro-batches, and no more are ever needed
-    capped = np.minimum(table.max_microbatches, max(int(n_design), 1))
+    cap = max(int(n_design if n_cap is None else n_cap), 1)
+    capped = np.minimum(table.max_microbatches, cap)
     return pareto(
         SplitTable(table.bounds, table.fill_s, table.bottleneck_s, capped, table.microbatch_size)
     )

@@ -5,7 +5,7 @@ Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
 ``y_energy = T Σ_{used} W_d``, it equals ``T · (V + Σ_{d used} c_d)`` with the per-device
 weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of iteration).
 
-* **Exhaustive** (at most :data:`EXHAUSTIVE_MAX_DEVICES` available devices): every subset,
+* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``): every subset,
   every split of it into groups, every order inside each group; per group every split of the
   layers (or the exact envelope when there are too many), every ``μ ≤ B`` when ``B`` is small;
   for several groups every combination of splits (sync depends on them), each with exact
@@ -46,15 +46,19 @@ from hetrain.planner.partition import (
     count_splits,
     enumerate_splits,
     envelope_splits,
+    max_microbatches,
+    pareto,
     split_table,
 )
 from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
 from hetrain.profile import ProfileArrays
 
 EXHAUSTIVE_MAX_DEVICES = 4
+EXHAUSTIVE_MAX_LAYERS = 8
+EXHAUSTIVE_MAX_BATCH = 64
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
-ALL_MU_MAX_BATCH = 32  # every micro-batch size 1..B when B is at most this
+MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
 
 
 @dataclass
@@ -104,14 +108,15 @@ class SearchContext:
         """``V + Σ_{d} c_d`` over ``devices``."""
         return self.v + float(np.sum(self.weight_per_device[devices]))
 
-    def mu_candidates(self) -> list[int]:
-        """Every ``μ ≤ B`` for small ``B``, else powers of two ``≤ B`` and ``B``."""
-        b = self.batch
-        if b <= ALL_MU_MAX_BATCH:
+    def mu_candidates(self, cap: int | None = None, *, every: bool = False) -> list[int]:
+        """Micro-batch sizes tried first: every ``μ ≤ B`` with ``every`` (exhaustive search);
+        else powers of two (``B ≤ 64``) or of four, at most ``cap``. The pruned search then
+        refines ``μ`` around the shares it found."""
+        b = self.batch if cap is None else max(1, min(self.batch, cap))
+        if every:
             return list(range(1, b + 1))
-        out = {1 << i for i in range(int(math.log2(b)) + 1)}
-        out.add(b)
-        return sorted(out)
+        base = 2 if self.batch <= 64 else 4
+        return [base**i for i in range(int(math.log(b, base) + 1e-9) + 1)]
 
     def signature(self, devices: np.ndarray) -> tuple:
         """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
@@ -127,31 +132,81 @@ class SearchContext:
         )
         return per, links
 
-    def envelope_options(self, devices: np.ndarray, mus: Sequence[int]) -> GroupOptions:
-        """Envelope splits of a group for each ``μ`` in ``mus`` (cached by signature)."""
+    def approx_signature(self, devices: np.ndarray) -> tuple:
+        """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
+        significant digits: groups that differ by measurement noise share their *splits*
+        (their times are still computed exactly)."""
+        s = self.state
+        per = tuple(
+            (
+                int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
+                float(f"{s.kappa_s[d]:.3g}"),
+                float(f"{s.memory_bytes[d]:.3g}"),
+            )
+            for d in devices
+        )
+        links = (
+            tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
+            if len(devices) > 1
+            else ()
+        )
+        return per, links
+
+    def envelope_options(
+        self,
+        devices: np.ndarray,
+        mus: Sequence[int],
+        fixed_bounds: np.ndarray | None = None,
+    ) -> GroupOptions:
+        """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
+        :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
+        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
         sig = self.signature(devices)
+        fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
         tables = []
         for mu in mus:
-            key = ("env", sig, int(mu))
+            mu = int(mu)
+            key = ("env", sig, mu, fixed_key)
             table = self.option_cache.get(key)
             if table is None:
-                table = self._splits(devices, int(mu))
+                if fixed_bounds is not None:
+                    bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
+                    table = self._timed(devices, bounds, mu)
+                else:
+                    akey = ("bounds", self.approx_signature(devices), mu)
+                    bounds = self.option_cache.get(akey)
+                    if bounds is None:
+                        table = self._splits(devices, mu)  # timed for these very devices
+                        self.option_cache[akey] = table.bounds
+                    else:
+                        table = self._timed(devices, bounds, mu)
                 self.option_cache[key] = table
             tables.append(table)
         return GroupOptions.from_tables(tables, len(devices))
+
+    def _timed(self, devices: np.ndarray, bounds: np.ndarray, mu: int) -> SplitTable:
+        """Exact times and memory limits of given splits for these devices (dominated and
+        non-fitting splits dropped)."""
+        cfg = self.config
+        table = split_table(self.state, self.prefix, devices, bounds, mu,
+                            cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
+        keep = table.max_microbatches >= 1
+        n_cap = -(-self.batch // mu)
+        return pareto(
+            SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
+                       np.minimum(table.max_microbatches[keep], n_cap), mu)
+        )  # fmt: skip
 
     def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
         cfg = self.config
         n_design = -(-self.batch // mu)
         k = len(devices)
-        if count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
+        if k == 1 or count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
             table = split_table(
                 self.state, self.prefix, devices,
                 enumerate_splits(self.prefix.num_layers, k), mu,
                 cfg.optimizer_state_factor, cfg.schedule,
             )  # fmt: skip
-            from hetrain.planner.partition import pareto
-
             keep = table.max_microbatches >= 1
             return pareto(
                 SplitTable(
@@ -162,9 +217,13 @@ class SearchContext:
                     mu,
                 )
             )
+        # memory is checked at a design number of micro-batches: the most the group could
+        # be given (every split found then fits any share; under 1F1B levels above K are
+        # equivalent to K), lower levels when nothing fits (see envelope_splits)
+        top = min(n_design, k) if cfg.schedule == "1f1b" else n_design
         return envelope_splits(
             self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
-            n_design,
+            top, n_cap=n_design,
         )  # fmt: skip
 
     # -- turning solutions into candidates ---------------------------------------------------
@@ -204,7 +263,7 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
     devs = np.asarray(devices, dtype=np.int64)
     k = len(devs)
     num_layers = ctx.prefix.num_layers
-    mus = ctx.mu_candidates()
+    mus = ctx.mu_candidates(every=True)
     if count_splits(num_layers, k) <= ALL_SPLITS_MAX:
         bounds = enumerate_splits(num_layers, k)
     else:
@@ -235,6 +294,17 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
             per_split.append(opts)
     ctx.option_cache[key] = per_split
     return per_split
+
+
+def exhaustive_is_small(ctx: SearchContext) -> bool:
+    """Whether the exact search runs: at most :data:`EXHAUSTIVE_MAX_DEVICES` available
+    devices, :data:`EXHAUSTIVE_MAX_LAYERS` layers and a batch of at most
+    :data:`EXHAUSTIVE_MAX_BATCH`."""
+    return (
+        len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES
+        and ctx.prefix.num_layers <= EXHAUSTIVE_MAX_LAYERS
+        and ctx.batch <= EXHAUSTIVE_MAX_BATCH
+    )
 
 
 def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) -> Candidate | None:
@@ -350,6 +420,47 @@ def _score(
     groups: Sequence[np.ndarray],
     opts: Sequence[GroupOptions],
     sol: ShareSolution,
+    entry_of: Sequence[int] | None = None,
+) -> Candidate | None:
+    """Candidate of a share solution: sync of the groups that stay active, objective from the
+    actual active set. With ``entry_of`` (groups with equal options share an entry), also try
+    giving every member of an entry the split and μ of its member with the largest share —
+    no group gets slower (fewer micro-batches on the same split) and aligned splits can keep
+    the all-reduce inside a node — and keep the better of the two."""
+    cand = _score_one(ctx, groups, opts, sol)
+    if entry_of is None or cand is None:
+        return cand
+    option = sol.option.copy()
+    times = sol.group_times_s.copy()
+    changed = False
+    by_entry: dict[int, list[int]] = {}
+    for g, e in enumerate(entry_of):
+        if sol.shares[g] > 0:
+            by_entry.setdefault(e, []).append(g)
+    for members in by_entry.values():
+        if len(members) < 2:
+            continue
+        lead = max(members, key=lambda g: sol.shares[g])
+        p = option[lead]
+        for g in members:
+            if option[g] != p:
+                o = opts[g]
+                n = -(-int(sol.shares[g]) // int(o.microbatch_size[p]))
+                option[g] = p
+                times[g] = o.fill_s[p] + (n - 1) * o.bottleneck_s[p]
+                changed = True
+    if not changed:
+        return cand
+    aligned = ShareSolution(float(times.max()), sol.shares, option, times)
+    other = _score_one(ctx, groups, opts, aligned)
+    return other if other is not None and other.objective < cand.objective else cand
+
+
+def _score_one(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    opts: Sequence[GroupOptions],
+    sol: ShareSolution,
 ) -> Candidate | None:
     active = [g for g in range(len(groups)) if sol.shares[g] > 0]
     if not active:
@@ -402,18 +513,19 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
         out.append(("node-groups", [tuple(n[:num_layers]) for n in nodes]))
         for k in depths(biggest - 1):
             out.append((f"node-pipelines-{k}", [c for n in nodes for c in chunks(n, k)]))
-    # pipelines across nodes: device j of K nodes of the same make-up
+    # pipelines across nodes: device j of each of K nodes (nodes ranked by make-up, fastest
+    # first); groups of equal make-up get equal splits, so a layer's owners sit on one node
+    # per chunk and the all-reduce stays inside it when there is one chunk
     kind = {d: ctx.signature(np.array([d]))[0] for d in avail}
-    buckets: dict[tuple, list[list[int]]] = {}
-    for n in nodes:
-        buckets.setdefault(tuple(kind[d] for d in n), []).append(n)
-    for k in depths(max(len(b) for b in buckets.values())):
+    ranked = sorted(nodes, key=lambda n: (-len(n), [-s.speed_flops[d] for d in n], n[0]))
+    for k in depths(len(ranked)):
         groups = []
-        for same in buckets.values():
-            for start in range(0, len(same), k):
-                part = same[start : start + k]
-                for j in range(len(part[0])):
-                    groups.append(tuple(n[j] for n in part))
+        for start in range(0, len(ranked), k):
+            part = ranked[start : start + k]
+            width = min(len(n) for n in part)
+            for j in range(width):
+                groups.append(tuple(n[j] for n in part))
+            groups.extend((d,) for n in part for d in n[width:])
         out.append((f"cross-node-{k}", groups))
     # kind-homogeneous pipelines, nodes kept together
     by_kind: dict[tuple, list[int]] = {}
@@ -422,7 +534,8 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
             by_kind.setdefault(kind[d], []).append(d)
     for k in depths(max(len(v) for v in by_kind.values())):
         out.append((f"kind-pipelines-{k}", [c for v in by_kind.values() for c in chunks(v, k)]))
-    # whole-cluster pipelines
+    # one pipeline: the first L devices in file order (the SPEC §6 baseline's devices, here
+    # with optimised stages, μ and share), and the fastest L devices
     if len(avail) > 1:
         out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
         fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
@@ -442,40 +555,134 @@ def solve_structure(
     best: Candidate | None = None,
     *,
     refine: bool = True,
+    fixed_bounds: Sequence[np.ndarray | None] | None = None,
+    extra_mus: Sequence[int | None] | None = None,
 ) -> Candidate | None:
-    """Solve one structure (pruned mode): envelope splits per group, shares with identical
-    groups merged, idle groups over prefixes ranked by throughput per weight, ``μ`` refined."""
+    """Solve one structure (pruned mode): envelope splits per group (or the given
+    ``fixed_bounds`` per group, e.g. a warm start's stages; ``extra_mus``: a μ per group to
+    try as well, e.g. the warm start's), shares with identical groups
+    merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
+    around the shares found. Returns the better of this structure's solution and ``best``."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
-    mus = ctx.mu_candidates()
+    fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
     for g, devs in enumerate(garr):
-        entries.setdefault(ctx.signature(devs), []).append(g)
+        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+        entries.setdefault((ctx.signature(devs), fk), []).append(g)
     keys = list(entries)
-    opts = [ctx.envelope_options(garr[entries[k][0]], mus) for k in keys]
+    # a group rarely gets more than a few times the average share, and a pipeline of K
+    # stages wants about K micro-batches or more: larger μ are left to the refinement
+    quick = (
+        fixed_bounds is not None
+        and extra_mus is not None
+        and all(fixed[entries[k][0]] is not None for k in keys)
+    )
+    mu_lists = []
+    for k in keys:
+        g0 = entries[k][0]
+        cap = -(-4 * ctx.batch // (len(garr) * len(garr[g0])))
+        old_mus = {int(extra_mus[g]) for g in entries[k] if extra_mus is not None
+                   and extra_mus[g] is not None}  # fmt: skip
+        if fixed[g0] is not None and old_mus:
+            # warm start with its stages kept: the previous μ and its neighbours
+            mus = {
+                m for o in old_mus for m in (max(1, o // 2), o - 1, o, o + 1, 2 * o)
+                if 1 <= m <= ctx.batch
+            }  # fmt: skip
+        else:
+            mus = set(ctx.mu_candidates(cap)) | old_mus
+        mu_lists.append(sorted(mus))
+    if quick:
+        opts = fixed_split_options(
+            ctx, [garr[entries[k][0]] for k in keys], [fixed[entries[k][0]] for k in keys],
+            mu_lists,
+        )  # fmt: skip
+        refine = False
+    else:
+        opts = [
+            ctx.envelope_options(garr[entries[k][0]], mus, fixed[entries[k][0]])
+            for k, mus in zip(keys, mu_lists, strict=True)
+        ]
     feasible = [i for i, o in enumerate(opts) if len(o)]
     if not feasible:
         return best
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, best)
-    if cand is None or cand is best or not refine:
+    # this structure's own solution (pruned only against a loose bound), then refined
+    bound = None if best is None else best.objective * 1.5
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick)
+    if cand is not None and refine:
+        extra: dict[int, set[int]] = {}
+        entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
+        index_of = {tuple(int(x) for x in garr[g]): g for g in range(len(garr))}
+        for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
+            i = entry_of[index_of[tuple(int(x) for x in devs)]]
+            n = -(-b // mu)
+            ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
+                else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
+            extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
+        new_opts = list(opts)
+        for i, more in extra.items():
+            have = set(opts[i].microbatch_size.tolist())
+            more = sorted(m for m in more if m not in have and 1 <= m <= ctx.batch)
+            if more:
+                g0 = entries[keys[i]][0]
+                add = ctx.envelope_options(garr[g0], more, fixed[g0])
+                new_opts[i] = _merge([opts[i], add])
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick)
+    if cand is not None and (best is None or cand.objective < best.objective):
         return cand
-    # refine μ around the shares found: ceil(b/n) for n near the chosen count
-    extra: dict[int, set[int]] = {}
-    for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-        key = ctx.signature(devs)
-        n = -(-b // mu)
-        ns = {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}
-        extra.setdefault(keys.index(key), set()).update(-(-b // m) for m in ns if m >= 1)
-    if not extra:
-        return cand
-    new_opts = list(opts)
-    for i, more in extra.items():
-        more = sorted(m for m in more if m not in mus and 1 <= m <= ctx.batch)
-        if more:
-            add = ctx.envelope_options(garr[entries[keys[i]][0]], more)
-            new_opts[i] = _merge([opts[i], add])
-    refined = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand)
-    return refined
+    return best
+
+
+def fixed_split_options(
+    ctx: SearchContext,
+    groups: Sequence[np.ndarray],
+    bounds: Sequence[np.ndarray],
+    mus: Sequence[Sequence[int]],
+) -> list[GroupOptions]:
+    """Options of groups whose stages are fixed (a warm start), one per ``μ`` of each group's
+    list, computed for all groups of one depth at once: ``(G, U, K)`` arrays of the SPEC §3
+    stage and boundary times, memory limits from :func:`max_microbatches`."""
+    st, pre, cfg = ctx.state, ctx.prefix, ctx.config
+    out: list[GroupOptions | None] = [None] * len(groups)
+    by_depth: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_depth.setdefault(len(g), []).append(i)
+    for k, idx in by_depth.items():
+        devs = np.stack([np.asarray(groups[i], dtype=np.int64) for i in idx])  # (G, K)
+        bnd = np.stack([np.asarray(bounds[i], dtype=np.int64) for i in idx])  # (G, K+1)
+        width = max(len(mus[i]) for i in idx)
+        mu = np.array([list(mus[i]) + [mus[i][0]] * (width - len(mus[i])) for i in idx])
+        mu3 = mu[:, :, None].astype(float)  # (G, U, 1)
+        flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
+        compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
+        compute = compute + st.kappa_s[devs][:, None, :]
+        fill = compute.sum(axis=2)
+        worst = compute.max(axis=2)
+        if k > 1:
+            a, b = devs[:, :-1], devs[:, 1:]
+            bw = np.where(st.node[a] == st.node[b], st.intra_node_bytes_per_s,
+                          np.minimum(st.nic_bytes_per_s[a], st.nic_bytes_per_s[b]))  # fmt: skip
+            transfer = mu3 * pre.boundary_bytes[bnd[:, 1:-1] - 1][:, None, :] / bw[:, None, :]
+            transfer = transfer + 2.0 * st.latency_s
+            fill = fill + transfer.sum(axis=2)
+            worst = np.maximum(worst, transfer.max(axis=2))
+        theta = pre.param_bytes[bnd[:, 1:]] - pre.param_bytes[bnd[:, :-1]]
+        act = pre.act_mem_bytes[bnd[:, 1:]] - pre.act_mem_bytes[bnd[:, :-1]]
+        g_count, u_count = mu.shape
+        rows = np.repeat(np.arange(g_count), u_count)
+        nmax = max_microbatches(
+            theta[rows], act[rows], st.memory_bytes[devs][rows],
+            mu.reshape(-1, 1), cfg.optimizer_state_factor, cfg.schedule,
+        ).reshape(g_count, u_count)  # fmt: skip
+        nmax = np.minimum(nmax, -(-ctx.batch // mu))
+        for r, i in enumerate(idx):
+            keep = nmax[r] >= 1
+            out[i] = GroupOptions(
+                mu[r][keep], fill[r][keep], worst[r][keep], nmax[r][keep],
+                np.repeat(bnd[r][None, :], int(keep.sum()), axis=0),
+            )  # fmt: skip
+    return out  # type: ignore[return-value]
 
 
 def _solve_entries(
@@ -486,10 +693,17 @@ def _solve_entries(
     opts: Sequence[GroupOptions],
     feasible: Sequence[int],
     best: Candidate | None,
+    bound: float | None = None,
+    quick: bool = False,
 ) -> Candidate | None:
+    """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
+    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
-        [float(np.max(opts[i].microbatch_size / opts[i].bottleneck_s)) for i in feasible]
+        [
+            float(np.max(opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)))
+            for i in feasible
+        ]
     )
     w = np.array([ctx.weight(garr[entries[keys[i]][0]]) - ctx.v for i in feasible])
     queues = bool(np.any(w > 0))
@@ -500,9 +714,13 @@ def _solve_entries(
     if total <= 24:
         sizes = list(range(total, 0, -1))
     else:
-        sizes = sorted({total, *[max(1, int(round(total * f))) for f in
-                                 (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)],
-                        1, 2, 4, 8}, reverse=True)  # fmt: skip
+        # (a warm re-plan that keeps its stages only tries idling the slowest groups)
+        fractions = (
+            (0.95, 0.85, 0.7) if quick else (0.9, 0.75, 0.6, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05)
+        )
+        small = () if quick else (1, 2, 4, 8)
+        sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
+                       reverse=True)  # fmt: skip
     speeds = ctx.state.speed_flops
     for size in sizes:
         # the first `size` members in ranked order
@@ -516,18 +734,20 @@ def _solve_entries(
         members = [g for i, m in take for g in entries[keys[i]][:m]]
         used = np.concatenate([garr[g] for g in members])
         t_floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[used]))
-        if best is not None and t_floor * ctx.weight(used) >= best.objective:
+        limit = min(
+            best.objective if best is not None else np.inf, bound if bound is not None else np.inf
+        )
+        if t_floor * ctx.weight(used) >= limit:
             continue
         problem = ShareProblem([opts[i] for i, _ in take], ctx.batch, [m for _, m in take])
-        if best is not None:
-            lp = problem.lp_bound_s()
-            if lp * ctx.v >= best.objective:
-                continue
+        if np.isfinite(limit) and problem.lp_bound_s() * ctx.weight(used) >= limit:
+            continue
         sol = problem.solve()
         if sol is None:
             continue
         member_opts = [opts[i] for i, m in take for _ in range(m)]
-        cand = _score(ctx, [garr[g] for g in members], member_opts, sol)
+        entry_of = [i for i, m in take for _ in range(m)]
+        cand = _score(ctx, [garr[g] for g in members], member_opts, sol, entry_of)
         if cand is not None and (best is None or cand.objective < best.objective):
             best = cand
     return best
@@ -543,11 +763,68 @@ def pruned_search(
     """Solve every candidate structure (plus ``extra_structures``); stop early at
     ``deadline`` (``time.perf_counter()`` value) once one solution exists."""
     best = incumbent
+    if deadline is not None and best is not None and time.perf_counter() > deadline:
+        return best
     structures = [list(s) for s in extra_structures] + [g for _, g in candidate_structures(ctx)]
     for groups in structures:
         if deadline is not None and best is not None and time.perf_counter() > deadline:
             break
         best = solve_structure(ctx, groups, best)
+    if len(ctx.available) >= MIXED_DEPTH_MIN_DEVICES:
+        best = mixed_depth_search(ctx, best, deadline=deadline)
+    return best
+
+
+def mixed_depth_search(
+    ctx: SearchContext, best: Candidate | None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Pipeline depth chosen per kind of node: nodes of equal make-up form a class; each
+    class cuts its nodes into pipelines of depth ``K ∈ {1, 2, 4, …, node size}``. One pass of
+    coordinate descent from "one group per node", class by class (fastest classes first),
+    keeping a depth when the objective improves. Worth it when kinds differ in NIC or memory:
+    slow-NIC devices want deep pipelines (less to all-reduce), fast ones shallow."""
+    s = ctx.state
+    num_layers = ctx.prefix.num_layers
+    by_node: dict[int, list[int]] = {}
+    for d in ctx.available:
+        by_node.setdefault(int(s.node[d]), []).append(int(d))
+    classes: dict[tuple, list[list[int]]] = {}
+    for devs in by_node.values():
+        devs = _order_in_node(ctx, devs)
+        make_up = tuple(ctx.signature(np.array([d]))[0][0] + (float(s.nic_bytes_per_s[d]),)
+                        for d in devs)  # fmt: skip
+        classes.setdefault(make_up, []).append(devs)
+    if len(classes) < 2:
+        return best
+    keys = sorted(classes, key=lambda c: -sum(x[0] for x in c) * len(classes[c]))
+
+    def groups_for(choice: dict[tuple, int]) -> list[tuple[int, ...]]:
+        out = []
+        for c, nodes in classes.items():
+            k = choice[c]
+            for n in nodes:
+                out.extend(tuple(n[i : i + k]) for i in range(0, len(n), k))
+        return out
+
+    choice = {c: min(len(c), num_layers) for c in keys}
+    current = solve_structure(ctx, groups_for(choice))
+    if current is None:
+        return best
+    for c in keys:
+        size = min(len(c), num_layers)
+        options = sorted({1, size, *[2**i for i in range(1, 8) if 2**i < size]})
+        for k in options:
+            if k == choice[c]:
+                continue
+            if deadline is not None and best is not None and time.perf_counter() > deadline:
+                break
+            trial = dict(choice)
+            trial[c] = k
+            cand = solve_structure(ctx, groups_for(trial))
+            if cand is not None and cand.objective < current.objective:
+                current, choice = cand, trial
+    if best is None or current.objective < best.objective:
+        return current
     return best
 
 

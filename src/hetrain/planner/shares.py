@@ -53,8 +53,15 @@ class GroupOptions:
                 np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64),
                 np.zeros((0, num_stages + 1), np.int64),
             )  # fmt: skip
+        if len(tables) == 1:
+            t = tables[0]
+            return cls(np.full(len(t), t.microbatch_size, np.int64), t.fill_s, t.bottleneck_s,
+                       t.max_microbatches, t.bounds)  # fmt: skip
         return cls(
-            np.concatenate([np.full(len(t), t.microbatch_size, np.int64) for t in tables]),
+            np.repeat(
+                np.array([t.microbatch_size for t in tables], dtype=np.int64),
+                [len(t) for t in tables],
+            ),
             np.concatenate([t.fill_s for t in tables]),
             np.concatenate([t.bottleneck_s for t in tables]),
             np.concatenate([t.max_microbatches for t in tables]),
@@ -186,7 +193,7 @@ class ShareProblem:
         """Exact integer shares minimising ``max_g T_g``; None when ``B`` samples cannot be
         placed (memory)."""
         members = int(self.counts.sum())
-        if members * (self.batch + 1) ** 2 <= 400_000:
+        if members * (self.batch + 1) ** 2 <= 100_000:
             return self._solve_dp()
         return self._solve_bisection()
 
@@ -221,28 +228,30 @@ class ShareProblem:
 
     def _solve_bisection(self) -> ShareSolution | None:
         b_total = self.batch
+        if not len(self._mu):
+            return None
         hi = np.inf
         for g in self.groups:
             t, _ = g.time_for(b_total)
             hi = min(hi, t)
-        if not np.isfinite(hi):
-            # no single group can take everything: grow until capacities suffice
-            hi = max(float(np.max(self._fill)) if len(self._fill) else 1.0, 1e-12)
-            for _ in range(200):
-                if self.total_capacity(hi) >= b_total:
-                    break
-                hi *= 2.0
-            else:
-                return None
+        # (nudged: the floor in `capacity` must not lose the breakpoint to rounding)
+        hi = hi * (1 + 1e-9) if np.isfinite(hi) else max(float(np.max(self._fill)), 1e-12)
+        for _ in range(200):
+            if self.total_capacity(hi) >= b_total:
+                break
+            hi *= 2.0
+        else:
+            return None
         lo = 0.0
         for _ in range(80):
             mid = 0.5 * (lo + hi)
-            if mid <= lo or mid >= hi:
+            if mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
                 break
             if self.total_capacity(mid) >= b_total:
                 hi = mid
             else:
                 lo = mid
+        hi = self._snap(lo, hi)
         cap = np.repeat(self.capacity(hi).astype(np.int64), self.counts)
         excess = int(cap.sum()) - b_total
         # slowest groups (least capacity) give back first, so marginal groups go idle
@@ -253,6 +262,25 @@ class ShareProblem:
             cap[g] -= take
             excess -= take
         return self._finish(cap)
+
+    def _snap(self, lo: float, hi: float) -> float:
+        """The least staircase breakpoint ``A_p + j M_p`` in ``(lo, hi]`` at which the
+        capacities suffice (``hi`` is feasible, ``lo`` is not), nudged up by 1e-12 relative so
+        that the floor in :meth:`capacity` is safe from rounding."""
+        first = np.floor((lo - self._fill) / self._bottleneck) + 1.0
+        first = np.maximum(first, 0.0)
+        points = []
+        for step in range(3):
+            j = first + step
+            t = self._fill + j * self._bottleneck
+            ok = (t <= hi) & (j < self._nmax)
+            points.append(t[ok])
+        cands = np.unique(np.concatenate(points)) if points else np.zeros(0)
+        for t in cands:
+            t_safe = float(t) * (1 + 1e-12)
+            if t_safe < hi and self.total_capacity(t_safe) >= self.batch:
+                return t_safe
+        return hi
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
         entry = np.repeat(np.arange(len(self.groups)), self.counts)

@@ -80,8 +80,15 @@ def print_plan_report(
     batch: int,
     console: Console | None = None,
 ) -> None:
-    """Print :func:`plan_table` and :func:`summary_lines`."""
-    console = console or Console(highlight=False)
+    """Print :func:`plan_table` and :func:`summary_lines`.
+
+    When stdout is not a terminal (a pipe, a file, CI logs) the table is laid out 140 columns
+    wide instead of rich's default 80, so that layer names are not folded into many lines.
+    """
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=140)
     console.print(plan_table(plan, evaluation, layer_names))
     for line in summary_lines(evaluation, batch):
         console.print(line)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,27 +44,36 @@ class Bucket:
         return tuple(sorted((self.active[0], *self.idle)))
 
 
-def build_buckets(layout: Layout) -> list[Bucket]:
+def build_buckets(
+    layout: Layout, layer_bytes: list[int] | None = None, cap_bytes: int | None = None
+) -> list[Bucket]:
     """Buckets of ``layout``: maximal runs of consecutive layers whose owners (active and idle)
-    are equal."""
+    are equal, split at layer boundaries so that a bucket exceeds ``cap_bytes`` (of
+    ``layer_bytes[l]`` parameter bytes per layer) only when one layer does."""
     buckets: list[Bucket] = []
+    size = 0
     for layer in range(layout.num_layers):
         active = layout.active_owners[layer]
         idle = tuple(r for r in layout.owners[layer] if r not in active)
-        if buckets and buckets[-1].active == active and buckets[-1].idle == idle:
+        nbytes = 0 if layer_bytes is None else layer_bytes[layer]
+        fits = cap_bytes is None or size + nbytes <= cap_bytes
+        if buckets and buckets[-1].active == active and buckets[-1].idle == idle and fits:
+            size += nbytes
             prev = buckets[-1]
             buckets[-1] = Bucket(prev.layers + (layer,), active, idle)
         else:
             buckets.append(Bucket((layer,), active, idle))
+            size = nbytes
     return buckets
 
 
 class GroupCache:
-    """Process groups by sorted rank tuple; :meth:`ensure` must be called on every rank with the
-    same buckets (it calls ``new_group`` for missing groups in bucket order)."""
+    """Process groups by ``(tag, sorted ranks)``; :meth:`ensure` and :meth:`pipeline_channels`
+    must be called on every rank with the same layout (``new_group`` is collective over the
+    world and must be called in the same order everywhere)."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
 
     def ensure(self, buckets: list[Bucket]) -> None:
         for b in buckets:
@@ -72,10 +82,24 @@ class GroupCache:
             if b.idle:
                 self.get(b.broadcast_ranks)
 
-    def get(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
-        if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks))
-        return self._groups[ranks]
+    def get(self, ranks: tuple[int, ...], tag: str = "") -> dist.ProcessGroup:
+        key = (tag, ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(ranks))
+        return self._groups[key]
+
+    def pipeline_channels(self, layout: Layout) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """One two-rank process group per *directed* pipeline link ``(src, dst)`` of every
+        group: activations and gradients between two stages travel on different
+        communicators, so a queued send one way never blocks a receive the other way (NCCL
+        runs a communicator's point-to-point operations in order on one stream)."""
+        channels: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for g in layout.groups:
+            for a, b in zip(g.ranks[:-1], g.ranks[1:], strict=True):
+                pair = (min(a, b), max(a, b))
+                channels[(a, b)] = self.get(pair, f"p2p {a}->{b}")
+                channels[(b, a)] = self.get(pair, f"p2p {b}->{a}")
+        return channels
 
 
 def _flat_grads(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -97,48 +121,126 @@ def _unflatten_into(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
         offset += n
 
 
-def sync_gradients(
-    *,
-    layout: Layout,
-    buckets: list[Bucket],
-    groups: GroupCache,
-    rank: int,
-    layers: nn.Sequential,
-    device: torch.device,
-    emulation: Emulation | None,
-) -> tuple[float, int]:
-    """Sum each bucket's gradient over its active owners, then broadcast it to idle owners.
+class GradientSync:
+    """Combine one step's gradients (SPEC §3 sync): all-reduce (sum) of each bucket among its
+    active owners, then broadcast to its idle owners.
 
-    Emulated links: after a bucket's all-reduce the rank sleeps until
-    ``2 (G'-1) lat + 2 (G'-1)/G' · bytes / β`` has elapsed (SPEC §3 ring all-reduce, ``β`` the
-    slowest emulated link from this rank to another owner).
+    Overlap: :meth:`arm` (called just before a stage's last backward) registers
+    post-accumulate-grad hooks; a bucket's all-reduce starts asynchronously as soon as all its
+    parameters have their final gradient. Buckets start in decreasing layer order on every rank
+    (a later bucket waits for the earlier ones), so all members of a process group issue its
+    collectives in the same order. :meth:`finish` starts what is left, waits, copies the sums
+    back into ``.grad`` and runs the broadcasts. The arithmetic is the same with or without
+    overlap.
 
-    Returns:
-        ``(time_s, bytes)``: wall time spent and gradient bytes this rank all-reduced.
+    Emulated links: a bucket's all-reduce lasts at least ``2 (G'-1) lat + 2 (G'-1)/G' · n / β``
+    from its start (SPEC §3 ring all-reduce, ``β`` the slowest emulated link from this rank to
+    another owner).
     """
-    t0 = time.perf_counter()
-    total_bytes = 0
-    me = layout.devices[rank]
-    for b in buckets:
-        if rank not in b.active and rank not in b.idle:
-            continue
-        params = [p for layer in b.layers for p in layers[layer].parameters()]
-        if not params:
-            continue
-        flat = _flat_grads(params, device)
-        nbytes = flat.numel() * flat.element_size()
-        if len(b.active) > 1 and rank in b.active:
-            t_b = time.perf_counter()
-            dist.all_reduce(flat, group=groups.get(b.reduce_ranks))
-            total_bytes += nbytes
-            if emulation is not None and emulation.limits_links():
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        buckets: list[Bucket],
+        groups: GroupCache,
+        rank: int,
+        layers: nn.Sequential,
+        device: torch.device,
+        emulation: Emulation | None,
+    ) -> None:
+        self.layout = layout
+        self.groups = groups
+        self.rank = rank
+        self.device = device
+        self.emulation = emulation
+        self.mine = [
+            (b, [p for layer in b.layers for p in layers[layer].parameters()])
+            for b in buckets
+            if rank in b.active or rank in b.idle
+        ]
+        self.mine = [(b, params) for b, params in self.mine if params]
+        # buckets this rank all-reduces, in launch order (decreasing layers)
+        self.order = [
+            i
+            for i in reversed(range(len(self.mine)))
+            if len(self.mine[i][0].active) > 1 and rank in self.mine[i][0].active
+        ]
+        self._next = 0
+        self._works: dict[int, tuple[torch.Tensor, Any, float]] = {}
+        self._remaining: dict[int, set[int]] = {}
+        self._bucket_of: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self.bytes = 0
+
+    def arm(self) -> None:
+        """Start each bucket's all-reduce as soon as its gradients are final (call right
+        before the last backward of the step)."""
+        for i in self.order:
+            params = self.mine[i][1]
+            self._remaining[i] = {id(p) for p in params}
+            for p in params:
+                self._bucket_of[id(p)] = i
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def disarm(self) -> None:
+        """Remove the hooks without launching anything (after a failed step)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._remaining.clear()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        i = self._bucket_of.get(id(param))
+        if i is None or i not in self._remaining:
+            return
+        self._remaining[i].discard(id(param))
+        while self._next < len(self.order) and not self._remaining.get(self.order[self._next]):
+            self._launch(self.order[self._next])
+            self._next += 1
+
+    def _launch(self, i: int) -> None:
+        b, params = self.mine[i]
+        flat = _flat_grads(params, self.device)
+        work = dist.all_reduce(flat, group=self.groups.get(b.reduce_ranks), async_op=True)
+        self._works[i] = (flat, work, time.perf_counter())
+
+    def finish(self) -> tuple[float, int]:
+        """Finish the step's gradient combination.
+
+        Returns:
+            ``(time_s, bytes)``: wall time spent here (the part not hidden behind backward)
+            and gradient bytes this rank all-reduced.
+        """
+        t0 = time.perf_counter()
+        self.disarm()
+        while self._next < len(self.order):
+            self._launch(self.order[self._next])
+            self._next += 1
+        me = self.layout.devices[self.rank]
+        em = self.emulation
+        for i in self.order:
+            flat, work, started = self._works[i]
+            work.wait()
+            nbytes = flat.numel() * flat.element_size()
+            self.bytes += nbytes
+            b = self.mine[i][0]
+            if em is not None and em.limits_links():
                 g = len(b.active)
                 bw = min(
-                    emulation.link_bandwidth(me, layout.devices[r]) for r in b.active if r != rank
+                    em.link_bandwidth(me, self.layout.devices[r])
+                    for r in b.active
+                    if r != self.rank
                 )
-                target = 2 * (g - 1) * emulation.latency_s + 2 * (g - 1) / g * nbytes / bw
-                sleep_s(target - (time.perf_counter() - t_b))
-        if b.idle and rank in b.broadcast_ranks:
-            dist.broadcast(flat, src=b.active[0], group=groups.get(b.broadcast_ranks))
-        _unflatten_into(flat, params)
-    return time.perf_counter() - t0, total_bytes
+                target = 2 * (g - 1) * em.latency_s + 2 * (g - 1) / g * nbytes / bw
+                sleep_s(target - (time.perf_counter() - started))
+        for i, (b, params) in enumerate(self.mine):
+            flat = self._works[i][0] if i in self._works else None
+            if b.idle and self.rank in b.broadcast_ranks:
+                if flat is None:
+                    flat = _flat_grads(params, self.device)
+                dist.broadcast(flat, src=b.active[0], group=self.groups.get(b.broadcast_ranks))
+            if flat is not None:
+                _unflatten_into(flat, params)
+        self._works.clear()
+        return time.perf_counter() - t0, self.bytes

@@ -31,6 +31,8 @@ class Emulation:
         link_bandwidth_bytes_per_s: explicit ``(d, e) -> bytes/s`` per link (symmetric),
             overriding the rules above.
         latency_s: latency added to every emulated transfer, seconds.
+        microbatch_overhead_s: device id -> fixed cost ``κ_d`` (seconds) slept once per
+            micro-batch and stage (after its forward), SPEC §3 ``C_k = μ c_k + κ``.
 
     Raises:
         ValueError: a factor < 1, a bandwidth <= 0, a negative latency, or a non-finite number.
@@ -42,8 +44,15 @@ class Emulation:
     intra_node_bandwidth_bytes_per_s: float | None = None
     link_bandwidth_bytes_per_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
     latency_s: float = 0.0
+    microbatch_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for d, k in self.microbatch_overhead_s.items():
+            if not (math.isfinite(k) and k >= 0):
+                raise ValueError(
+                    f"emulation.microbatch_overhead_s[{d!r}]: expected a finite "
+                    f"number >= 0, got {k!r}"
+                )
         for d, f in self.slowdown.items():
             if not (math.isfinite(f) and f >= 1.0):
                 raise ValueError(
@@ -66,6 +75,11 @@ class Emulation:
             raise ValueError(
                 f"emulation.latency_s: expected a finite number >= 0, got {self.latency_s!r}"
             )
+
+    def overhead_of(self, device: str) -> float:
+        """Emulated per-micro-batch fixed cost ``κ`` of ``device`` in seconds (0 when not
+        named)."""
+        return float(self.microbatch_overhead_s.get(device, 0.0))
 
     def slowdown_of(self, device: str) -> float:
         """Slow-down factor of ``device`` (1.0 when not named)."""
@@ -104,10 +118,11 @@ class Emulation:
 
     @classmethod
     def from_cluster_state(
-        cls, state: Any, slowdown: Mapping[str, float] | None = None
+        cls, state: Any, slowdown: Mapping[str, float] | None = None, *, overhead: bool = False
     ) -> Emulation:
         """Links of a :class:`hetrain.cluster.ClusterState` (NIC, nodes, intra-node bandwidth,
-        latency) plus the given slow-down factors."""
+        latency) plus the given slow-down factors; with ``overhead`` also each device's
+        ``κ_d`` (``kappa_s``) slept per micro-batch."""
         ids = list(state.ids)
         return cls(
             slowdown=dict(slowdown or {}),
@@ -117,6 +132,9 @@ class Emulation:
             node={d: str(int(state.node[i])) for i, d in enumerate(ids)},
             intra_node_bandwidth_bytes_per_s=float(state.intra_node_bytes_per_s),
             latency_s=float(state.latency_s),
+            microbatch_overhead_s=(
+                {d: float(state.kappa_s[i]) for i, d in enumerate(ids)} if overhead else {}
+            ),
         )
 
 
@@ -126,10 +144,19 @@ def sleep_s(duration_s: float) -> None:
         time.sleep(duration_s)
 
 
-def slow_down(emulation: Emulation | None, device: str, measured_s: float) -> float:
-    """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time slept (s)."""
+def slow_down(
+    emulation: Emulation | None, device: str, measured_s: float, microbatch: bool = False
+) -> float:
+    """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time actually slept (s,
+    at least the requested time: ``time.sleep`` never returns early); with ``microbatch``
+    also the device's per-micro-batch overhead ``κ``."""
     if emulation is None:
         return 0.0
     extra = (emulation.slowdown_of(device) - 1.0) * measured_s
+    if microbatch:
+        extra += emulation.overhead_of(device)
+    if extra <= 0:
+        return 0.0
+    t0 = time.perf_counter()
     sleep_s(extra)
-    return max(extra, 0.0)
+    return time.perf_counter() - t0

@@ -10,6 +10,8 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.plan import Plan
-from hetrain.runtime.data_parallel import GroupCache, build_buckets, sync_gradients
-from hetrain.runtime.emulation import Emulation
+from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
+from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
@@ -38,7 +40,9 @@ class StepResult:
         grad_norm: global L2 norm of the combined gradient before clipping (every layer counted
             once).
         compute_time_s: forward + backward time of this rank's stage over all its
-            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it).
+            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it, the
+            time actually slept; ``compute_time_s - emulated_compute_time_s`` is the real
+            compute, which the sleeps are ``factor - 1`` times).
         send_recv_time_s: time blocked in pipeline send/recv (emulated link delay included).
         link_time_s: peer device -> time blocked receiving from it.
         sync_time_s: gradient all-reduce/broadcast time; ``sync_bytes`` all-reduced.
@@ -78,8 +82,10 @@ class StepResult:
 
 @dataclass(frozen=True)
 class MigrationResult:
-    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all, of which this
-    rank sent ``bytes_sent`` and received ``bytes_received`` bytes, in ``time_s`` seconds."""
+    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all (every rank),
+    of which this rank sent ``bytes_sent`` and received ``bytes_received`` payload bytes
+    (parameters, buffers and optimizer state, serialised), in ``time_s`` seconds (emulated
+    link time included)."""
 
     transfers: int
     bytes_sent: int
@@ -89,13 +95,24 @@ class MigrationResult:
 
 def check_exact_layers(layers: nn.Sequential) -> None:
     """Refuse layers whose training result depends on how the batch is split or on random
-    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU.
+    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU;
+    and parameters shared by two layers (tied weights cannot live on two stages).
 
     Raises:
         ValueError: naming the layer index, the sub-module path and the class.
     """
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
+
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+            first = owner.setdefault(id(tensor), index)
+            if first != index:
+                raise ValueError(
+                    f"layer {index} ({name}) shares a tensor with layer {first}: tied weights "
+                    "across layers cannot be split into stages; untie them"
+                )
 
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
@@ -116,6 +133,35 @@ def check_exact_layers(layers: nn.Sequential) -> None:
                     f"{where}: random numbers in training (dropout) differ between plans; "
                     "set p=0 or call eval() on it"
                 )
+
+
+def _plan_digest(plan: Plan) -> str:
+    """Hash of what the engine executes (groups, stages, shares, micro-batches, schedule)."""
+    body = json.dumps([plan.schedule, [g.model_dump(mode="json") for g in plan.groups]])
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _structure_digest(layers: nn.Sequential) -> str:
+    """Hash of the chain's layer count, parameter/buffer names, shapes and dtypes."""
+    items = [
+        (i, k, tuple(v.shape), str(v.dtype))
+        for i, layer in enumerate(layers)
+        for k, v in layer.state_dict().items()
+    ]
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def _check_agreement(gathered: list[Any], mine: tuple, names: tuple[str, ...]) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks were given different plans
+    or models (``gathered[r] = (device_id, digest, ...)``), instead of hanging later."""
+    for position, name in enumerate(names, start=1):
+        values = {g[position] for g in gathered}
+        if len(values) > 1:
+            by_rank = ", ".join(f"rank {r} ({g[0]}): {g[position]}" for r, g in enumerate(gathered))
+            raise ValueError(
+                f"ranks were given different {name}s ({by_rank}); every rank "
+                f"must pass the same {name}"
+            )
 
 
 def _default_device() -> torch.device:
@@ -143,6 +189,13 @@ class Worker:
         autocast_bf16: run forward passes under ``torch.autocast(dtype=bfloat16)``.
         device: torch device of this rank (default: CPU for gloo, the current CUDA device for
             NCCL).
+        allow_unused_ranks: accept ranks whose device the plan does not name (e.g. a device
+            that joins later); they hold nothing until a plan uses them. Default False: the
+            plan must name every rank (world size = the plan's device count).
+        bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
+            consecutive layers with the same owners is split at layer boundaries above it).
+        overlap_grad_sync: start a bucket's all-reduce during the stage's last backward as
+            soon as its gradients are final (same arithmetic; False = after the backward).
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
@@ -165,6 +218,9 @@ class Worker:
         grad_clip_norm: float | None = None,
         autocast_bf16: bool = False,
         device: torch.device | str | None = None,
+        allow_unused_ranks: bool = False,
+        bucket_cap_bytes: int = 64 * 2**20,
+        overlap_grad_sync: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -180,10 +236,19 @@ class Worker:
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, str(device_id))
+        mine = (str(device_id), _plan_digest(plan), _structure_digest(layers))
+        dist.all_gather_object(gathered, mine)
+        _check_agreement(gathered, mine, ("plan", "model structure"))
+        gathered = [g[0] for g in gathered]
         self.device_id = str(device_id)
         check_exact_layers(layers)
-        self.layout: Layout = build_layout(plan, tuple(gathered), len(layers), require_all=True)
+        if bucket_cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self.overlap_grad_sync = bool(overlap_grad_sync)
+        self.layout: Layout = build_layout(
+            plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
+        )
         self.layers = layers.to(dtype=dtype)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -201,8 +266,12 @@ class Worker:
             else:
                 layer.to("meta")
         self._groups = GroupCache()
-        self._buckets = build_buckets(self.layout)
+        self._layer_bytes = [
+            sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in self.layers
+        ]
+        self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(self.layout)
 
     def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
         """The layer's own optimizer (None for a layer without parameters)."""
@@ -247,7 +316,18 @@ class Worker:
             for p in self.layers[index].parameters():
                 p.grad = None
         timers = Timers()
-        p2p = P2P(self.device, self.layout.devices, self.rank, timers, self.emulation)
+        p2p = P2P(
+            self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
+        )
+        grad_sync = GradientSync(
+            layout=self.layout,
+            buckets=self._buckets,
+            groups=self._groups,
+            rank=self.rank,
+            layers=self.layers,
+            device=self.device,
+            emulation=self.emulation,
+        )
         pos = self.layout.position(self.rank)
         loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
         group = stage = None
@@ -267,33 +347,30 @@ class Worker:
                         x = x.to(self.dtype)
                 if k == len(group.ranks) - 1:
                     y = targets[rows].to(self.device)
-                loss_part = run_stage(
-                    stage_module=self.layers[stage[0] : stage[1]],
-                    ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
-                    microbatches=microbatches,
-                    inputs=x,
-                    targets=y,
-                    loss_fn=self.loss_fn,
-                    global_batch=batch,
-                    prev_rank=group.ranks[k - 1] if k > 0 else None,
-                    next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
-                    p2p=p2p,
-                    timers=timers,
-                    device=self.device,
-                    device_id=self.device_id,
-                    emulation=self.emulation,
-                    autocast_dtype=self.autocast_dtype,
-                )
+                try:
+                    loss_part = run_stage(
+                        stage_module=self.layers[stage[0] : stage[1]],
+                        ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
+                        microbatches=microbatches,
+                        inputs=x,
+                        targets=y,
+                        loss_fn=self.loss_fn,
+                        global_batch=batch,
+                        prev_rank=group.ranks[k - 1] if k > 0 else None,
+                        next_rank=group.ranks[k + 1] if k + 1 < len(group.ranks) else None,
+                        p2p=p2p,
+                        timers=timers,
+                        device=self.device,
+                        device_id=self.device_id,
+                        emulation=self.emulation,
+                        autocast_dtype=self.autocast_dtype,
+                        before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
+                    )
+                except BaseException:
+                    grad_sync.disarm()  # no stale hooks if the step fails
+                    raise
         p2p.wait_sends()
-        sync_time_s, sync_bytes = sync_gradients(
-            layout=self.layout,
-            buckets=self._buckets,
-            groups=self._groups,
-            rank=self.rank,
-            layers=self.layers,
-            device=self.device,
-            emulation=self.emulation,
-        )
+        sync_time_s, sync_bytes = grad_sync.finish()
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for index in self.owned_layers:
@@ -356,6 +433,9 @@ class Worker:
             InputError: the plan names unknown devices or does not cover the layers.
         """
         t0 = time.perf_counter()
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
+        _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
         old = self.layout
         transfers = plan_transfers(old, new)
@@ -364,26 +444,37 @@ class Worker:
             if t.src == self.rank:
                 payload = {
                     "module": self.layers[t.layer].state_dict(),
+                    # non-persistent buffers (e.g. attention masks) are not in state_dict
+                    "buffers": dict(self.layers[t.layer].named_buffers()),
                     "optim": None if (o := self.optimizers[t.layer]) is None else o.state_dict(),
                 }
                 sent += send_object(payload, t.dst, self.device)
             elif t.dst == self.rank:
-                payload = recv_object(t.src, self.device)
+                t_recv = time.perf_counter()
+                payload, nbytes = recv_object(t.src, self.device)
+                received += nbytes
+                if self.emulation is not None and self.emulation.limits_links():
+                    link = (self.layout.devices[t.src], self.device_id)
+                    duration = self.emulation.transfer_time_s(*link, nbytes)
+                    sleep_s(duration - (time.perf_counter() - t_recv))
                 layer = self.layers[t.layer].to_empty(device=self.device)
                 layer.load_state_dict(payload["module"])
+                with torch.no_grad():
+                    for name, buf in layer.named_buffers():
+                        buf.copy_(payload["buffers"][name])
                 opt = self._build_optimizer(layer)
                 if opt is not None:
                     opt.load_state_dict(payload["optim"])
                 self.optimizers[t.layer] = opt
-                received += 1
         now_owned = set(new.owned_layers(self.rank))
         for index in old.owned_layers(self.rank):
             if index not in now_owned:
                 self.layers[index].to("meta")
                 del self.optimizers[index]
         self.layout = new
-        self._buckets = build_buckets(new)
+        self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
+        self._channels = self._groups.pipeline_channels(new)
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------- state
@@ -402,7 +493,7 @@ class Worker:
                 send_object(self.layers[index].state_dict(), 0, self.device)
                 continue
             elif self.rank == 0:
-                sd = recv_object(src, self.device)
+                sd, _ = recv_object(src, self.device)
             else:
                 continue
             out.update({f"{index}.{k}": v for k, v in sd.items()})

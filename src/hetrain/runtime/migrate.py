@@ -66,10 +66,12 @@ def send_object(obj: Any, dst: int, device: torch.device) -> int:
     return int(data.numel())
 
 
-def recv_object(src: int, device: torch.device) -> Any:
-    """Blocking receive of an object sent by :func:`send_object` from rank ``src``."""
+def recv_object(src: int, device: torch.device) -> tuple[Any, int]:
+    """Blocking receive of an object sent by :func:`send_object` from rank ``src``; returns
+    the object (tensors on CPU) and the number of payload bytes."""
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, src)
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(data, src)
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+    obj = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+    return obj, int(data.numel())

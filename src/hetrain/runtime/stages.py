@@ -6,7 +6,9 @@ followed by the payload, so any chain works (int64 token ids at the first stage,
 autocast, a smaller last micro-batch) without shape inference. Sends are non-blocking
 (``isend``, waited at the end of the step) and receives blocking; with every stage issuing its
 forward messages and its backward messages in micro-batch order, 1F1B and GPipe cannot
-deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21).
+deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each direction of a
+link has its own two-rank process group (``GroupCache.pipeline_channels``), so with NCCL a
+queued activation send never blocks the gradient receive coming the other way.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,12 +109,14 @@ class P2P:
         rank: int,
         timers: Timers,
         emulation: Emulation | None,
+        channels: dict[tuple[int, int], Any] | None = None,
     ) -> None:
         self.device = device
         self.devices = devices
         self.rank = rank
         self.timers = timers
         self.emulation = emulation
+        self.channels = channels or {}
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._link_free_ns: dict[int, int] = {}
 
@@ -124,8 +129,9 @@ class P2P:
         header = [_CODE[tensor.dtype], tensor.dim(), time.time_ns(), *tensor.shape]
         header += [0] * (HEADER_LEN - len(header))
         htensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-        self._pending.append((dist.isend(htensor, dst, tag=TAG_HEADER), htensor))
-        self._pending.append((dist.isend(tensor, dst, tag=TAG_PAYLOAD), tensor))
+        group = self.channels.get((self.rank, dst))
+        self._pending.append((dist.isend(htensor, dst, group=group, tag=TAG_HEADER), htensor))
+        self._pending.append((dist.isend(tensor, dst, group=group, tag=TAG_PAYLOAD), tensor))
         self.timers.bytes_sent += tensor.numel() * tensor.element_size()
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
@@ -133,12 +139,13 @@ class P2P:
         """Blocking receive of the next tensor from rank ``src`` (then emulated link delay)."""
         t0 = time.perf_counter()
         htensor = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(htensor, src, tag=TAG_HEADER)
+        group = self.channels.get((src, self.rank))
+        dist.recv(htensor, src, group=group, tag=TAG_HEADER)
         header = htensor.tolist()
         dtype = _DTYPES[header[0]]
         shape = header[3 : 3 + header[1]]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(out, src, tag=TAG_PAYLOAD)
+        dist.recv(out, src, group=group, tag=TAG_PAYLOAD)
         num_bytes = out.numel() * out.element_size()
         em = self.emulation
         if em is not None and em.limits_links():
@@ -180,6 +187,7 @@ def run_stage(
     device_id: str,
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Run one stage's forward/backward operations of one step; return the sum of the scaled
     micro-batch losses (a 0-dim float64 tensor, 0 except on the last stage).
@@ -187,13 +195,15 @@ def run_stage(
     Each micro-batch loss is ``loss_fn(output, target) * rows / B``: with ``loss_fn`` a mean
     over the micro-batch's samples, gradients accumulate to the gradient of the mean over the
     whole global batch ``B`` (the group contributes its rows; groups are summed afterwards).
-    Gradients accumulate into ``.grad`` of the stage's parameters.
+    Gradients accumulate into ``.grad`` of the stage's parameters; ``before_last_backward``
+    is called right before the last backward (to start gradient all-reduces during it).
     """
     first = prev_rank is None
     last = next_rank is None
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for op, i in ops:
+    last_backward = max((n for n, (op, _) in enumerate(ops) if op == "B"), default=-1)
+    for n, (op, i) in enumerate(ops):
         start, end = microbatches[i]
         if op == "F":
             if first:
@@ -214,8 +224,9 @@ def run_stage(
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
             dt = time.perf_counter() - t0
-            timers.emulated_compute_s += slow_down(emulation, device_id, dt)
-            timers.forward_time_s += time.perf_counter() - t0
+            slept = slow_down(emulation, device_id, dt, microbatch=True)
+            timers.emulated_compute_s += slept
+            timers.forward_time_s += dt + slept
             if last:
                 loss_sum += y.detach().to(torch.float64)
             else:
@@ -226,14 +237,17 @@ def run_stage(
             grad = None
             if not last and (y.is_floating_point() or y.is_complex()):
                 grad = p2p.recv(next_rank)
+            if n == last_backward and before_last_backward is not None:
+                before_last_backward()
             _sync(device)
             t0 = time.perf_counter()
             if y.requires_grad and (last or grad is not None):
                 torch.autograd.backward(y, grad)
             _sync(device)
             dt = time.perf_counter() - t0
-            timers.emulated_compute_s += slow_down(emulation, device_id, dt)
-            timers.backward_time_s += time.perf_counter() - t0
+            slept = slow_down(emulation, device_id, dt)
+            timers.emulated_compute_s += slept
+            timers.backward_time_s += dt + slept
             if not first and x.requires_grad:
                 gx = x.grad if x.grad is not None else torch.zeros_like(x)
                 p2p.send(gx, prev_rank)

@@ -68,6 +68,14 @@ def _child(
     os._exit(0)
 
 
+def _warm_imports() -> None:
+    """Import in the parent what every rank would otherwise import by itself after the fork
+    (``torch.optim.AdamW`` pulls in ``torch._dynamo``: seconds per process on a busy box)."""
+    import torch
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], foreach=False)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -92,6 +100,7 @@ def run_ranks(
     Raises:
         RankFailure: a rank raised, exited without a result, or the run timed out.
     """
+    _warm_imports()
     tmp = Path(tmp_path)
     tmp.mkdir(parents=True, exist_ok=True)
     rdzv = tmp / "rdzv"

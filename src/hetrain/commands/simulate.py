@@ -1,0 +1,196 @@
+"""Body of ``hetrain simulate`` (SPEC §7): run a policy over a trace for N slots.
+
+Never imports torch (tested). Bad input of any kind raises :class:`~hetrain.errors.InputError`
+(one line, exit 2): unreadable or invalid files, a trace naming unknown devices, negative speeds
+or slots out of order (:func:`hetrain.trace.load_trace`), an unknown policy, ``--V`` not > 0,
+``--slots`` < 1, a model that fits on no arrangement of the devices, or a budget below the
+cheapest plan's cost (the message states the minimum feasible budget).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
+from hetrain.errors import InputError, NoFeasiblePlanError
+from hetrain.profile import ProfileArrays, load_profile
+from hetrain.trace import Trace, TraceTimeline, load_trace
+
+
+def minimum_budget(
+    timeline: TraceTimeline,
+    profile: ProfileArrays,
+    config,
+    resource: str,
+    slots: int,
+    samples: int = 8,
+) -> float:
+    """The least long-run average cost per iteration of ``resource`` any policy can reach on
+    this trace, estimated as the mean over ``samples`` evenly spaced slots of the cheapest plan's
+    cost in that slot's state (the planner with ``V → 0``: minimise ``y_j`` alone).
+
+    Raises:
+        NoFeasiblePlanError: some sampled slot has no feasible plan.
+    """
+    from hetrain.planner import best_plan
+
+    picks = np.unique(np.linspace(0, max(slots - 1, 0), num=min(samples, slots)).astype(int))
+    rate_of = {"money": "price_per_s", "energy": "power_w"}[resource]
+    costs: list[float] = []
+    seen: dict[bytes, float] = {}
+    for t in picks:
+        state = timeline.state_at(int(t))
+        if not state.available.any():
+            continue
+        key = b"".join(
+            np.ascontiguousarray(a).tobytes()
+            for a in (state.available, state.speed_flops, state.nic_bytes_per_s,
+                      getattr(state, rate_of))
+        )  # fmt: skip
+        if key not in seen:
+            rate = float(np.sum(getattr(state, rate_of)[state.available]))
+            if rate <= 0:
+                seen[key] = 0.0
+            else:
+                # V -> 0: minimise y_j alone (V·T is 1e-9 of any plan's y_j <= T·rate)
+                cheap = best_plan(state, profile, config, v=1e-9 * rate, queues={resource: 1.0})
+                seen[key] = float((cheap.cost or {})[resource])
+        costs.append(seen[key])
+    return float(np.mean(costs)) if costs else 0.0
+
+
+def run_simulate(
+    *,
+    cluster: Path,
+    model: Path,
+    batch: int,
+    trace: Path | None,
+    slots: int,
+    policy: str,
+    v: float,
+    budgets: Mapping[str, float],
+    optimizer_state_factor: float,
+    csv_out: Path | None,
+    json_out: bool,
+    plan: Path | None = None,
+) -> int:
+    """Run ``hetrain simulate``; print the SPEC §7 summary (``--json``) or a short report.
+
+    Returns:
+        0 on success.
+
+    Raises:
+        InputError: any bad input (see module docstring).
+    """
+    from hetrain.control import POLICY_NAMES, make_policy
+    from hetrain.costmodel import TrainingConfig
+    from hetrain.sim.simulator import simulate
+
+    spec: ClusterSpec = load_cluster(cluster)
+    profile = load_profile(model).arrays()
+    if batch < 1:
+        raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
+    if slots < 1:
+        raise InputError("--slots", "", f"expected an integer >= 1, got {slots}")
+    if policy not in POLICY_NAMES and plan is None:
+        raise InputError(
+            "--policy", "", f"expected one of {', '.join(POLICY_NAMES)}, got {policy!r}"
+        )
+    if not (math.isfinite(v) and v > 0):
+        raise InputError("--V", "", f"expected a finite number > 0, got {v}")
+    if not (math.isfinite(optimizer_state_factor) and optimizer_state_factor >= 0):
+        raise InputError(
+            "--optimizer-state-factor",
+            "",
+            f"expected a finite number >= 0, got {optimizer_state_factor}",
+        )
+    for name, value in budgets.items():
+        if value <= 0:
+            raise InputError("--budget", name, f"expected a number > 0, got {value}")
+    config = TrainingConfig(batch=batch, optimizer_state_factor=optimizer_state_factor)
+    parsed = load_trace(trace, spec) if trace is not None else Trace((), "<no trace>")
+    timeline = parsed.timeline(spec, slots)
+    if not budgets:
+        _check_model_fits(spec.state(), profile, config, str(model))
+    for name, value in budgets.items():
+        try:
+            least = minimum_budget(timeline, profile, config, name, slots)
+        except NoFeasiblePlanError as exc:
+            raise InputError(
+                str(model), "layers",
+                f"expected a model that fits some arrangement of the devices ({exc})",
+            ) from None  # fmt: skip
+        if value < least * (1.0 - 1e-9):
+            raise InputError(
+                "--budget",
+                name,
+                f"expected at least the minimum feasible budget {least:.6g} per iteration "
+                f"(the cheapest plan's {name}, averaged over the trace), got {value:g}",
+            )
+    if plan is not None:
+        from hetrain.control.policies import FixedPlanPolicy
+        from hetrain.plan import load_plan
+
+        fixed = load_plan(plan)
+        fixed.validate_for(spec.ids, profile.num_layers, batch, str(plan))
+        from hetrain.costmodel import evaluate_plan
+
+        ev = evaluate_plan(fixed, spec.state(), profile, config)
+        if not ev.fits:
+            raise InputError(
+                str(plan), "groups", f"device {ev.out_of_memory[0]!r} runs out of memory"
+            )
+        pol = FixedPlanPolicy(fixed)
+    else:
+        pol = make_policy(policy, profile, config, v=v, budgets=budgets or None)
+    result = simulate(pol, timeline, profile, config, slots=slots, budgets=budgets)
+    if csv_out is not None:
+        result.write_csv(csv_out)
+    summary = result.summary()
+    if json_out:
+        print(json.dumps(summary))
+        return 0
+    _print_report(summary, batch)
+    return 0
+
+
+def _check_model_fits(
+    state: ClusterState, profile: ProfileArrays, config, model_source: str
+) -> None:
+    from hetrain.planner import baselines, best_plan
+
+    # a SPEC §6 static plan that fits settles it cheaply; otherwise ask the full search
+    for make in (baselines.dp_even_plan, baselines.pipeline_plan, baselines.static_hybrid_plan):
+        if make(state, profile, config) is not None:
+            return
+    try:
+        best_plan(state, profile, config)
+    except NoFeasiblePlanError as exc:
+        raise InputError(
+            model_source,
+            "layers",
+            f"expected a model that fits some arrangement of the devices ({exc})",
+        ) from None
+
+
+def _print_report(summary: dict, batch: int) -> None:
+    t = summary["mean_iteration_time_s"]
+    lb = summary["mean_lower_bound_s"]
+    print(f"policy {summary['policy']}, {summary['slots']} slots, batch B = {batch}")
+    if t is None:
+        print("infeasible: no slot had a plan that fits")
+        return
+    ratio = t / lb if lb else math.inf
+    print(f"mean iteration time {t:.6g} s  (lower bound {lb:.6g} s, ratio {ratio:.3f})")
+    cost = summary["mean_cost"]
+    line = f"mean cost per iteration: money {cost['money']:.6g}, energy {cost['energy']:.6g} J"
+    print(line)
+    for name, budget in summary["budgets"].items():
+        print(f"budget {name} {budget:.6g} per iteration: mean {cost[name]:.6g} "
+              f"({cost[name] / budget:.3f} of budget)")  # fmt: skip
+    print(f"plan changes {summary['plan_changes']}, infeasible slots {summary['infeasible_slots']}")

@@ -1,0 +1,205 @@
+"""Body of ``hetrain train``: validate in the parent, launch the ranks, print the report.
+
+Everything that can be wrong with the input (plan, world size, files, ``--slowdown``) is checked
+here before any process starts (:func:`hetrain.runtime.api.build_job`): one line, exit 2.
+A failed rank exits 1 with one line naming the rank and the cause. Under ``torchrun`` (the
+environment has ``TORCHELASTIC_RUN_ID`` and ``RANK``) this process *is* a rank and trains
+directly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hetrain.errors import InputError
+
+DEMO_SLOWDOWN_FACTOR = 3.0
+
+
+def demo_trace_rows(devices: list[str], steps: int) -> list:
+    """The default dynamics of an example run (``--demo-slowdown``, on unless a plan, trace,
+    slow-down or cluster is given): device ``w1`` computes 3x slower from step ``steps // 3``
+    on (SPEC §7 trace row ``slot=steps//3, device=w1, speed_factor=1/3``)."""
+    from hetrain.trace import TraceRow
+
+    if len(devices) < 2:
+        return []
+    return [TraceRow(slot=steps // 3, device=devices[1], speed_factor=1.0 / DEMO_SLOWDOWN_FACTOR)]
+
+
+def _task(example: str, model: str | None, data: Path | None):
+    from hetrain.runtime.api import task_from_factory
+    from hetrain.runtime.data import charlm_task, example_task
+
+    if model is not None:
+        if data is not None:
+            raise InputError("--data", "", "not used with --model (the factory loads its data)")
+        return task_from_factory(model)
+    if data is not None:
+        if example != "charlm":
+            raise InputError("--data", "", "a text file is only used by --example charlm")
+        if not data.is_file():
+            raise InputError(str(data), "", "file not found")
+        try:
+            text = data.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(str(data), "", f"cannot read text ({type(exc).__name__})") from None
+        return charlm_task(text=text)
+    return example_task(example)
+
+
+def run_train(
+    *,
+    example: str = "charlm",
+    workers: int | None = None,
+    steps: int | None = None,
+    plan: Path | None = None,
+    seed: int = 0,
+    batch: int | None = None,
+    lr: float | None = None,
+    optimizer: str | None = None,
+    dtype: str = "float32",
+    slowdown: list[str] | None = None,
+    trace: Path | None = None,
+    cluster: Path | None = None,
+    metrics_out: Path | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int = 0,
+    max_restarts: int = 0,
+    hang_timeout_s: float | None = None,
+    model: str | None = None,
+    data: Path | None = None,
+    schedule: str | None = None,
+    microbatch_size: int | None = None,
+    grad_clip_norm: float | None = None,
+    bf16: bool = False,
+    lr_schedule: str = "cosine",
+    warmup_steps: int | None = None,
+    weight_decay: float | None = None,
+    momentum: float = 0.0,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    run_dir: Path | None = None,
+    out: Path | None = None,
+    demo_slowdown: bool = True,
+    report: bool = True,
+    progress: bool = True,
+    json_out: bool = False,
+) -> int:
+    """Run ``hetrain train``; returns the exit status (0 ok, 1 a rank failed, 2 bad input is
+    raised as :class:`InputError`)."""
+    from hetrain.runtime.api import build_job, run_job
+    from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
+
+    task = _task(example, model, data)
+    name = task.name if model is None else "model"
+    run_dir = run_dir or Path("runs") / name
+    metrics_out = metrics_out or run_dir / "metrics.jsonl"
+    options: dict[str, Any] = dict(
+        steps=steps,
+        batch=batch,
+        seed=seed,
+        lr=lr,
+        optimizer=optimizer,
+        dtype=dtype,
+        bf16=bf16,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        schedule=schedule,
+        plan=plan,
+        microbatch_size=microbatch_size,
+        cluster=cluster,
+        slowdown=slowdown,
+        trace=trace,
+        metrics_out=metrics_out,
+        run_dir=run_dir,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        out=out,
+        hang_timeout_s=hang_timeout_s,
+    )
+    if grad_clip_norm is not None:
+        options["grad_clip_norm"] = grad_clip_norm
+
+    if under_torchrun():
+        # this process is one rank of a torchrun job: devices are the plan's (plan order) or
+        # w0..w{W-1}; validation runs on every rank (same inputs, same answer, no hang)
+        from hetrain.plan import load_plan
+        from hetrain.runtime.worker_main import run_worker
+
+        rank, world = torchrun_world()
+        devices = load_plan(plan).devices if plan is not None else [f"w{i}" for i in range(world)]
+        if len(devices) != world:
+            raise InputError(
+                str(plan),
+                "groups[].devices",
+                f"expected {world} devices (torchrun world size), the plan names {len(devices)}",
+            )
+        job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
+        summary = run_worker(job)
+        if summary is not None:
+            _print_summary(summary, job, report, json_out)
+        return 0
+
+    job = build_job(task, workers=workers, nnodes=nnodes, progress=progress, **options)
+    if (
+        demo_slowdown
+        and model is None
+        and plan is None
+        and trace is None
+        and not slowdown
+        and cluster is None
+        and len(job.devices) > 1
+    ):
+        job.trace_rows = demo_trace_rows(job.devices, job.steps)
+        print(
+            f"hetrain: demo dynamics: {job.devices[1]} computes {DEMO_SLOWDOWN_FACTOR:g}x slower "
+            f"from step {job.steps // 3} on (--no-demo-slowdown to turn off)",
+            file=sys.stderr,
+        )
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    t0 = time.perf_counter()
+    try:
+        summary = run_job(
+            job,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint,
+            run_id=rdzv_id,
+            max_restarts=max_restarts,
+        )
+    except LaunchError as exc:
+        print(f"hetrain: error: {exc}", file=sys.stderr)
+        return 1
+    if summary:
+        summary["launch_wall_time_s"] = time.perf_counter() - t0
+        _print_summary(summary, job, report, json_out)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -> None:
+    files: list[str] = []
+    if report and job.metrics_out and job.run_dir:
+        from hetrain.report.run_report import write_report
+
+        files = write_report(job.metrics_out, job.run_dir)["files"]
+        summary["report_files"] = files
+    if json_out:
+        print(json.dumps(summary, default=str))
+        return
+    wall = summary.get("launch_wall_time_s", summary.get("wall_time_s", 0.0))
+    print(
+        f"trained {summary['steps']} steps on {len(job.devices)} ranks in {wall:.1f}s; "
+        f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
+    )
+    print(f"quality: {summary['quality']}")
+    print(f"metrics: {job.metrics_out}; model state_dict: {summary.get('model_path')}")
+    if files:
+        print("report: " + ", ".join(files))

@@ -1,0 +1,465 @@
+"""``hetrain.train``: train your own chain model on your own data with hetrain's runtime.
+
+Example::
+
+    import torch, hetrain
+    from torch import nn
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 3))
+    x, y = torch.randn(1000, 20), torch.randint(0, 3, (1000,))
+    result = hetrain.train(model=model, dataset=(x, y), loss_fn=nn.functional.cross_entropy,
+                           workers=3, steps=100, batch=48, slowdown={"w1": 3.0})
+    # model now holds the trained weights; result["model_path"] is a plain state_dict file
+
+All validation of a run's configuration lives here (:func:`build_job`), used by the CLI too:
+bad values raise :class:`~hetrain.errors.InputError` before any process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
+from hetrain.errors import InputError
+from hetrain.plan import Plan, load_plan, plan_from_dict
+from hetrain.runtime.data import Task, as_chain, as_source
+from hetrain.runtime.launch import launch
+from hetrain.runtime.worker_main import DTYPES, TrainJob, local_cluster_spec
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def parse_slowdown(items: Sequence[str] | Mapping[str, float] | None, devices: Sequence[str]):
+    """``["w1=3", ...]`` (or a mapping) -> ``{"w1": 3.0}``.
+
+    Raises:
+        InputError: not ``DEVICE=FACTOR``, a device that is not one of ``devices``, or a factor
+            that is not a finite number >= 1.
+    """
+    out: dict[str, float] = {}
+    if items is None:
+        return out
+    pairs = items.items() if isinstance(items, Mapping) else [_split(i) for i in items]
+    for device, value in pairs:
+        if device not in devices:
+            raise InputError(
+                "--slowdown",
+                str(device),
+                f"expected a device of this run ({', '.join(devices)}), got {device!r}",
+            )
+        try:
+            factor = float(value)
+        except (TypeError, ValueError):
+            raise InputError(
+                "--slowdown", str(device), f"expected a number, got {value!r}"
+            ) from None
+        if not (math.isfinite(factor) and factor >= 1.0):
+            raise InputError(
+                "--slowdown", str(device), f"expected a finite factor >= 1, got {value}"
+            )
+        out[str(device)] = factor
+    return out
+
+
+def _split(item: str) -> tuple[str, str]:
+    device, sep, value = str(item).partition("=")
+    if not sep or not device.strip():
+        raise InputError("--slowdown", str(item), "expected DEVICE=FACTOR, e.g. w1=3")
+    return device.strip(), value.strip()
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(name, "", f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _finite(name: str, value: Any, *, minimum: float = 0.0, strict: bool = True) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InputError(name, "", f"expected a number, got {value!r}") from None
+    if not math.isfinite(v) or v < minimum or (strict and v == minimum):
+        bound = ">" if strict else ">="
+        raise InputError(name, "", f"expected a finite number {bound} {minimum:g}, got {value}")
+    return v
+
+
+def load_model_factory(spec: str) -> Callable[[], Any]:
+    """Import ``"pkg.module:factory"``.
+
+    Raises:
+        InputError: malformed spec, module not importable, or no such callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InputError("--model", spec, "expected pkg.module:factory")
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current folder
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InputError("--model", spec, f"cannot import {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise InputError("--model", spec, f"expected a callable {attr!r} in {module_name}")
+    return factory
+
+
+def task_from_objects(
+    model: nn.Module | Sequence[nn.Module],
+    dataset: Any,
+    loss_fn: Callable | None,
+    *,
+    val_dataset: Any = None,
+    evaluate: Callable | None = None,
+    name: str = "model",
+) -> Task:
+    """A :class:`Task` for a user's chain and data. Every rank deep-copies ``model`` (ranks are
+    forked, so all start from its current weights). Without ``evaluate``, the validation
+    quality is the mean ``loss_fn`` over ``val_dataset``.
+
+    Raises:
+        InputError: not a chain, bad data set, or no loss function.
+    """
+    chain = as_chain(model, name)
+    train = as_source(dataset, "dataset")
+    val = as_source(val_dataset, "val_dataset") if val_dataset is not None else None
+    if not callable(loss_fn):
+        raise InputError("loss_fn", "", "expected a callable (outputs, targets) -> mean loss")
+
+    def build() -> nn.Sequential:
+        return copy.deepcopy(chain)
+
+    def default_eval(m: nn.Module, dtype: torch.dtype) -> dict[str, float]:
+        from hetrain.runtime.data import _mean_loss
+
+        return {"val_loss": _mean_loss(m, loss_fn, val, 256, len(val), dtype)}
+
+    return Task(
+        name=name,
+        build_model=build,
+        train=train,
+        val=val,
+        loss_fn=loss_fn,
+        evaluate=evaluate or (default_eval if val is not None else None),
+        quality_metric="val_loss" if evaluate is None and val is not None else None,
+    )
+
+
+def task_from_factory(spec: str) -> Task:
+    """The task of ``--model pkg.module:factory``: the factory returns a :class:`Task`, or a
+    mapping with ``model`` (chain or list of blocks), ``dataset`` and ``loss_fn`` (optional
+    ``val_dataset``, ``evaluate``).
+
+    Raises:
+        InputError: the factory fails or returns something else.
+    """
+    factory = load_model_factory(spec)
+    try:
+        made = factory()
+    except Exception as exc:  # the user's code: report it in one line
+        raise InputError("--model", spec, f"factory raised {type(exc).__name__}: {exc}") from None
+    if isinstance(made, Task):
+        return made
+    if isinstance(made, Mapping) and {"model", "dataset", "loss_fn"} <= set(made):
+        return task_from_objects(
+            made["model"],
+            made["dataset"],
+            made["loss_fn"],
+            val_dataset=made.get("val_dataset"),
+            evaluate=made.get("evaluate"),
+            name=spec,
+        )
+    raise InputError(
+        "--model", spec, "expected the factory to return a Task or {'model', 'dataset', 'loss_fn'}"
+    )
+
+
+def build_job(
+    task: Task,
+    *,
+    workers: int | None = None,
+    nnodes: int = 1,
+    steps: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    lr: float | None = None,
+    optimizer: str | None = None,
+    weight_decay: float | None = None,
+    momentum: float = 0.0,
+    warmup_steps: int | None = None,
+    lr_schedule: str = "cosine",
+    grad_clip_norm: float | None | str = "default",
+    dtype: str = "float32",
+    bf16: bool = False,
+    schedule: str | None = None,
+    plan: Plan | str | Path | dict | None = None,
+    adaptive: bool | None = None,
+    microbatch_size: int | None = None,
+    cluster: ClusterSpec | str | Path | dict | None = None,
+    slowdown: Sequence[str] | Mapping[str, float] | None = None,
+    trace: str | Path | None = None,
+    metrics_out: str | Path | None = None,
+    run_dir: str | Path | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    out: str | Path | None = None,
+    progress: bool = False,
+    devices: Sequence[str] | None = None,
+    hang_timeout_s: float | None = None,
+) -> TrainJob:
+    """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
+
+    Devices: the ids of ``cluster`` when given (its size is the world size), else the plan's
+    devices in plan order when running under torchrun with a plan (``devices`` given by the
+    caller), else ``w0 … w{N-1}`` for ``N = workers * nnodes``.
+
+    Raises:
+        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
+            BatchNorm or dropout (results would depend on the plan), a plan naming
+            unknown devices, not covering the layers, not matching the world size or ``batch``,
+            bad ``--slowdown``, unreadable trace/cluster/plan files.
+    """
+    d = task.defaults
+    nnodes = _positive_int("--nnodes", nnodes)
+    steps = _positive_int("--steps", steps if steps is not None else d.get("steps", 100))
+    lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
+    optimizer = optimizer or d.get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:
+        raise InputError("--optimizer", "", f"expected sgd or adamw, got {optimizer!r}")
+    if dtype not in DTYPES:
+        raise InputError("--dtype", "", f"expected float32 or float64, got {dtype!r}")
+    if schedule not in (None, "1f1b", "gpipe"):
+        raise InputError("--schedule", "", f"expected 1f1b or gpipe, got {schedule!r}")
+    if lr_schedule not in ("cosine", "constant"):
+        raise InputError("lr_schedule", "", f"expected cosine or constant, got {lr_schedule!r}")
+    checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
+    if checkpoint_every > 0 and checkpoint_dir is None:
+        raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
+    if hang_timeout_s is not None:
+        hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
+    if grad_clip_norm == "default":
+        grad_clip_norm = d.get("grad_clip_norm")
+    if grad_clip_norm is not None:
+        grad_clip_norm = _finite("--grad-clip-norm", grad_clip_norm)
+    weight_decay = _finite(
+        "--weight-decay",
+        weight_decay if weight_decay is not None else d.get("weight_decay", 0.0),
+        strict=False,
+    )
+    momentum = _finite("--momentum", momentum, strict=False)
+    warmup_steps = _positive_int(
+        "--warmup-steps", warmup_steps if warmup_steps is not None else d.get("warmup_steps", 0), 0
+    )
+
+    # ---- devices and world size ----
+    cluster_spec: ClusterSpec | None = None
+    if cluster is not None:
+        if isinstance(cluster, ClusterSpec):
+            cluster_spec = cluster
+        elif isinstance(cluster, dict):
+            cluster_spec = cluster_from_dict(cluster, "cluster")
+        else:
+            cluster_spec = load_cluster(cluster)
+    plan_obj: Plan | None = None
+    plan_source = "--plan"
+    if isinstance(plan, Plan):
+        plan_obj = plan
+    elif isinstance(plan, dict):
+        plan_obj = plan_from_dict(plan, "plan")
+    elif plan is not None:
+        plan_source = str(plan)
+        plan_obj = load_plan(plan)
+    if devices is not None:
+        device_ids = list(devices)
+    elif cluster_spec is not None:
+        device_ids = list(cluster_spec.ids)
+        if workers is not None and workers * nnodes != len(device_ids):
+            raise InputError(
+                "--workers",
+                "",
+                f"expected {len(device_ids)} ranks, one per device of the cluster file, "
+                f"got {workers * nnodes}",
+            )
+    else:
+        n = _positive_int("--workers", workers if workers is not None else 4) * nnodes
+        device_ids = [f"w{i}" for i in range(n)]
+
+    torch.manual_seed(seed)
+    chain = task.build_model()
+    num_layers = len(chain)
+    from hetrain.runtime.engine import check_exact_layers
+
+    try:  # BatchNorm / dropout: refused before any process starts
+        check_exact_layers(chain)
+    except ValueError as exc:
+        raise InputError(task.name, "model", str(exc)) from None
+    if plan_obj is not None:
+        if batch is None:
+            batch = plan_obj.global_batch
+        plan_obj.validate_for(device_ids, num_layers, batch, plan_source)
+        if set(plan_obj.devices) != set(device_ids):
+            missing = [x for x in device_ids if x not in plan_obj.devices]
+            raise InputError(
+                plan_source,
+                "groups[].devices",
+                f"expected the plan to name every rank's device (world size {len(device_ids)}: "
+                f"{', '.join(device_ids)}); missing {', '.join(missing)}",
+            )
+    batch = _positive_int("--batch", batch if batch is not None else d.get("batch", 32))
+    if plan_obj is not None and plan_obj.global_batch == 0:
+        raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
+    microbatch_size = _positive_int(
+        "--microbatch-size",
+        microbatch_size if microbatch_size is not None else d.get("microbatch_size", 8),
+    )
+    slow = parse_slowdown(slowdown, device_ids)
+    trace_rows = None
+    if trace is not None:
+        from hetrain.trace import load_trace
+
+        spec = cluster_spec or local_cluster_spec(device_ids)
+        trace_rows = list(load_trace(trace, spec).rows)
+    if adaptive is None:
+        adaptive = plan_obj is None
+    return TrainJob(
+        task=task,
+        devices=device_ids,
+        steps=steps,
+        batch=batch,
+        seed=seed,
+        optimizer=optimizer,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        warmup_steps=warmup_steps,
+        lr_schedule=lr_schedule,
+        grad_clip_norm=grad_clip_norm,
+        dtype=dtype,
+        bf16=bf16,
+        schedule=schedule,
+        plan=plan_obj.to_json_dict() if plan_obj is not None else None,
+        adaptive=bool(adaptive) and len(device_ids) > 1,
+        microbatch_size=microbatch_size,
+        cluster=cluster_spec.model_dump(mode="json") if cluster_spec is not None else None,
+        slowdown=slow,
+        trace_rows=trace_rows,
+        metrics_out=str(metrics_out) if metrics_out is not None else None,
+        run_dir=str(run_dir) if run_dir is not None else None,
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir is not None else None,
+        checkpoint_every=checkpoint_every,
+        out=str(out) if out is not None else None,
+        progress=progress,
+        example=task.name,
+        hang_timeout_s=hang_timeout_s,
+    )
+
+
+def train(
+    model: nn.Module | Sequence[nn.Module],
+    dataset: Any,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    val_dataset: Any = None,
+    evaluate: Callable[[nn.Module, torch.dtype], dict[str, float]] | None = None,
+    cluster: ClusterSpec | str | Path | dict | None = None,
+    workers: int | None = None,
+    steps: int = 100,
+    batch: int = 32,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    run_dir: str | Path | None = None,
+    load_into_model: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
+    """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
+    ``dataset`` with hetrain's runtime on local worker processes, adapting the plan online.
+
+    Args:
+        model: the chain; its current weights are the starting point on every rank.
+        dataset: ``(inputs, targets)`` tensors ``(N, ...)``, a ``TensorDataset``, or any
+            map-style data set of ``(input, target)`` pairs.
+        loss_fn: ``(outputs, targets) -> scalar`` mean over the samples given.
+        val_dataset / evaluate: validation data, and optionally ``(model, dtype) -> {metric:
+            value}``; the default reports the mean ``loss_fn`` on ``val_dataset``.
+        cluster: a cluster file (path/dict/ClusterSpec) whose devices the local ranks emulate
+            (relative speeds by sleeping, links), one rank per device.
+        workers: local ranks ``w0 … w{N-1}`` without ``cluster`` (default 4).
+        steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
+        run_dir: folder for metrics, report and the exported ``state_dict`` (default
+            ``./runs/<name>``).
+        load_into_model: load the trained weights into ``model`` (it must be an
+            ``nn.Sequential``) when done.
+        **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
+            ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
+            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``, ...).
+
+    Returns:
+        rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,
+        ``wall_time_s``, ``model_path``, ``metrics_path``.
+
+    Raises:
+        InputError: bad configuration (before any process starts).
+        hetrain.runtime.launch.LaunchError: a rank failed.
+    """
+    task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
+    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
+    options.setdefault("metrics_out", run_dir / "metrics.jsonl")
+    options.setdefault("grad_clip_norm", None)
+    job = build_job(
+        task,
+        workers=workers,
+        cluster=cluster,
+        steps=steps,
+        batch=batch,
+        optimizer=optimizer,
+        lr=lr,
+        run_dir=run_dir,
+        **options,
+    )
+    summary = run_job(job)
+    if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
+        state = torch.load(summary["model_path"], weights_only=True)
+        model.load_state_dict(
+            {k: v.to(dtype=model.state_dict()[k].dtype) for k, v in state.items()}
+        )
+    return summary
+
+
+def run_job(
+    job: TrainJob,
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+) -> dict[str, Any]:
+    """Launch ``job`` (``len(job.devices) / nnodes`` ranks on this node) and return rank 0's
+    summary (with ``metrics_path``); ``{}`` on a node without rank 0."""
+    if job.run_dir is not None:
+        Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+    nproc = len(job.devices) // nnodes
+    summary = launch(
+        job,
+        nproc,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        max_restarts=max_restarts,
+    )
+    summary = dict(summary or {})
+    if summary:
+        summary["metrics_path"] = job.metrics_out
+    return summary

@@ -1,0 +1,103 @@
+"""The JSONL metrics file of a training run: one JSON object per line, one line per event.
+
+Every line has ``event`` and ``step`` and ``time_s`` (seconds since the run started).
+
+- ``"step"`` (one per iteration): ``loss`` (mean over the global batch), ``iteration_time_s``
+  (wall time of the iteration on the slowest rank, seconds), ``plan_id`` (integer, grows with
+  each new plan), ``global_batch`` (B), ``shares`` (``b_g`` per group, plan order),
+  ``lr``, ``compute_time_s`` (per rank: measured compute of the rank's stage, emulated
+  slow-down included), ``slowdown`` (per rank: emulated factor in force).
+- ``"plan"``: the plan in force from ``step`` on (``plan``: the SPEC §7 plan object); written at
+  the start and after each change.
+- ``"replan"``: the plan changed before ``step``: ``plan_id``, ``old_plan_id``, ``reason``,
+  ``predicted_time_s``/``current_time_s`` (cost-model estimates on the measured speeds),
+  ``migration_time_s`` (measured time of ``apply_plan``), ``structure_changed``.
+- ``"checkpoint"``: ``path`` of the checkpoint written after ``step`` steps.
+- ``"restart"``: the run resumed from the checkpoint ``path`` at ``step``.
+- ``"timeline"``: ``groups``, per group per stage the measured ``(kind, microbatch, start_s,
+  end_s)`` events of one iteration (from the engine's measurements), for the report.
+- ``"end"``: final ``metrics`` (validation quality) and ``wall_time_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS = ("step", "plan", "replan", "checkpoint", "restart", "timeline", "end")
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become None, tuples lists, numpy scalars floats."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Append events to a JSONL file (flushed per line so a crash loses nothing written).
+
+    Args:
+        path: the file; its parent folder is created. ``None`` = keep events in memory only.
+        append: keep existing lines (a resumed run continues the same file).
+    """
+
+    def __init__(self, path: str | Path | None, *, append: bool = False) -> None:
+        self.path = Path(path) if path is not None else None
+        self.start_time = time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+        self._fh = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, event: str, step: int, **fields: Any) -> dict[str, Any]:
+        """Write one event line; returns the record.
+
+        Raises:
+            ValueError: unknown ``event``.
+        """
+        if event not in EVENTS:
+            raise ValueError(f"event: expected one of {EVENTS}, got {event!r}")
+        record = {"event": event, "step": int(step)}
+        record["time_s"] = round(time.perf_counter() - self.start_time, 6)
+        record.update(_clean(fields))
+        self.events.append(record)
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        return record
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All events of a metrics file, in order (a torn last line is skipped)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

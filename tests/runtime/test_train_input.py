@@ -1,0 +1,128 @@
+"""Bad input to ``hetrain train``: exit 2, one line, before any process starts (no hang)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetrain.cli import main
+
+
+def _plan(tmp_path, groups, name="plan.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps({"groups": groups}))
+    return str(path)
+
+
+def _run(capsys, *args):
+    code = main(["train", "--example", "digits", "--steps", "2", "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+DP2 = [
+    {"devices": ["w0"], "stages": [[0, 6]], "microbatch_size": 8, "batch": 16},
+    {"devices": ["w1"], "stages": [[0, 6]], "microbatch_size": 8, "batch": 16},
+]
+
+
+@pytest.mark.parametrize(
+    ("groups", "workers", "needle"),
+    [
+        # unknown device
+        (
+            [
+                {
+                    "devices": ["w0", "gpu7"],
+                    "stages": [[0, 3], [3, 6]],
+                    "microbatch_size": 4,
+                    "batch": 32,
+                }
+            ],
+            "2",
+            "gpu7",
+        ),
+        # stages do not cover the 6 layers of digits_cnn
+        (
+            [
+                {
+                    "devices": ["w0", "w1"],
+                    "stages": [[0, 2], [2, 5]],
+                    "microbatch_size": 4,
+                    "batch": 32,
+                }
+            ],
+            "2",
+            "covering layers [0, 6)",
+        ),
+        # world size 3 but the plan names 2 devices
+        (DP2, "3", "world size 3"),
+    ],
+)
+def test_bad_plan_exits_2_with_one_line(tmp_path, capsys, groups, workers, needle):
+    code, err = _run(capsys, "--workers", workers, "--plan", _plan(tmp_path, groups))
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("hetrain: error:")
+    assert needle in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
+    code, err = _run(capsys, "--workers", "2", "--batch", "40", "--plan", _plan(tmp_path, DP2))
+    assert code == 2 and "summing to the global batch 40" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--example", "charlm", "--data", "missing.txt"], "missing.txt: file not found"),
+        (["--plan", "nope.json"], "nope.json: file not found"),
+        (["--trace", "nope.csv"], "nope.csv: file not found"),
+        (["--cluster", "nope.yaml"], "nope.yaml: file not found"),
+        (["--slowdown", "w9=2"], "--slowdown: w9: expected a device of this run"),
+        (["--slowdown", "w1=abc"], "expected a number"),
+        (["--slowdown", "w1=0.5"], "expected a finite factor >= 1"),
+        (["--slowdown", "w1"], "expected DEVICE=FACTOR"),
+        (["--optimizer", "lamb"], "expected sgd or adamw"),
+        (["--dtype", "int8"], "expected float32 or float64"),
+        (["--checkpoint-every", "5"], "expected --checkpoint-dir"),
+        (["--example", "mnist"], "expected one of charlm, digits"),
+        (["--model", "no_such_module_xyz:make"], "cannot import"),
+    ],
+)
+def test_bad_options_exit_2(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run(capsys, "--workers", "2", *args)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1
+    assert needle in err
+
+
+def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("slot,device,speed_factor\n3,w5,0.5\n")
+    code, err = _run(capsys, "--workers", "2", "--trace", str(trace))
+    assert code == 2 and "w5" in err
+
+
+def test_batchnorm_model_is_refused_before_launch(tmp_path):
+    import torch
+    from torch import nn
+
+    import hetrain
+    from hetrain.errors import InputError
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    data = (torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    with pytest.raises(InputError, match="BatchNorm"):
+        hetrain.train(
+            model=model,
+            dataset=data,
+            loss_fn=nn.functional.cross_entropy,
+            workers=2,
+            steps=2,
+            batch=8,
+            run_dir=tmp_path / "run",
+        )
+    assert not (tmp_path / "run").exists()
