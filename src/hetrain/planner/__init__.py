@@ -45,7 +45,7 @@ STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this
 POLISH_MAX_SOLVES_PER_DEVICE = 40
 POLISH_TIME_FRACTION = 0.25
 POLISH_SMALL_DEVICES = 12
-POLISH_SMALL_CPU_S = 1.5
+POLISH_SMALL_CPU_S = 1.0
 
 
 def warm_structure(

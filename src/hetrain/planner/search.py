@@ -1049,6 +1049,13 @@ def local_search(
             groups = [tuple(int(x) for x in g) for g in current.groups]
             used = {d for g in groups for d in g}
             unused = [int(d) for d in ctx.available if int(d) not in used]
+            # μ moves: the same structure with each group's μ ± 1 among its candidates
+            for step in (-1, 1):
+                mus = [max(1, int(m) + step) for m in current.microbatch_sizes]
+                solves += 1
+                cand = solve_structure(ctx, groups, current, extra_mus=mus)
+                if cand is not current and cand.objective < current.objective * (1 - 1e-9):
+                    current = cand
             for trial in _structure_moves(ctx, groups, unused):
                 key = tuple(sorted(trial))
                 if key in seen:
