@@ -72,3 +72,50 @@ def test_train_resumes_after_a_rank_is_killed(tmp_path):
     after = [e["step"] for e in events[events.index(restarts[0]) :] if e["event"] == "step"]
     assert after == list(range(resumed, STEPS))
     assert events[-1]["event"] == "end"
+
+
+def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = (
+        str(Path(__file__).resolve().parents[2] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "hetrain", "train", "--example", "digits", "--workers", "2",
+         "--steps", "2", "--no-report", "--run-dir", str(cwd / "run"), *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+def test_bad_checkpoint_dir_is_bad_input_before_any_rank_starts(tmp_path):
+    """A file as --checkpoint-dir, a checkpoint of another model, or a corrupted one: exit 2 and
+    one line naming it (not a rank failing with a traceback)."""
+    import torch
+
+    from hetrain.runtime import checkpoint as ckpt
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = _train(["--checkpoint-dir", str(afile)], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"hetrain: error: --checkpoint-dir: expected a folder, got a file: {afile}"
+    ]
+
+    other = tmp_path / "other"
+    plan = {"groups": [{"devices": ["w0"], "stages": [[0, 1]], "microbatch_size": 1, "batch": 1}]}
+    path = ckpt.save(
+        other, 4, {"layers.0.weight": torch.ones(3)},
+        {"data_position": 4, "plan": plan, "model_fingerprint": "0123456789abcdef"},
+    )  # fmt: skip
+    proc = _train(["--checkpoint-dir", str(other)], tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"hetrain: error: {path / 'manifest.json'}: model_fingerprint: ")
+    assert "checkpoint of another model" in lines[0]
+
+    data = sorted(path.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:-3])
+    proc = _train(["--checkpoint-dir", str(other)], tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"hetrain: error: {data}: size ") and "corrupted" in lines[0]

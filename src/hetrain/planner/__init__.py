@@ -45,7 +45,7 @@ STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this
 POLISH_MAX_SOLVES_PER_DEVICE = 40
 POLISH_TIME_FRACTION = 0.25
 POLISH_SMALL_DEVICES = 12
-POLISH_SMALL_CPU_S = 1.5
+POLISH_SMALL_CPU_S = 1.0
 
 
 def warm_structure(
@@ -83,6 +83,10 @@ def best_plan(
     available devices (SPEC §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
     filled in by the cost model. Idle groups are left out of the plan.
 
+    Search: the structure family (and the warm start); then every structure when there are at
+    most :data:`STRUCTURES_EXACT_MAX` (≤ 5 devices, any number of layers), else a local-search
+    polish; the brute force on tiny instances; the SPEC §6 baselines (docs/planner.md).
+
     Args:
         v: weight ``V > 0`` of the iteration time.
         queues: virtual queue backlogs ``Q_j`` for ``"money"`` and/or ``"energy"`` (seconds
@@ -92,8 +96,9 @@ def best_plan(
             lost a device re-split), which is cheap; then with its stages re-split. With a
             ``time_budget_s`` the rest of the search stops when the budget is spent, so a
             per-slot re-plan costs about one share solve of the previous structure.
-        time_budget_s: soft wall-clock budget for the pruned search (the warm structure and
-            the first candidate are always solved). ``None``: no limit.
+        time_budget_s: soft wall-clock budget for the search (candidate family, structure
+            enumeration, polish; the warm structure and the first candidate are always
+            solved). ``None``: no limit (the polish still has its own CPU-time budget).
         include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
             better (guarantees the result is never worse than them).
 

@@ -11,14 +11,20 @@ weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of
   for several groups every combination of splits (sync depends on them), each with exact
   integer shares. Pruned with the bound ``(B Σ(f+w) / Σ_{d∈subset} s_d + T_sync) · weight``.
   Exact (the tests compare it with an independent brute force).
+* **Structure enumeration** (:func:`structure_search`, when :func:`structure_count` is small,
+  whatever the number of layers): every subset, grouping and order inside each group, each
+  solved as the pruned search solves one structure; pruned by valid lower bounds
+  (:func:`structure_bound`). Exact over the discrete structure; stages, ``μ`` candidates and
+  the split/sync coupling are solved as below.
 * **Pruned** beyond: a family of topology- and speed-aware structures (pure data parallel;
   one group per node; nodes cut into pipelines of depth 2, 4, 8, ...; pipelines across nodes
-  that line up device j of K nodes; kind-homogeneous pipelines; whole-cluster pipelines; the
-  warm-start structure), splits from the envelope DP cached per group *signature* (speeds,
-  κ, memory, links), shares solved with identical groups merged, idle groups chosen over
-  prefixes of groups ranked by throughput per weight, then ``μ`` refined around the shares.
-  Heuristic; the SPEC §6 baseline plans are evaluated too, so the result is never worse than
-  the best feasible baseline.
+  that line up device j of K nodes; kind-homogeneous pipelines; whole-cluster pipelines in
+  file, speed, memory, slowest-first and node order; the warm-start structure), splits from
+  the envelope DP cached per group *signature* (speeds, κ, memory, links), shares solved with
+  identical groups merged, idle groups chosen over prefixes of groups ranked by throughput per
+  weight, then ``μ`` refined around the shares; then a local-search polish
+  (:func:`local_search`). Heuristic; the SPEC §6 baseline plans are evaluated too, so the
+  result is never worse than the best feasible baseline.
 """
 
 from __future__ import annotations
@@ -1043,6 +1049,13 @@ def local_search(
             groups = [tuple(int(x) for x in g) for g in current.groups]
             used = {d for g in groups for d in g}
             unused = [int(d) for d in ctx.available if int(d) not in used]
+            # μ moves: the same structure with each group's μ ± 1 among its candidates
+            for step in (-1, 1):
+                mus = [max(1, int(m) + step) for m in current.microbatch_sizes]
+                solves += 1
+                cand = solve_structure(ctx, groups, current, extra_mus=mus)
+                if cand is not current and cand.objective < current.objective * (1 - 1e-9):
+                    current = cand
             for trial in _structure_moves(ctx, groups, unused):
                 key = tuple(sorted(trial))
                 if key in seen:
