@@ -13,8 +13,8 @@ from torch.nn import functional as F
 import hetrain
 from hetrain.runtime.metrics import read_metrics
 
-SLOW_STEP = 6
-STEPS = 30
+SLOW_STEP = 10
+STEPS = 50
 BATCH = 384
 EVEN = {
     "groups": [
@@ -39,8 +39,8 @@ def test_slowdown_mid_training_triggers_replan(tmp_path):
     x = torch.randn(2048, 64, generator=g)
     y = (x[:, :4].argmax(dim=1)).long()
     trace = tmp_path / "trace.csv"
-    # from step 6 on, w1 computes 4x slower (SPEC §7 trace, one slot = one step)
-    trace.write_text(f"slot,device,speed_factor\n{SLOW_STEP},w1,0.25\n")
+    # from step SLOW_STEP on, w1 computes 5x slower (SPEC §7 trace, one slot = one step)
+    trace.write_text(f"slot,device,speed_factor\n{SLOW_STEP},w1,0.2\n")
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = hetrain.train(
@@ -66,23 +66,18 @@ def test_slowdown_mid_training_triggers_replan(tmp_path):
     # plan ids only grow
     ids = [e["plan_id"] for e in steps]
     assert ids == sorted(ids)
-    # emulation in force: w1's factor is 4 from the slow step on
+    # emulation in force: w1's factor is 5 from the slow step on
     assert steps[SLOW_STEP - 1]["slowdown"]["w1"] == 1.0
-    assert steps[SLOW_STEP]["slowdown"]["w1"] == 4.0
+    assert steps[SLOW_STEP]["slowdown"]["w1"] == 5.0
     # a re-plan within a few iterations of the slowdown that takes work away from w1
-    share_w1 = {
-        e["step"]: e["shares"][
-            [g["devices"] for g in _plan_at(events, e["step"])["groups"]].index(["w1"])
-        ]
-        for e in steps
-    }
+    share_w1 = {e["step"]: _work_share(_plan_at(events, e["step"]), "w1") for e in steps}
     replans = [r for r in events if r["event"] == "replan" and r["step"] > SLOW_STEP]
     assert replans, "no re-plan after the slowdown"
     # within a few iterations a plan that gives w1 clearly less work (the controller runs in a
     # background thread, so its first answer may still be based on pre-slowdown measurements)
     base = share_w1[SLOW_STEP]
     moved = [r for r in replans if share_w1[r["step"]] < 0.9 * base]
-    assert moved and moved[0]["step"] <= SLOW_STEP + 14, [
+    assert moved and moved[0]["step"] <= SLOW_STEP + 20, [
         (r["step"], share_w1[r["step"]]) for r in replans
     ]
     first = moved[0]
