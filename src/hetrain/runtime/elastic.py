@@ -7,12 +7,13 @@ die. Each round of the rendezvous runs :func:`worker_main` on every member:
 
 1. ``init_process_group`` (gloo, collective timeout = the hang timeout), all-gather the device
    ids of this round (``HETRAIN_DEVICE_ID`` of each agent);
-2. plan for exactly these devices (:func:`plan_for_devices`, deterministic, so every rank gets
-   the same plan); rank 0 gives it the next ``plan_id`` and records the membership change in the
-   metrics JSONL (``{"event": "restart", "plan_id": ..., "lost_devices": [...], ...}``);
+2. rank 0 plans for exactly these devices (:func:`planned_for_devices`) and broadcasts the
+   plan with the next ``plan_id``, and records the membership change in the metrics JSONL
+   (``{"event": "restart", "plan_id": ..., "lost_devices": [...], ...}``);
 3. load the latest valid checkpoint (:mod:`hetrain.runtime.checkpoint_io`) and resume at its
    step: the data order is a pure function of (seed, step), so no sample is skipped and the
-   samples of the steps after that checkpoint are redone (at most ``checkpoint_every - 1``);
+   samples of the steps after that checkpoint are redone (at most ``checkpoint_every``: a kill
+   during a checkpoint write falls back to the previous one);
 4. train, beating a :class:`~hetrain.runtime.watchdog.Watchdog` every step and checkpointing
    every ``checkpoint_every`` steps. After every step the ranks agree (one all-reduce of a flag)
    whether any rank was asked to stop (SIGTERM: a spot warning, or the agent restarting the
@@ -24,11 +25,14 @@ A rank that dies (SIGKILL) breaks the others' collectives; their agents restart 
 joins is admitted by the agents at the next round (torchrun restarts the group when nodes are
 waiting) and used by the plan of that round.
 
-The executor here trains pure data-parallel plans (one device per group, uneven shares
-proportional to speed, gradients summed so the update equals one device's on the whole batch
-``B``) on a small deterministic task, so that restart mechanics are testable independently of
-the hybrid engine; the state-dict keys follow the engine's ``layer_state_dict`` format
-(``layers.{l}.{name}``, ``optim.{l}.{name}.{state}``).
+Each round is planned by :func:`hetrain.planner.best_plan` for its devices (the cluster file
+restricted to them, or equal emulated devices) and run by the engine
+(:class:`hetrain.runtime.engine.Worker`) on a small deterministic regression task, so that the
+restart mechanics are testable in seconds; ``--executor dp`` uses a built-in data-parallel
+executor instead (no planner, no engine). ``hetrain train`` itself runs on these agents too
+(``ElasticController(worker_module="hetrain", worker_args=["train", ...])``): its ranks take
+their device ids from :func:`gather_device_ids`. Checkpoint keys follow the engine's
+``layer_state_dict`` format (``layers.{l}.{name}``, ``optim.{l}.{name}.{state}``).
 """
 
 from __future__ import annotations
