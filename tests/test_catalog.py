@@ -156,3 +156,59 @@ def test_shipped_clusters_load_and_match_the_builder():
     priced = load_cluster(EXAMPLES / "clusters" / "priced8.yaml")
     assert all(d.power_w > 0 and d.price_per_hour > 0 for d in priced.devices)
     assert priced == make_cluster({"A100-40": 2, "V100-16": 2, "K80": 4}, spot=True)
+
+
+def test_pipedream_chain_on_a_small_residual_graph(tmp_path):
+    """No shared data needed: Input -> conv -> relu -> {conv -> add, skip -> add} -> linear."""
+    b = 2  # minibatch: the input is 2 x 3x4x4 fp32 = 384 bytes
+    node = (
+        "node{} -- {} -- forward_compute_time={}, backward_compute_time={}, "
+        "activation_size={}, parameter_size={}"
+    )
+    lines = [
+        node.format(1, "Input", 5.0, 0.0, 384.0, 0.0),
+        node.format(
+            2,
+            "Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))",
+            1.0,
+            2.0,
+            b * 8 * 16 * 4.0,
+            8 * 3 * 9 * 4 + 32.0,
+        ),
+        node.format(3, "ReLU(inplace)", 0.5, 0.5, b * 8 * 16 * 4.0, 0.0),
+        node.format(
+            4,
+            "Conv2d(8, 8, kernel_size=(1, 1), stride=(1, 1), bias=False)",
+            1.0,
+            2.0,
+            b * 8 * 16 * 4.0,
+            8 * 8 * 4.0,
+        ),
+        node.format(5, "Add(inplace)", 0.1, 0.1, b * 8 * 16 * 4.0, 0.0),
+        node.format(6, "View(-1)", 0.0, 0.0, b * 128 * 4.0, 0.0),
+        node.format(
+            7,
+            "Linear(in_features=128, out_features=10, bias=True)",
+            0.2,
+            0.3,
+            b * 10 * 4.0,
+            (1280 + 10) * 4.0,
+        ),
+    ]
+    edges = ["1 -- 2", "2 -- 3", "3 -- 4", "3 -- 5", "4 -- 5", "5 -- 6", "6 -- 7"]
+    text = "\n".join(
+        lines + [f"\tnode{e.split(' -- ')[0]} -- node{e.split(' -- ')[1]}" for e in edges]
+    )
+    path = tmp_path / "toy_graph.txt"
+    path.write_text(text + "\n")
+    chain = pipedream_chain(path, input_bytes_per_sample=3 * 4 * 4 * 4)
+    assert chain.batch_size == b
+    # no cut between the ReLU and the Add (the skip tensor crosses): conv4 + add are one layer
+    assert chain.ops_per_layer == (1, 1, 2, 1, 1)
+    conv1, relu, block, view, fc = chain.profile.layers
+    assert conv1.fwd_flops == 2 * 8 * 16 * 3 * 9 and conv1.bwd_flops == 2 * conv1.fwd_flops
+    assert block.fwd_flops == 2 * 8 * 16 * 8 + 8 * 16  # 1x1 conv + the add
+    assert block.activation_memory_bytes == 2 * 8 * 16 * 4  # both ops' outputs, per sample
+    assert fc.fwd_flops == 2 * 128 * 10 and fc.param_bytes == (1280 + 10) * 4
+    assert view.fwd_flops == 0 and relu.activation_bytes == 8 * 16 * 4
+    assert list(chain.fwd_ms) == [1.0, 0.5, 1.1, 0.0, 0.2]

@@ -18,14 +18,7 @@ def read_structured(path: str | Path) -> Any:
         InputError: the file is missing, unreadable, or not valid JSON/YAML.
     """
     p = Path(path)
-    if not p.exists():
-        raise InputError(str(path), "", "file not found")
-    if p.is_dir():
-        raise InputError(str(path), "", "expected a file, got a directory")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), "", f"cannot read file ({type(exc).__name__})") from None
+    text = read_text(p)
     if p.suffix.lower() == ".json":
         try:
             return json.loads(text, parse_constant=_reject_constant)
@@ -45,6 +38,45 @@ def read_structured(path: str | Path) -> Any:
         raise InputError(str(path), "", "expected valid YAML") from None
 
 
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of an input file.
+
+    Raises:
+        InputError: the file is missing, a directory, unreadable or not UTF-8 text.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InputError(str(path), "", "file not found")
+    if p.is_dir():
+        raise InputError(str(path), "", "expected a file, got a directory")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(str(path), "", "expected a UTF-8 text file") from None
+    except OSError as exc:
+        raise InputError(str(path), "", f"cannot read file ({exc.strerror or exc})") from None
+
+
+def check_output_path(option: str, path: str | Path) -> None:
+    """Fail early, before any work, when ``path`` cannot be written as a file: it is a
+    directory, or its parent exists and is not a directory (missing parents are created by
+    the writers).
+
+    Raises:
+        InputError: naming ``option``.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(option, "", f"expected a file path, got the directory {str(path)!r}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(
+                    option, "", f"expected a file path, but {str(parent)!r} is not a directory"
+                )
+            break
+
+
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a finite number")
 
@@ -54,13 +86,18 @@ MAX_NUMBER = 1e30
 Far above any real device or layer (1e30 FLOP per sample, 1e30 TFLOP/s), and small enough that
 unit conversions and the cost model's products stay finite (SPEC §7: numbers must be finite)."""
 
+MAX_BATCH = 10**15
+"""Largest global batch, share or micro-batch size accepted (samples). Far above any real
+run, and small enough that the planner's int64 arithmetic cannot overflow."""
+
 MAX_NESTING = 100
 """Deepest nesting of lists/mappings accepted in an input file (the formats need 4)."""
 
 
 def check_finite_tree(source: str, obj: Any, field: str = "") -> None:
     """Raise :class:`InputError` for any NaN or infinite float inside ``obj`` (SPEC §7:
-    "Numbers must be finite"), or for nesting deeper than :data:`MAX_NESTING`.
+    "Numbers must be finite"), any boolean (no field of these formats is one), or for nesting
+    deeper than :data:`MAX_NESTING`.
 
     Iterative, and each container is visited once even when YAML aliases make it reachable many
     times, so hostile files (deep nesting, "billion laughs" alias bombs) fail fast instead of
@@ -70,6 +107,12 @@ def check_finite_tree(source: str, obj: Any, field: str = "") -> None:
     stack: list[tuple[Any, str, int]] = [(obj, field, 0)]
     while stack:
         item, where, depth = stack.pop()
+        if isinstance(item, bool):
+            # no field of the cluster, profile or plan formats is a boolean; pydantic would
+            # read true as 1 (YAML's yes/on are booleans too)
+            raise InputError(
+                source, where, f"expected a number or a string, got {str(item).lower()}"
+            )
         if isinstance(item, float):
             if not math.isfinite(item):
                 raise InputError(source, where, f"expected a finite number, got {item}")

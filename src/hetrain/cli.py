@@ -47,6 +47,8 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
     """
     import math
 
+    from hetrain._io import MAX_NUMBER
+
     out: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
@@ -56,9 +58,11 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
         try:
             number = float(value)
         except ValueError:
-            raise InputError(option, name, f"expected a number, got {value!r}") from None
-        if not math.isfinite(number) or number < 0:
-            raise InputError(option, name, f"expected a finite number >= 0, got {value}")
+            raise InputError(option, name, f"expected a number, got {value.strip()!r}") from None
+        if not (math.isfinite(number) and 0 <= number <= MAX_NUMBER):
+            raise InputError(
+                option, name, f"expected a finite number >= 0 and <= {MAX_NUMBER:g}, got {value}"
+            )
         out[name] = number
     return out
 

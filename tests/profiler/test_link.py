@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from hetrain.profiler import measure_p2p
+from hetrain.profiler.link import fit_link, measure_p2p
 
 
 @pytest.mark.multiprocess
 def test_measure_p2p_between_two_local_ranks():
-    fit = measure_p2p((4, 1 << 16, 1 << 20), repeats=3, warmup=1, timeout_s=60)
-    assert fit.sizes_bytes == (4, 65536, 1048576)
+    fit = measure_p2p((4, 1 << 20, 16 << 20), repeats=3, warmup=1, timeout_s=60)
+    assert fit.sizes_bytes == (4, 1 << 20, 16 << 20)
     assert len(fit.one_way_s) == 3 and all(t > 0 for t in fit.one_way_s)
     # local gloo: far above 1 MB/s and latency below 0.1 s even on a loaded 2-core machine
     assert fit.bandwidth_bytes_per_s > 1e6, fit
     assert 0 <= fit.latency_s < 0.1, fit
-    # the fit's predictions are consistent with what it reports
-    assert fit.one_way_s[-1] > fit.one_way_s[0]
+    assert fit.rms_rel_error >= 0
+
+
+def test_fit_link_exact_and_when_noise_hides_the_bandwidth():
+    sizes = [4, 1 << 20, 16 << 20]
+    bw, lat = 2e9, 50e-6
+    got = fit_link(sizes, [lat + n / bw for n in sizes])
+    assert got[0] == pytest.approx(bw) and got[1] == pytest.approx(lat) and got[2] < 1e-9
+    bw2, lat2, rms = fit_link(sizes, [1e-3, 0.9e-3, 0.8e-3])  # larger messages faster: noise
+    assert lat2 == 0.8e-3 and bw2 == pytest.approx((16 << 20) / 0.8e-3) and rms > 0

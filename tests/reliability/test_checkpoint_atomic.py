@@ -158,6 +158,7 @@ def test_kill_while_checkpointing_loads_previous(tmp_path, phase):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+@pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 def test_train_checkpoints_are_checksummed(tmp_path):
     """The launcher's checkpoints (``hetrain train``) record sizes and sha256 too: a corrupted
     data file is a one-line error on load, not wrong weights."""

@@ -132,10 +132,15 @@ def run_train(
         # this process is one rank of a torchrun job: devices are the plan's (plan order) or
         # w0..w{W-1}; validation runs on every rank (same inputs, same answer, no hang)
         from hetrain.plan import load_plan
+        from hetrain.runtime.elastic import elastic_device_ids_given, gather_device_ids
         from hetrain.runtime.worker_main import run_worker
 
         rank, world = torchrun_world()
         devices = load_plan(plan).devices if plan is not None else [f"w{i}" for i in range(world)]
+        if plan is None and cluster is None and elastic_device_ids_given():
+            # elastic: one torchrun agent per device (hetrain.runtime.elastic); the devices of
+            # this round are the agents present, whatever joined or left since the last one
+            devices = gather_device_ids(hang_timeout_s)
         if len(devices) != world:
             raise InputError(
                 str(plan),

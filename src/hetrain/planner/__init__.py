@@ -26,13 +26,26 @@ from hetrain.planner.search import (
     candidate_to_plan,
     exhaustive_is_small,
     exhaustive_search,
+    local_search,
     plan_objective,
     pruned_search,
     solve_structure,
+    structure_count,
+    structure_search,
+    whole_cluster_pipelines,
 )
 from hetrain.profile import ProfileArrays
 
 __all__ = ["best_plan", "warm_structure"]
+
+STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices)
+# local-search polish (more than STRUCTURES_EXACT_MAX structures): at most this many
+# structure solves per device, within this fraction of the candidate family's CPU time, or
+# POLISH_SMALL_CPU_S on clusters of at most POLISH_SMALL_DEVICES devices
+POLISH_MAX_SOLVES_PER_DEVICE = 40
+POLISH_TIME_FRACTION = 0.25
+POLISH_SMALL_DEVICES = 12
+POLISH_SMALL_CPU_S = 1.0
 
 
 def warm_structure(
@@ -70,6 +83,10 @@ def best_plan(
     available devices (SPEC §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
     filled in by the cost model. Idle groups are left out of the plan.
 
+    Search: the structure family (and the warm start); then every structure when there are at
+    most :data:`STRUCTURES_EXACT_MAX` (≤ 5 devices, any number of layers), else a local-search
+    polish; the brute force on tiny instances; the SPEC §6 baselines (docs/planner.md).
+
     Args:
         v: weight ``V > 0`` of the iteration time.
         queues: virtual queue backlogs ``Q_j`` for ``"money"`` and/or ``"energy"`` (seconds
@@ -79,8 +96,9 @@ def best_plan(
             lost a device re-split), which is cheap; then with its stages re-split. With a
             ``time_budget_s`` the rest of the search stops when the budget is spent, so a
             per-slot re-plan costs about one share solve of the previous structure.
-        time_budget_s: soft wall-clock budget for the pruned search (the warm structure and
-            the first candidate are always solved). ``None``: no limit.
+        time_budget_s: soft wall-clock budget for the search (candidate family, structure
+            enumeration, polish; the warm structure and the first candidate are always
+            solved). ``None``: no limit (the polish still has its own CPU-time budget).
         include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
             better (guarantees the result is never worse than them).
 
@@ -115,7 +133,31 @@ def best_plan(
             best = solve_structure(ctx, groups, fixed_bounds=bounds, extra_mus=mus)
             if deadline is None or time.perf_counter() < deadline:
                 best = solve_structure(ctx, groups, best)
+    family_cpu = time.process_time()
     best = pruned_search(ctx, best, deadline=deadline)
+    family_cpu = time.process_time() - family_cpu
+    num_structures = structure_count(len(ctx.available), profile.num_layers, config.batch)
+    if deadline is None or time.perf_counter() < deadline:
+        if num_structures <= STRUCTURES_EXACT_MAX:
+            best = structure_search(ctx, best, deadline=deadline)
+        else:
+            # polish: a CPU-time budget proportional to what the candidate family took (CPU
+            # time, so that a loaded machine gives the same plan), more on small clusters
+            # (a warm re-plan, the controller's per-slot call, gets only the fraction)
+            budget = POLISH_TIME_FRACTION * family_cpu
+            if warm_start is None and len(ctx.available) <= POLISH_SMALL_DEVICES:
+                budget = max(budget, POLISH_SMALL_CPU_S)
+
+            def starts() -> list[Candidate]:
+                """The best whole-cluster pipeline (splits cached: cheap)."""
+                found = [solve_structure(ctx, [order]) for order in whole_cluster_pipelines(ctx)]
+                found = [c for c in found if c is not None]
+                return [min(found, key=lambda c: c.objective)] if found else []
+
+            best = local_search(
+                ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
+                deadline=deadline, cpu_budget_s=budget, starts=starts,
+            )  # fmt: skip
     if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None

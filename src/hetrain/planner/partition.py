@@ -215,26 +215,35 @@ def _stage_matrices(
     )
 
 
-def _min_sum_split(sums: np.ndarray, maxes: np.ndarray, beta: float) -> np.ndarray | None:
-    """Min-sum DP over split points with every stage/boundary time ``≤ beta``; bounds of shape
-    ``(K + 1,)`` or None when infeasible."""
+def _min_sum_splits(sums: np.ndarray, maxes: np.ndarray, betas: np.ndarray) -> np.ndarray:
+    """Min-sum DP over split points with every stage/boundary time ``≤ beta``, for all
+    ``betas`` at once (a leading axis of size ``len(betas)``, in chunks of 64); bounds of
+    shape ``(R, K + 1)`` for the feasible ``betas``, in order."""
+    if len(betas) > 64:
+        parts = [_min_sum_splits(sums, maxes, betas[i : i + 64]) for i in range(0, len(betas), 64)]
+        return np.concatenate(parts)
     n1 = sums.shape[1]
-    masked = np.where(maxes <= beta, sums, np.inf)
-    best = np.full(n1, np.inf)
-    best[0] = 0.0
+    nb = len(betas)
+    best = np.full((nb, n1), np.inf)
+    best[:, 0] = 0.0
     choices = []
-    cols = np.arange(n1)
-    for s in masked:
-        cand = best[:, None] + s
-        arg = np.argmin(cand, axis=0)
-        best = cand[arg, cols]
+    rows = np.arange(nb)[:, None]
+    cols = np.arange(n1)[None, :]
+    for s, m in zip(sums, maxes, strict=True):
+        masked = np.where(m[None, :, :] <= betas[:, None, None], s[None, :, :], np.inf)
+        cand = best[:, :, None] + masked
+        arg = np.argmin(cand, axis=1)
+        best = cand[rows, arg, cols]
         choices.append(arg)
-    if not np.isfinite(best[-1]):
-        return None
-    bounds = [n1 - 1]
-    for arg in reversed(choices):
-        bounds.append(int(arg[bounds[-1]]))
-    return np.asarray(bounds[::-1], dtype=np.int64)
+    ok = np.flatnonzero(np.isfinite(best[:, -1]))
+    if not len(ok):
+        return np.zeros((0, len(sums) + 1), dtype=np.int64)
+    k_stages = len(sums)
+    bounds = np.empty((len(ok), k_stages + 1), dtype=np.int64)
+    bounds[:, k_stages] = n1 - 1
+    for k in range(k_stages - 1, -1, -1):
+        bounds[:, k] = choices[k][ok, bounds[:, k + 1]]
+    return bounds
 
 
 def _least_bottleneck(maxes: list[np.ndarray]) -> float:
@@ -318,16 +327,10 @@ def envelope_splits(
         betas = values
     else:
         betas = np.concatenate((beta_star * ladder_ratio ** np.arange(ladder), [np.inf]))
+    all_bounds = _min_sum_splits(sums, maxes, np.asarray(betas, dtype=float) * (1 + 1e-12))
     found: dict[tuple[int, ...], None] = {}
-    last_bounds = None
-    for beta in betas:
-        b = _min_sum_split(sums, maxes, float(beta) * (1 + 1e-12))
-        if b is None:
-            continue
-        key = tuple(int(x) for x in b)
-        if key != last_bounds:
-            found[key] = None
-            last_bounds = key
+    for b in all_bounds:
+        found[tuple(int(x) for x in b)] = None
     bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k_stages + 1)
     table = split_table(
         state, prefix, devices, bounds, microbatch_size, optimizer_state_factor, schedule

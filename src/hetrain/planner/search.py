@@ -11,14 +11,20 @@ weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of
   for several groups every combination of splits (sync depends on them), each with exact
   integer shares. Pruned with the bound ``(B Σ(f+w) / Σ_{d∈subset} s_d + T_sync) · weight``.
   Exact (the tests compare it with an independent brute force).
+* **Structure enumeration** (:func:`structure_search`, when :func:`structure_count` is small,
+  whatever the number of layers): every subset, grouping and order inside each group, each
+  solved as the pruned search solves one structure; pruned by valid lower bounds
+  (:func:`structure_bound`). Exact over the discrete structure; stages, ``μ`` candidates and
+  the split/sync coupling are solved as below.
 * **Pruned** beyond: a family of topology- and speed-aware structures (pure data parallel;
   one group per node; nodes cut into pipelines of depth 2, 4, 8, ...; pipelines across nodes
-  that line up device j of K nodes; kind-homogeneous pipelines; whole-cluster pipelines; the
-  warm-start structure), splits from the envelope DP cached per group *signature* (speeds,
-  κ, memory, links), shares solved with identical groups merged, idle groups chosen over
-  prefixes of groups ranked by throughput per weight, then ``μ`` refined around the shares.
-  Heuristic; the SPEC §6 baseline plans are evaluated too, so the result is never worse than
-  the best feasible baseline.
+  that line up device j of K nodes; kind-homogeneous pipelines; whole-cluster pipelines in
+  file, speed, memory, slowest-first and node order; the warm-start structure), splits from
+  the envelope DP cached per group *signature* (speeds, κ, memory, links), shares solved with
+  identical groups merged, idle groups chosen over prefixes of groups ranked by throughput per
+  weight, then ``μ`` refined around the shares; then a local-search polish
+  (:func:`local_search`). Heuristic; the SPEC §6 baseline plans are evaluated too, so the
+  result is never worse than the best feasible baseline.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +158,40 @@ class SearchContext:
         )
         return per, links
 
+    def rate_bound(self, devices: tuple[int, ...]) -> float:
+        """An upper bound on the samples per second of the ordered group ``devices`` over
+        every ``μ``, split and share: ``1 / min over splits of max_k max(F_k / s_k, 2 a / bw_k)``
+        (per-sample stage and boundary times; ``κ``, latency and activation memory dropped,
+        ``T_g ≥ b_g`` times that bottleneck). 0 when no split holds the parameters.
+        Cached per group."""
+        key = ("rate", devices)
+        cached = self.option_cache.get(key)
+        if cached is not None:
+            return cached
+        st, pre = self.state, self.prefix
+        devs = np.asarray(devices, dtype=np.int64)
+        num_layers = pre.num_layers
+        idx = np.arange(num_layers + 1)
+        valid = idx[None, :] > idx[:, None]
+        flops = pre.train_flops[None, :] - pre.train_flops[:, None]
+        theta = (pre.param_bytes[None, :] - pre.param_bytes[:, None]) * (
+            2.0 + self.config.optimizer_state_factor
+        )
+        last = np.clip(idx - 1, 0, num_layers - 1)
+        bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
+        best = np.full(num_layers + 1, np.inf)
+        best[0] = 0.0
+        for k, d in enumerate(devs):
+            worst = flops / st.speed_flops[d]
+            if k < len(devs) - 1:
+                worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
+            worst = np.where(valid & (theta <= st.memory_bytes[d]), worst, np.inf)
+            best = np.min(np.maximum(best[:, None], worst), axis=0)
+        bottleneck = float(best[-1])
+        rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
+        self.option_cache[key] = rate
+        return rate
+
     def envelope_options(
         self,
         devices: np.ndarray,
@@ -225,6 +265,26 @@ class SearchContext:
             self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
             top, n_cap=n_design,
         )  # fmt: skip
+
+    def sync_bound_s(self, groups: Sequence[tuple[int, ...]]) -> float:
+        """A lower bound on ``T_sync`` when all ``groups`` are active (any splits): a group's
+        devices hold all ``P`` parameter bytes, so ``max_d θ_d/β_d ≥ P / Σ_d β_d``, with
+        ``β_d`` the intra-node bandwidth only where every other group has a device on ``d``'s
+        node, else ``nic_d``."""
+        count = len(groups)
+        if count <= 1:
+            return 0.0
+        st = self.state
+        node_sets = [{int(st.node[d]) for d in g} for g in groups]
+        worst = 0.0
+        for g, devs in enumerate(groups):
+            total = 0.0
+            for d in devs:
+                node = int(st.node[d])
+                local = all(node in ns for h, ns in enumerate(node_sets) if h != g)
+                total += st.intra_node_bytes_per_s if local else float(st.nic_bytes_per_s[d])
+            worst = max(worst, float(self.prefix.param_bytes[-1]) / total)
+        return 2.0 * (count - 1) * st.latency_s + 2.0 * (count - 1) / count * worst
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
@@ -324,6 +384,79 @@ def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) ->
                     continue
                 for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
                     best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
+    return best
+
+
+def structure_count(num_devices: int, num_layers: int, batch: int, cap: int = 10**9) -> int:
+    """Number of structures of ``num_devices`` devices: a non-empty subset, split into at most
+    ``batch`` unordered groups of at most ``num_layers`` devices, each group ordered
+    (1, 3, 13, 73, 501 orderings of all of 1-5 devices; 147 structures of 4 devices, 1031 of
+    5, 8463 of 6 when ``L`` and ``B`` do not limit). Returns ``cap`` when larger."""
+    n = num_devices
+    if n > 12:
+        return cap
+    # lists[m][g]: ways to split m labelled devices into g unordered ordered groups
+    lists = [[0] * (n + 1) for _ in range(n + 1)]
+    lists[0][0] = 1
+    for m in range(1, n + 1):
+        for g in range(1, m + 1):
+            lists[m][g] = sum(
+                math.comb(m - 1, k - 1) * math.factorial(k) * lists[m - k][g - 1]
+                for k in range(1, min(num_layers, m) + 1)
+            )
+    total = sum(
+        math.comb(n, m) * sum(lists[m][g] for g in range(1, min(m, batch) + 1))
+        for m in range(1, n + 1)
+    )
+    return min(total, cap)
+
+
+def structure_bound(
+    ctx: SearchContext, groups: Sequence[tuple[int, ...]], weight: float | None = None
+) -> float:
+    """A lower bound on the objective of ``groups`` with all of them active:
+    ``(B / Σ_g rate_g + T_sync bound) · weight`` (:meth:`SearchContext.rate_bound`,
+    :meth:`SearchContext.sync_bound_s`); inf when a group holds no split."""
+    rates = [ctx.rate_bound(tuple(g)) for g in groups]
+    if min(rates) <= 0.0:
+        return np.inf
+    if weight is None:
+        weight = ctx.weight(np.asarray([d for g in groups for d in g], dtype=np.int64))
+    return (ctx.batch / sum(rates) + ctx.sync_bound_s(groups)) * weight
+
+
+def structure_search(
+    ctx: SearchContext, incumbent: Candidate | None = None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Every structure of the available devices (subset, grouping, order inside each group),
+    each solved like the pruned search solves one (stages from the envelope DP, exact shares,
+    ``μ`` candidates refined around the shares), all groups active (a structure with an idle
+    group is the smaller structure without it, enumerated too). Subsets are visited by their
+    lower bound ``(B Σ(f+w) / Σ s_d) · weight`` and skipped once it reaches the incumbent."""
+    best = incumbent
+    avail = [int(d) for d in ctx.available]
+    num_layers = ctx.prefix.num_layers
+    speeds = ctx.state.speed_flops
+    subsets = []
+    for size in range(len(avail), 0, -1):
+        for subset in itertools.combinations(avail, size):
+            sub = np.asarray(subset, dtype=np.int64)
+            weight = ctx.weight(sub)
+            floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[sub])) * weight
+            subsets.append((floor, -size, subset, weight))
+    subsets.sort()
+    for floor, _, subset, weight in subsets:
+        if best is not None and floor >= best.objective:
+            break
+        for blocks in set_partitions(subset):
+            if len(blocks) > ctx.batch or max(len(b) for b in blocks) > num_layers:
+                continue
+            for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                if deadline is not None and best is not None and time.perf_counter() > deadline:
+                    return best
+                if best is not None and structure_bound(ctx, orders, weight) >= best.objective:
+                    continue  # (a group that holds no split: the smaller structure covers it)
+                best = solve_structure(ctx, list(orders), best, all_active=True)
     return best
 
 
@@ -540,6 +673,13 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
         out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
         fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
         out.append(("pipeline-fastest", [tuple(fastest)]))
+        # whole-cluster pipelines in more orders: memory first (1F1B stashes most at the
+        # front), slowest first, and node by node (ranked nodes, each ordered as above)
+        by_memory = sorted(avail, key=lambda d: (-s.memory_bytes[d], -s.speed_flops[d], d))
+        out.append(("pipeline-memory", [tuple(by_memory[:num_layers])]))
+        out.append(("pipeline-slowest", [tuple(fastest[::-1])]))
+        by_node_order = [d for n in ranked for d in n]
+        out.append(("pipeline-nodes", [tuple(by_node_order[:num_layers])]))
     seen, unique = set(), []
     for name, groups in out:
         key = tuple(sorted(groups))
@@ -557,12 +697,15 @@ def solve_structure(
     refine: bool = True,
     fixed_bounds: Sequence[np.ndarray | None] | None = None,
     extra_mus: Sequence[int | None] | None = None,
+    all_active: bool = False,
 ) -> Candidate | None:
     """Solve one structure (pruned mode): envelope splits per group (or the given
     ``fixed_bounds`` per group, e.g. a warm start's stages; ``extra_mus``: a μ per group to
     try as well, e.g. the warm start's), shares with identical groups
     merged, idle groups over prefixes ranked by throughput per weight, then ``μ`` refined
-    around the shares found. Returns the better of this structure's solution and ``best``."""
+    around the shares found. Returns the better of this structure's solution and ``best``.
+    ``all_active``: do not try idling groups beyond what the share solver does (the structure
+    enumeration covers the smaller structures)."""
     garr = [np.asarray(g, dtype=np.int64) for g in groups]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
@@ -609,7 +752,8 @@ def solve_structure(
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
-    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick)
+    cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick,
+                          all_active)  # fmt: skip
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -628,7 +772,8 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick)
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
+                              all_active)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
@@ -695,9 +840,12 @@ def _solve_entries(
     best: Candidate | None,
     bound: float | None = None,
     quick: bool = False,
+    all_active: bool = False,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
-    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped."""
+    otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped.
+    ``all_active``: only the whole structure (the share solver may still idle groups; the
+    structure search enumerates the smaller structures itself)."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
@@ -711,7 +859,9 @@ def _solve_entries(
     order = [feasible[i] for i in np.argsort(-score, kind="stable")]
     counts_in_order = [len(entries[keys[i]]) for i in order]
     total = sum(counts_in_order)
-    if total <= 24:
+    if all_active:
+        sizes = [total]
+    elif total <= 24:
         sizes = list(range(total, 0, -1))
     else:
         # (a warm re-plan that keeps its stages only tries idling the slowest groups)
@@ -773,6 +923,173 @@ def pruned_search(
     if len(ctx.available) >= MIXED_DEPTH_MIN_DEVICES:
         best = mixed_depth_search(ctx, best, deadline=deadline)
     return best
+
+
+def _swapped(devs: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
+    out = list(devs)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
+def _moved(devs: tuple[int, ...], i: int, j: int) -> tuple[int, ...]:
+    out = list(devs)
+    out.insert(j, out.pop(i))
+    return tuple(out)
+
+
+def _structure_moves(
+    ctx: SearchContext, groups: list[tuple[int, ...]], unused: list[int]
+) -> Iterator[list[tuple[int, ...]]]:
+    """Neighbouring structures of ``groups`` (cheap moves first). Groups of equal signature
+    form a class and a move applies to every member of a class at once (a no-op on small
+    clusters, where classes are single groups; on large ones it keeps identical groups
+    identical, so the share solver still merges them): swap two adjacent devices, then any
+    two, or move one to another position; move the last or first device of a pipeline to its
+    own group, out of the structure, or onto the end of another class's pipelines; drop a
+    class; add an unused device as its own group, at the end or the front of a pipeline;
+    merge a class with another one (zipped, both orders); split pipelines at a cut."""
+    num_layers = ctx.prefix.num_layers
+    classes: dict[tuple, list[int]] = {}
+    for g, devs in enumerate(groups):
+        classes.setdefault(ctx.signature(np.asarray(devs, dtype=np.int64)), []).append(g)
+    members = list(classes.values())
+
+    def rebuild(changed: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+        out: list[tuple[int, ...]] = []
+        for g, devs in enumerate(groups):
+            out.extend(changed.get(g, [devs]))
+        return [x for x in out if x]
+
+    for cls in members:  # swap adjacent devices
+        k = len(groups[cls[0]])
+        for i in range(k - 1):
+            yield rebuild({g: [groups[g][:i] + (groups[g][i + 1], groups[g][i])
+                               + groups[g][i + 2 :]] for g in cls})  # fmt: skip
+    for cls in members:  # swap any two devices; move one device to another position
+        k = len(groups[cls[0]])
+        for i in range(k):
+            for j in range(i + 2, k):
+                yield rebuild({g: [_swapped(groups[g], i, j)] for g in cls})
+        for i in range(k):
+            for j in range(k):
+                if j not in (i, i + 1, i - 1):
+                    yield rebuild({g: [_moved(groups[g], i, j)] for g in cls})
+    for cls in members:  # the last or first device to its own group, or unused
+        if len(groups[cls[0]]) < 2:
+            continue
+        yield rebuild({g: [groups[g][:-1], (groups[g][-1],)] for g in cls})
+        yield rebuild({g: [groups[g][1:], (groups[g][0],)] for g in cls})
+        yield rebuild({g: [groups[g][:-1]] for g in cls})
+        yield rebuild({g: [groups[g][1:]] for g in cls})
+    if len(members) > 1:
+        for cls in members:  # a class of groups unused
+            yield rebuild({g: [] for g in cls})
+    for d in unused:  # an unused device: its own group, or the end/front of a pipeline
+        yield [*groups, (d,)]
+        for cls in members:
+            if len(groups[cls[0]]) < num_layers:
+                g = cls[0]
+                yield rebuild({g: [groups[g] + (d,)]})
+                yield rebuild({g: [(d,) + groups[g]]})
+    for a, ca in enumerate(members):  # move a device between classes; merge classes
+        for b, cb in enumerate(members):
+            if a == b:
+                continue
+            pairs = list(zip(ca, cb, strict=False))
+            if len(groups[ca[0]]) >= 2 and len(groups[cb[0]]) < num_layers:
+                change = {}
+                for ga, gb in pairs:
+                    change[ga] = [groups[ga][:-1]]
+                    change[gb] = [groups[gb] + (groups[ga][-1],)]
+                yield rebuild(change)
+            if a < b and len(groups[ca[0]]) + len(groups[cb[0]]) <= num_layers:
+                for first, second in ((ca, cb), (cb, ca)):
+                    yield rebuild(
+                        {
+                            **{
+                                ga: [groups[ga] + groups[gb]]
+                                for ga, gb in zip(first, second, strict=False)
+                            },
+                            **{gb: [] for _, gb in zip(first, second, strict=False)},
+                        }
+                    )
+    for cls in members:  # split pipelines
+        k = len(groups[cls[0]])
+        for cut in range(1, k):
+            yield rebuild({g: [groups[g][:cut], groups[g][cut:]] for g in cls})
+
+
+def local_search(
+    ctx: SearchContext,
+    best: Candidate | None,
+    *,
+    max_solves: int,
+    deadline: float | None = None,
+    cpu_budget_s: float | None = None,
+    starts: Callable[[], Sequence[Candidate]] | None = None,
+) -> Candidate | None:
+    """Polish by first-improvement local search over :func:`_structure_moves` (each
+    neighbour re-solved by :func:`solve_structure`: stages, μ refined around the shares,
+    exact shares), from ``best`` and then, once that descent converged, from each of
+    ``starts()`` (e.g. the best whole-cluster pipeline, which a descent from a hybrid rarely
+    reaches; computed only then), at most ``max_solves`` structure
+    solves in all, until ``deadline`` (``time.perf_counter()``) and within ``cpu_budget_s``
+    seconds of process CPU time. Returns the best found."""
+    if best is None:
+        return best
+    cpu_stop = None if cpu_budget_s is None else time.process_time() + cpu_budget_s
+    seen: set[tuple] = set()
+    solves = 0
+    queue = [best]
+    while queue:
+        current = queue.pop(0)
+        improved = True
+        while improved:
+            improved = False
+            groups = [tuple(int(x) for x in g) for g in current.groups]
+            used = {d for g in groups for d in g}
+            unused = [int(d) for d in ctx.available if int(d) not in used]
+            # μ moves: the same structure with each group's μ ± 1 among its candidates
+            for step in (-1, 1):
+                mus = [max(1, int(m) + step) for m in current.microbatch_sizes]
+                solves += 1
+                cand = solve_structure(ctx, groups, current, extra_mus=mus)
+                if cand is not current and cand.objective < current.objective * (1 - 1e-9):
+                    current = cand
+            for trial in _structure_moves(ctx, groups, unused):
+                key = tuple(sorted(trial))
+                if key in seen:
+                    continue
+                seen.add(key)
+                if (
+                    solves >= max_solves
+                    or (deadline is not None and time.perf_counter() > deadline)
+                    or (cpu_stop is not None and time.process_time() > cpu_stop)
+                ):
+                    return best if best.objective <= current.objective else current
+                if structure_bound(ctx, trial) >= current.objective:
+                    continue  # cannot beat the current structure with all its groups active
+                solves += 1
+                cand = solve_structure(ctx, trial, current)
+                if cand is not current and cand.objective < current.objective * (1 - 1e-9):
+                    current, improved = cand, True
+                    break
+        if current.objective < best.objective:
+            best = current
+        if starts is not None:
+            queue.extend(starts())
+            starts = None
+    return best
+
+
+def whole_cluster_pipelines(ctx: SearchContext) -> list[tuple[int, ...]]:
+    """The single-pipeline structures of :func:`candidate_structures` (first ``L`` devices in
+    file, speed, memory, slowest-first and node order)."""
+    return [
+        groups[0]
+        for name, groups in candidate_structures(ctx)
+        if name.startswith("pipeline-") and len(groups) == 1
+    ]
 
 
 def mixed_depth_search(

@@ -5,6 +5,8 @@ temporary folder (no ports), and play ping-pong with ``send``/``recv`` of severa
 One-way time per size = median round trip / 2; the fit ``t = lat + bytes / bw`` (least squares,
 :func:`hetrain.calibration.fit_speed_kappa` with "FLOPs" = bytes) gives ``bw`` and ``lat``
 (the LogP/Hockney model: Hockney, "The communication challenge for MPP", Parallel Computing 1994).
+When noise hides the growth with size (a loaded machine), latency = the fastest one-way time and
+bandwidth = the largest message over its time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+
+import numpy as np
 
 from hetrain.calibration import fit_speed_kappa
 
@@ -63,6 +67,21 @@ def _rank(rank: int, store_path: str, sizes, repeats, warmup, timeout_s, queue) 
         queue.put((rank, result))
     except Exception as exc:  # reported to the parent, which raises
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def fit_link(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, float, float]:
+    """``(bandwidth_bytes_per_s, latency_s, rms_rel_error)`` of ``t = lat + n / bw`` fitted to
+    one-way times (relative least squares). When noise hides the growth with size, latency =
+    the fastest time and bandwidth = the largest message over its time (a lower bound)."""
+    try:
+        fit = fit_speed_kappa([1.0] * len(sizes_bytes), list(sizes_bytes), list(one_way_s))
+        return fit.speed_flops, fit.kappa_s, fit.rms_rel_error
+    except ValueError:
+        lat = min(one_way_s)
+        big = max(range(len(sizes_bytes)), key=lambda i: sizes_bytes[i])
+        bw = sizes_bytes[big] / one_way_s[big]
+        rel = [(lat + n / bw - t) / t for n, t in zip(sizes_bytes, one_way_s, strict=True)]
+        return bw, lat, float(np.sqrt(np.mean(np.square(rel))))
 
 
 def measure_p2p(
@@ -116,11 +135,11 @@ def measure_p2p(
                     p.kill()
                     p.join()
     one_way = results[0]
-    fit = fit_speed_kappa([1.0] * len(sizes_bytes), list(sizes_bytes), one_way)
+    bw, lat, rms = fit_link(sizes_bytes, one_way)
     return LinkFit(
-        bandwidth_bytes_per_s=fit.speed_flops,
-        latency_s=fit.kappa_s,
-        rms_rel_error=fit.rms_rel_error,
+        bandwidth_bytes_per_s=bw,
+        latency_s=lat,
+        rms_rel_error=rms,
         sizes_bytes=tuple(int(s) for s in sizes_bytes),
         one_way_s=tuple(one_way),
     )

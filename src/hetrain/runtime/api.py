@@ -187,6 +187,29 @@ def task_from_factory(spec: str) -> Task:
     )
 
 
+def _check_checkpoint_dir(path: Path, chain: Any) -> None:
+    """Bad checkpoint folders are bad input, found before any rank starts: a file instead of a
+    folder, a latest checkpoint that is corrupted (size/sha256) or malformed, or one written for
+    another model (fingerprint).
+
+    Raises:
+        InputError: one line naming the folder or the checkpoint file.
+    """
+    from hetrain.runtime import checkpoint as ckpt
+
+    if path.exists() and not path.is_dir():
+        raise InputError("--checkpoint-dir", "", f"expected a folder, got a file: {path}")
+    latest = ckpt.load_latest(path)
+    if latest is not None:
+        mine = ckpt.model_fingerprint(chain)
+        if latest.model_fingerprint != mine:
+            raise InputError(
+                str(latest.path / ckpt.MANIFEST),
+                "model_fingerprint",
+                f"checkpoint of another model ({latest.model_fingerprint}; this model {mine})",
+            )
+
+
 def build_job(
     task: Task,
     *,
@@ -306,6 +329,8 @@ def build_job(
         check_exact_layers(chain)
     except ValueError as exc:
         raise InputError(task.name, "model", str(exc)) from None
+    if checkpoint_dir is not None:
+        _check_checkpoint_dir(Path(checkpoint_dir), chain)
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch

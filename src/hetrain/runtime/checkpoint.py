@@ -145,9 +145,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(source, "", "file not found (incomplete checkpoint)") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise InputError(source, "", f"expected valid JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict):
+        raise InputError(source, "", "expected a JSON object (checkpoint manifest)")
+    if data.get("format") != FORMAT:
         raise InputError(source, "format", f"expected {FORMAT}, got {data.get('format')!r}")
     for key in ("step", "data_position"):
         if not isinstance(data.get(key), int) or data[key] < 0:

@@ -297,7 +297,7 @@ def validate_checkpoint(path: str | Path, *, fingerprint: str | None = None) -> 
             raise ValueError("format")
     except FileNotFoundError:
         raise CheckpointError(str(mpath), "", "missing (checkpoint incomplete)") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise CheckpointError(
             str(mpath), "", f"expected a hetrain checkpoint manifest (format {FORMAT_VERSION})"
         ) from None

@@ -7,12 +7,13 @@ die. Each round of the rendezvous runs :func:`worker_main` on every member:
 
 1. ``init_process_group`` (gloo, collective timeout = the hang timeout), all-gather the device
    ids of this round (``HETRAIN_DEVICE_ID`` of each agent);
-2. plan for exactly these devices (:func:`plan_for_devices`, deterministic, so every rank gets
-   the same plan); rank 0 gives it the next ``plan_id`` and records the membership change in the
-   metrics JSONL (``{"event": "restart", "plan_id": ..., "lost_devices": [...], ...}``);
+2. rank 0 plans for exactly these devices (:func:`planned_for_devices`) and broadcasts the
+   plan with the next ``plan_id``, and records the membership change in the metrics JSONL
+   (``{"event": "restart", "plan_id": ..., "lost_devices": [...], ...}``);
 3. load the latest valid checkpoint (:mod:`hetrain.runtime.checkpoint_io`) and resume at its
    step: the data order is a pure function of (seed, step), so no sample is skipped and the
-   samples of the steps after that checkpoint are redone (at most ``checkpoint_every - 1``);
+   samples of the steps after that checkpoint are redone (at most ``checkpoint_every``: a kill
+   during a checkpoint write falls back to the previous one);
 4. train, beating a :class:`~hetrain.runtime.watchdog.Watchdog` every step and checkpointing
    every ``checkpoint_every`` steps. After every step the ranks agree (one all-reduce of a flag)
    whether any rank was asked to stop (SIGTERM: a spot warning, or the agent restarting the
@@ -24,11 +25,14 @@ A rank that dies (SIGKILL) breaks the others' collectives; their agents restart 
 joins is admitted by the agents at the next round (torchrun restarts the group when nodes are
 waiting) and used by the plan of that round.
 
-The executor here trains pure data-parallel plans (one device per group, uneven shares
-proportional to speed, gradients summed so the update equals one device's on the whole batch
-``B``) on a small deterministic task, so that restart mechanics are testable independently of
-the hybrid engine; the state-dict keys follow the engine's ``layer_state_dict`` format
-(``layers.{l}.{name}``, ``optim.{l}.{name}.{state}``).
+Each round is planned by :func:`hetrain.planner.best_plan` for its devices (the cluster file
+restricted to them, or equal emulated devices) and run by the engine
+(:class:`hetrain.runtime.engine.Worker`) on a small deterministic regression task, so that the
+restart mechanics are testable in seconds; ``--executor dp`` uses a built-in data-parallel
+executor instead (no planner, no engine). ``hetrain train`` itself runs on these agents too
+(``ElasticController(worker_module="hetrain", worker_args=["train", ...])``): its ranks take
+their device ids from :func:`gather_device_ids`. Checkpoint keys follow the engine's
+``layer_state_dict`` format (``layers.{l}.{name}``, ``optim.{l}.{name}.{state}``).
 """
 
 from __future__ import annotations
@@ -438,6 +442,32 @@ def _device_id() -> str:
     return ids[local] if local < len(ids) else f"{ids[-1]}-{local}"
 
 
+def elastic_device_ids_given() -> bool:
+    """True in a rank started by an :class:`ElasticController` agent (``HETRAIN_DEVICE_ID``)."""
+    return bool(os.environ.get("HETRAIN_DEVICE_ID"))
+
+
+def gather_device_ids(hang_timeout_s: float | None = None) -> list[str]:
+    """Start the round's process group (gloo; collective timeout ``hang_timeout_s`` if given)
+    and all-gather every rank's device id (index = rank): the devices of this round.
+
+    Raises:
+        InputError: two agents claim the same device id.
+    """
+    import torch.distributed as dist
+
+    from hetrain.runtime.watchdog import process_group_timeout
+
+    if not dist.is_initialized():
+        kwargs = {"timeout": process_group_timeout(hang_timeout_s)} if hang_timeout_s else {}
+        dist.init_process_group("gloo", **kwargs)
+    ids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, _device_id())
+    if len(set(ids)) != len(ids):
+        raise InputError("HETRAIN_DEVICE_ID", "", f"expected unique device ids, got {ids}")
+    return [str(d) for d in ids]
+
+
 def _speeds(cluster: Path | None) -> dict[str, float]:
     if cluster is None:
         return {}
@@ -643,6 +673,9 @@ class ElasticController:
         log_dir: each agent's stdout/stderr go to ``log_dir/agent-{device}-{n}.log``.
         last_call_s: how long a round waits for more devices once ``min_devices`` joined.
         env: extra environment for the agents.
+        worker_module: what each rank runs (``python -m``): this module's :func:`main` (the
+            toy task), or ``"hetrain"`` with ``worker_args = ["train", ...]`` for
+            ``hetrain train`` (devices = the agents present; no ``--plan``/``--cluster``).
     """
 
     worker_args: list[str]
@@ -653,6 +686,7 @@ class ElasticController:
     last_call_s: int = 2
     env: dict[str, str] = field(default_factory=dict)
     run_id: str = "hetrain"
+    worker_module: str = "hetrain.runtime.elastic"
     port: int = 0
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
     _store: Any = None
@@ -687,7 +721,7 @@ class ElasticController:
             f"--max-restarts={self.max_restarts}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={conf}", "--monitor-interval=0.2", "--local-addr=127.0.0.1",
-            "-m", "hetrain.runtime.elastic", *self.worker_args,
+            "-m", self.worker_module, *self.worker_args,
         ]  # fmt: skip
 
     def add_device(self, device: str) -> subprocess.Popen:

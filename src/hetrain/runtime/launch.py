@@ -81,6 +81,11 @@ def launch(
         start_method="fork",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh worker store per round, hosted by the round's rank 0. With torch's default (the
+    # agent's store shared across rounds) the ranks of a restarted round read the previous
+    # round's gloo addresses and fail with "connectFullMesh ... Connection refused", so
+    # --max-restarts never recovered (issue 6; see docs/reliability.md).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:

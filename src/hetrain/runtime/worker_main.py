@@ -421,7 +421,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 t_cand = predict_iteration_time_s(cand, base_state, profile, config)
                 if t_cand < (1.0 - FIRST_PLAN_MIN_GAIN) * t_even:
                     first = cand
-            first = first.model_copy(update={"plan_id": 0})
+            # after a restart on other devices (elastic), the new plan gets the next id
+            first_id = int(resume.plan.plan_id or 0) + 1 if resume is not None else 0
+            first = first.model_copy(update={"plan_id": first_id})
             payload = [first.to_json_dict()]
         else:
             payload = [None]
@@ -465,7 +467,16 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         state = ckpt.restore(resume, set(worker.owned_layers))
         worker.load_layer_state_dict(state)
         if lead:
-            metrics.write("restart", start_step, path=str(resume.path), plan_id=plan.plan_id)
+            before = [str(d) for d in resume.manifest.get("devices") or []]
+            metrics.write(
+                "restart",
+                start_step,
+                path=str(resume.path),
+                plan_id=plan.plan_id,
+                devices=list(job.devices),
+                lost_devices=sorted(set(before) - set(job.devices)),
+                joined_devices=sorted(set(job.devices) - set(before)) if before else [],
+            )
     if lead:
         metrics.write(
             "plan",
