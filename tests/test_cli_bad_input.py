@@ -72,6 +72,8 @@ FILES: dict[str, object] = {
     "t_all_down.csv": "slot,device,available\n0,a,0\n0,b,0\n0,c,0\n",
     "t_order.csv": TRACE_HEADER + "5,a,0.5,,,\n2,a,0.5,,,\n",
     "afile": "x",
+    "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
+    "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
 
 
@@ -147,6 +149,7 @@ CASES = [
     (PLAN_ARGS + " --queue foo=1", 2, ("--queue", "foo=1", "money=NUMBER")),
     (PLAN_ARGS + " --queue money=-1", 2, ("--queue", "money", ">= 0")),
     (PLAN_ARGS + " --queue energy=1e300", 2, ("--queue", "energy", "<= 1e+30")),
+    (PLAN_ARGS + " --queue money=1 --queue money=2", 2, ("--queue", "money", "at most once")),
     (PLAN_ARGS + " --optimizer-state-factor -1", 2, ("--optimizer-state-factor", "between 0")),
     (PLAN_ARGS + " --optimizer-state-factor 1e300", 2, ("--optimizer-state-factor", "1e+30")),
     (PLAN_ARGS + " --schedule nope", 2, ("--schedule", "1f1b", "nope")),
@@ -180,7 +183,10 @@ CASES = [
     (SIM_ARGS + " --budget money=-1", 2, ("--budget", "money", ">= 0")),
     (SIM_ARGS + " --budget money=0", 2, ("--budget", "money", "> 0")),
     (SIM_ARGS + " --budget money=1e-12", 2, ("--budget", "money", "minimum feasible budget")),
+    (SIM_ARGS + " --budget money=1 --budget money=2", 2, ("--budget", "money", "at most once")),
     (SIM_ARGS + " --trace {d}/nope.csv", 2, ("nope.csv", "not found")),
+    (SIM_ARGS + " --trace {d}/t_bom.csv", 0, ()),  # spreadsheet export with a byte-order mark
+    ("plan --cluster {d}/bom.json --model {d}/m.json --batch 8", 0, ()),
     (SIM_ARGS + " --trace {d}/adir", 2, ("adir", "directory")),
     (SIM_ARGS + " --trace {d}/t_unknown.csv", 2, ("t_unknown.csv", "row 2.device", "'zz'")),
     (SIM_ARGS + " --trace {d}/t_order.csv", 2, ("t_order.csv", "row 3.slot", "non-decreasing")),

@@ -50,7 +50,8 @@ def read_text(path: str | Path) -> str:
     if p.is_dir():
         raise InputError(str(path), "", "expected a file, got a directory")
     try:
-        return p.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (spreadsheet exports) is not part of the first key/column
+        return p.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise InputError(str(path), "", "expected a UTF-8 text file") from None
     except OSError as exc:
