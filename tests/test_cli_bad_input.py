@@ -72,6 +72,10 @@ FILES: dict[str, object] = {
     "t_all_down.csv": "slot,device,available\n0,a,0\n0,b,0\n0,c,0\n",
     "t_order.csv": TRACE_HEADER + "5,a,0.5,,,\n2,a,0.5,,,\n",
     "afile": "x",
+    "dupkey.yaml": "devices:\n- {id: a, tflops: 1, tflops: 2, memory_gib: 1, nic_gbps: 1}\n",
+    "dupkey.json": '{"layers": [{"fwd_flops": 1, "activation_bytes": 1, "fwd_flops": 2}]}',
+    "merge.yaml": "devices:\n- &d {id: a, tflops: 1, memory_gib: 16, nic_gbps: 1}\n"
+    "- {<<: *d, id: b}\n",
     "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
@@ -132,6 +136,12 @@ CASES = [
      ("bool.yaml", "devices[0].tflops", "expected a number", "true")),
     ("plan --cluster {d}/yes.yaml --model {d}/m.json --batch 8", 2,
      ("yes.yaml", "devices[0].nic_gbps", "expected a number")),
+    # a key given twice (parsers keep the last silently); YAML merge overrides are fine
+    ("plan --cluster {d}/dupkey.yaml --model {d}/m.json --batch 8", 2,
+     ("dupkey.yaml", "'tflops' twice", "line 2")),
+    ("plan --cluster {d}/c.yaml --model {d}/dupkey.json --batch 8", 2,
+     ("dupkey.json", "'fwd_flops' twice")),
+    ("plan --cluster {d}/merge.yaml --model {d}/m.json --batch 8", 0, ()),
     ("plan --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "layers", "fits")),
     ("plan --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8", 0, ()),

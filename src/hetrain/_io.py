@@ -21,7 +21,9 @@ def read_structured(path: str | Path) -> Any:
     text = read_text(p)
     if p.suffix.lower() == ".json":
         try:
-            return json.loads(text, parse_constant=_reject_constant)
+            return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as exc:
+            raise InputError(str(path), "", f"expected each key once per mapping, {exc}") from None
         except ValueError as exc:
             raise InputError(str(path), "", f"expected valid JSON ({exc})") from None
         except RecursionError:
@@ -29,7 +31,9 @@ def read_structured(path: str | Path) -> Any:
     import yaml  # only for YAML files
 
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as exc:
+        raise InputError(str(path), "", f"expected each key once per mapping, {exc}") from None
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
@@ -76,6 +80,48 @@ def check_output_path(option: str, path: str | Path) -> None:
                     option, "", f"expected a file path, but {str(parent)!r} is not a directory"
                 )
             break
+
+
+class _DuplicateKey(ValueError):
+    """A mapping of an input file names a key twice (JSON and YAML parsers keep the last)."""
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"got {str(key)[:80]!r} twice")
+        out[key] = value
+    return out
+
+
+_LOADER: Any = None
+
+
+def _unique_key_loader() -> Any:
+    """A ``yaml.SafeLoader`` subclass whose mappings reject duplicate keys."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):  # type: ignore[override]
+                # explicit keys only: a '<<' merge may be overridden (YAML merge semantics)
+                seen: set = set()
+                for key_node, _ in getattr(node, "value", ()):
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    if not isinstance(key, (str, int, float, bool)):
+                        continue
+                    if key in seen:
+                        line = key_node.start_mark.line + 1
+                        raise _DuplicateKey(f"got {str(key)[:80]!r} twice (line {line})")
+                    seen.add(key)
+                return super().construct_mapping(node, deep=deep)
+
+        _LOADER = UniqueKeyLoader
+    return _LOADER
 
 
 def _reject_constant(name: str) -> float:
