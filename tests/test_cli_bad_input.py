@@ -76,6 +76,23 @@ FILES: dict[str, object] = {
     "dupkey.json": '{"layers": [{"fwd_flops": 1, "activation_bytes": 1, "fwd_flops": 2}]}',
     "merge.yaml": "devices:\n- &d {id: a, tflops: 1, memory_gib: 16, nic_gbps: 1}\n"
     "- {<<: *d, id: b}\n",
+    "free.yaml": {"devices": [{"id": "a", "tflops": 1, "memory_gib": 16, "nic_gbps": 1}]},
+    "tiny.yaml": _cluster(tflops=1e-300),
+    "slow.yaml": {
+        "devices": [
+            {
+                **DEV,
+                "id": i,
+                "tflops": 1e-30,
+                "nic_gbps": 1e-30,
+                "memory_gib": 1e30,
+                "price_per_hour": 1e30,
+                "power_w": 1e30,
+            }
+            for i in ("a", "b")
+        ]
+    },  # fmt: skip
+    "t_tiny.csv": TRACE_HEADER + "0,a,1e-300,,,\n",
     "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
@@ -101,6 +118,7 @@ def _check(inputs: Path, capsys, args: str, code: int, words: tuple[str, ...]) -
     lines = err.splitlines()
     assert rc == code, err
     if code == 0:
+        assert err == "", err  # e.g. no numpy overflow warnings on valid extreme inputs
         return
     assert len(lines) >= 1 and "Traceback" not in err
     if code == 2:
@@ -142,6 +160,12 @@ CASES = [
     ("plan --cluster {d}/c.yaml --model {d}/dupkey.json --batch 8", 2,
      ("dupkey.json", "'fwd_flops' twice")),
     ("plan --cluster {d}/merge.yaml --model {d}/m.json --batch 8", 0, ()),
+    # speeds and bandwidths below 1e-30 made times infinite ("fits nowhere" + overflow warnings)
+    ("plan --cluster {d}/tiny.yaml --model {d}/m.json --batch 8", 2,
+     ("tiny.yaml", "devices[0].tflops", ">= 1e-30")),
+    ("plan --cluster {d}/slow.yaml --model {d}/m.json --batch 1000000000000000 "
+     "--queue money=1e30 --V 1e-30", 0, ()),
+    (SIM_ARGS + " --trace {d}/t_tiny.csv", 2, ("t_tiny.csv", "row 2.speed_factor", ">= 1e-30")),
     ("plan --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "layers", "fits")),
     ("plan --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8", 0, ()),
@@ -191,7 +215,12 @@ CASES = [
     (SIM_ARGS + " --V 0", 2, ("--V", "> 0")),
     (SIM_ARGS + " --V -1", 2, ("--V", "> 0")),
     (SIM_ARGS + " --budget money=-1", 2, ("--budget", "money", ">= 0")),
-    (SIM_ARGS + " --budget money=0", 2, ("--budget", "money", "> 0")),
+    (SIM_ARGS + " --budget money=0", 2, ("--budget", "money", ">= 1e-30")),
+    # free devices: any budget is feasible; 1e-300 squared made the controller divide by 0
+    ("simulate --cluster {d}/free.yaml --model {d}/m.json --batch 8 --budget money=1e-300", 2,
+     ("--budget", "money", ">= 1e-30")),
+    ("simulate --cluster {d}/free.yaml --model {d}/m.json --batch 8 --slots 3 "
+     "--budget money=1e-30", 0, ()),
     (SIM_ARGS + " --budget money=1e-12", 2, ("--budget", "money", "minimum feasible budget")),
     (SIM_ARGS + " --budget money=1 --budget money=2", 2, ("--budget", "money", "at most once")),
     (SIM_ARGS + " --trace {d}/nope.csv", 2, ("nope.csv", "not found")),

@@ -133,6 +133,20 @@ MAX_NUMBER = 1e30
 Far above any real device or layer (1e30 FLOP per sample, 1e30 TFLOP/s), and small enough that
 unit conversions and the cost model's products stay finite (SPEC §7: numbers must be finite)."""
 
+MIN_POSITIVE = 1e-30
+"""Smallest value accepted for a speed or bandwidth (``tflops``, ``*_gbps``, a trace's
+``speed_factor``), the divisors of the cost model: with :data:`MAX_NUMBER` and
+:data:`MAX_BATCH` every time, cost and objective stays far below the float range (1e-300
+TFLOP/s made times infinite and the planner report that the model fits nowhere)."""
+
+
+def check_not_tiny(value: float) -> float:
+    """Pydantic after-validator: ``value`` is 0 (rejected elsewhere) or >= :data:`MIN_POSITIVE`."""
+    if 0 < value < MIN_POSITIVE:
+        raise ValueError(f"expected a number >= {MIN_POSITIVE:g} (or check the units)")
+    return value
+
+
 MAX_BATCH = 10**15
 """Largest global batch, share or micro-batch size accepted (samples). Far above any real
 run, and small enough that the planner's int64 arithmetic cannot overflow."""

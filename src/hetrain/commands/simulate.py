@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetrain._io import check_output_path
+from hetrain._io import MIN_POSITIVE, check_output_path
 from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
 from hetrain.errors import InputError, NoFeasiblePlanError
 from hetrain.profile import ProfileArrays, load_profile
@@ -117,8 +117,10 @@ def run_simulate(
         )
     check_v(v)
     for name, value in budgets.items():
-        if value <= 0:
-            raise InputError("--budget", name, f"expected a number > 0, got {value}")
+        if value < MIN_POSITIVE:  # the controller divides by the budget squared
+            raise InputError(
+                "--budget", name, f"expected a number >= {MIN_POSITIVE:g}, got {value:g}"
+            )
     if csv_out is not None:
         check_output_path("--csv-out", csv_out)
     parsed = load_trace(trace, spec) if trace is not None else Trace((), "<no trace>")
