@@ -42,10 +42,13 @@ def minimum_budget(
     """The least long-run average cost per iteration of ``resource`` any policy can reach on
     this trace, estimated as the mean over ``samples`` evenly spaced slots of the cheapest plan's
     cost in that slot's state (the planner with ``V → 0``: minimise ``y_j`` alone).
+    The searches share ``hetrain plan``'s soft time budget (256 devices × 1000 layers searched
+    for minutes without it); instances that need more get an upper estimate.
 
     Raises:
         NoFeasiblePlanError: some sampled slot has no feasible plan.
     """
+    from hetrain.commands.plan import PLAN_TIME_BUDGET_S
     from hetrain.planner import best_plan
 
     picks = np.unique(np.linspace(0, max(slots - 1, 0), num=min(samples, slots)).astype(int))
@@ -67,7 +70,10 @@ def minimum_budget(
                 seen[key] = 0.0
             else:
                 # V -> 0: minimise y_j alone (V·T is 1e-9 of any plan's y_j <= T·rate)
-                cheap = best_plan(state, profile, config, v=1e-9 * rate, queues={resource: 1.0})
+                cheap = best_plan(
+                    state, profile, config, v=1e-9 * rate, queues={resource: 1.0},
+                    time_budget_s=PLAN_TIME_BUDGET_S / len(picks),
+                )  # fmt: skip
                 seen[key] = float((cheap.cost or {})[resource])
         costs.append(seen[key])
     return float(np.mean(costs)) if costs else 0.0
