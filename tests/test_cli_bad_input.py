@@ -293,3 +293,24 @@ def test_bad_input_subprocess_one_line(inputs: Path, args: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("hetrain: error: ")
+
+
+def test_plan_and_minimum_budget_searches_are_time_bounded(inputs: Path, monkeypatch) -> None:
+    """Large valid inputs must not hang: ``plan`` and simulate's minimum-budget estimate give
+    the planner a time budget (256 devices × 1000 layers searched for minutes without one)."""
+    import hetrain.planner as planner
+    from hetrain.commands.plan import PLAN_TIME_BUDGET_S
+
+    budgets: list[float | None] = []
+    real = planner.best_plan
+
+    def spy(*args, **kwargs):
+        budgets.append(kwargs.get("time_budget_s"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "best_plan", spy)
+    assert main(_argv(PLAN_ARGS, inputs)) == 0
+    assert budgets == [PLAN_TIME_BUDGET_S]
+    budgets.clear()
+    assert main(_argv(SIM_ARGS + " --policy dp-even --budget money=1", inputs)) == 0
+    assert budgets and all(b is not None and b <= PLAN_TIME_BUDGET_S for b in budgets)
