@@ -72,6 +72,29 @@ FILES: dict[str, object] = {
     "t_all_down.csv": "slot,device,available\n0,a,0\n0,b,0\n0,c,0\n",
     "t_order.csv": TRACE_HEADER + "5,a,0.5,,,\n2,a,0.5,,,\n",
     "afile": "x",
+    "dupkey.yaml": "devices:\n- {id: a, tflops: 1, tflops: 2, memory_gib: 1, nic_gbps: 1}\n",
+    "dupkey.json": '{"layers": [{"fwd_flops": 1, "activation_bytes": 1, "fwd_flops": 2}]}',
+    "merge.yaml": "devices:\n- &d {id: a, tflops: 1, memory_gib: 16, nic_gbps: 1}\n"
+    "- {<<: *d, id: b}\n",
+    "free.yaml": {"devices": [{"id": "a", "tflops": 1, "memory_gib": 16, "nic_gbps": 1}]},
+    "tiny.yaml": _cluster(tflops=1e-300),
+    "slow.yaml": {
+        "devices": [
+            {
+                **DEV,
+                "id": i,
+                "tflops": 1e-30,
+                "nic_gbps": 1e-30,
+                "memory_gib": 1e30,
+                "price_per_hour": 1e30,
+                "power_w": 1e30,
+            }
+            for i in ("a", "b")
+        ]
+    },  # fmt: skip
+    "t_tiny.csv": TRACE_HEADER + "0,a,1e-300,,,\n",
+    "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
+    "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
 
 
@@ -95,6 +118,7 @@ def _check(inputs: Path, capsys, args: str, code: int, words: tuple[str, ...]) -
     lines = err.splitlines()
     assert rc == code, err
     if code == 0:
+        assert err == "", err  # e.g. no numpy overflow warnings on valid extreme inputs
         return
     assert len(lines) >= 1 and "Traceback" not in err
     if code == 2:
@@ -130,6 +154,18 @@ CASES = [
      ("bool.yaml", "devices[0].tflops", "expected a number", "true")),
     ("plan --cluster {d}/yes.yaml --model {d}/m.json --batch 8", 2,
      ("yes.yaml", "devices[0].nic_gbps", "expected a number")),
+    # a key given twice (parsers keep the last silently); YAML merge overrides are fine
+    ("plan --cluster {d}/dupkey.yaml --model {d}/m.json --batch 8", 2,
+     ("dupkey.yaml", "'tflops' twice", "line 2")),
+    ("plan --cluster {d}/c.yaml --model {d}/dupkey.json --batch 8", 2,
+     ("dupkey.json", "'fwd_flops' twice")),
+    ("plan --cluster {d}/merge.yaml --model {d}/m.json --batch 8", 0, ()),
+    # speeds and bandwidths below 1e-30 made times infinite ("fits nowhere" + overflow warnings)
+    ("plan --cluster {d}/tiny.yaml --model {d}/m.json --batch 8", 2,
+     ("tiny.yaml", "devices[0].tflops", ">= 1e-30")),
+    ("plan --cluster {d}/slow.yaml --model {d}/m.json --batch 1000000000000000 "
+     "--queue money=1e30 --V 1e-30", 0, ()),
+    (SIM_ARGS + " --trace {d}/t_tiny.csv", 2, ("t_tiny.csv", "row 2.speed_factor", ">= 1e-30")),
     ("plan --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "layers", "fits")),
     ("plan --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8", 0, ()),
@@ -147,6 +183,7 @@ CASES = [
     (PLAN_ARGS + " --queue foo=1", 2, ("--queue", "foo=1", "money=NUMBER")),
     (PLAN_ARGS + " --queue money=-1", 2, ("--queue", "money", ">= 0")),
     (PLAN_ARGS + " --queue energy=1e300", 2, ("--queue", "energy", "<= 1e+30")),
+    (PLAN_ARGS + " --queue money=1 --queue money=2", 2, ("--queue", "money", "at most once")),
     (PLAN_ARGS + " --optimizer-state-factor -1", 2, ("--optimizer-state-factor", "between 0")),
     (PLAN_ARGS + " --optimizer-state-factor 1e300", 2, ("--optimizer-state-factor", "1e+30")),
     (PLAN_ARGS + " --schedule nope", 2, ("--schedule", "1f1b", "nope")),
@@ -178,9 +215,17 @@ CASES = [
     (SIM_ARGS + " --V 0", 2, ("--V", "> 0")),
     (SIM_ARGS + " --V -1", 2, ("--V", "> 0")),
     (SIM_ARGS + " --budget money=-1", 2, ("--budget", "money", ">= 0")),
-    (SIM_ARGS + " --budget money=0", 2, ("--budget", "money", "> 0")),
+    (SIM_ARGS + " --budget money=0", 2, ("--budget", "money", ">= 1e-30")),
+    # free devices: any budget is feasible; 1e-300 squared made the controller divide by 0
+    ("simulate --cluster {d}/free.yaml --model {d}/m.json --batch 8 --budget money=1e-300", 2,
+     ("--budget", "money", ">= 1e-30")),
+    ("simulate --cluster {d}/free.yaml --model {d}/m.json --batch 8 --slots 3 "
+     "--budget money=1e-30", 0, ()),
     (SIM_ARGS + " --budget money=1e-12", 2, ("--budget", "money", "minimum feasible budget")),
+    (SIM_ARGS + " --budget money=1 --budget money=2", 2, ("--budget", "money", "at most once")),
     (SIM_ARGS + " --trace {d}/nope.csv", 2, ("nope.csv", "not found")),
+    (SIM_ARGS + " --trace {d}/t_bom.csv", 0, ()),  # spreadsheet export with a byte-order mark
+    ("plan --cluster {d}/bom.json --model {d}/m.json --batch 8", 0, ()),
     (SIM_ARGS + " --trace {d}/adir", 2, ("adir", "directory")),
     (SIM_ARGS + " --trace {d}/t_unknown.csv", 2, ("t_unknown.csv", "row 2.device", "'zz'")),
     (SIM_ARGS + " --trace {d}/t_order.csv", 2, ("t_order.csv", "row 3.slot", "non-decreasing")),
@@ -248,3 +293,24 @@ def test_bad_input_subprocess_one_line(inputs: Path, args: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("hetrain: error: ")
+
+
+def test_plan_and_minimum_budget_searches_are_time_bounded(inputs: Path, monkeypatch) -> None:
+    """Large valid inputs must not hang: ``plan`` and simulate's minimum-budget estimate give
+    the planner a time budget (256 devices × 1000 layers searched for minutes without one)."""
+    import hetrain.planner as planner
+    from hetrain.commands.plan import PLAN_TIME_BUDGET_S
+
+    budgets: list[float | None] = []
+    real = planner.best_plan
+
+    def spy(*args, **kwargs):
+        budgets.append(kwargs.get("time_budget_s"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "best_plan", spy)
+    assert main(_argv(PLAN_ARGS, inputs)) == 0
+    assert budgets == [PLAN_TIME_BUDGET_S]
+    budgets.clear()
+    assert main(_argv(SIM_ARGS + " --policy dp-even --budget money=1", inputs)) == 0
+    assert budgets and all(b is not None and b <= PLAN_TIME_BUDGET_S for b in budgets)

@@ -43,7 +43,7 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
 
     Raises:
         InputError: an item is not ``name=number`` with name ``money`` or ``energy`` and a
-            finite number >= 0.
+            finite number in ``[0, MAX_NUMBER]``, or a name is given twice.
     """
     import math
 
@@ -55,6 +55,8 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
         name = name.strip()
         if not sep or name not in ("money", "energy"):
             raise InputError(option, item, "expected money=NUMBER or energy=NUMBER")
+        if name in out:
+            raise InputError(option, name, "expected each of money and energy at most once")
         try:
             number = float(value)
         except ValueError:

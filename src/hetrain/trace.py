@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetrain._io import MAX_NUMBER, read_text
+from hetrain._io import MAX_NUMBER, MIN_POSITIVE, read_text
 from hetrain.cluster import GBPS_TO_BYTES_PER_S, ClusterSpec, ClusterState
 from hetrain.errors import InputError
 
@@ -119,9 +119,9 @@ def _parse_float(source: str, line: int, col: str, text: str, lo: float) -> floa
         not math.isfinite(value)
         or value < lo
         or value > MAX_NUMBER
-        or (strictly_positive and value == 0)
+        or (strictly_positive and value < MIN_POSITIVE)
     ):
-        bound = "> 0" if strictly_positive else f">= {lo:g}"
+        bound = f">= {MIN_POSITIVE:g}" if strictly_positive else f">= {lo:g}"
         raise InputError(
             source,
             f"row {line}.{col}",

@@ -15,6 +15,12 @@ from hetrain.errors import InputError, NoFeasiblePlanError
 from hetrain.plan import Plan, load_plan
 from hetrain.profile import ProfileArrays, load_profile
 
+PLAN_TIME_BUDGET_S = 10.0
+"""Soft wall-clock budget of ``hetrain plan``'s search (``best_plan(time_budget_s=...)``). The
+shipped examples plan in well under a second and never reach it; it keeps large inputs from
+hanging: 256 devices × 300 layers searched 50 s without it, 256 × 1000 over 100 s (the
+partitioner's stage matrices grow with layers² × pipeline length)."""
+
 
 def training_config(
     batch: int, optimizer_state_factor: float, schedule: str = "1f1b"
@@ -98,7 +104,14 @@ def run_plan(
     from hetrain.planner import best_plan
 
     try:
-        plan = best_plan(state, profile, config, v=v, queues=dict(queues or {}))
+        plan = best_plan(
+            state,
+            profile,
+            config,
+            v=v,
+            queues=dict(queues or {}),
+            time_budget_s=PLAN_TIME_BUDGET_S,
+        )
     except NoFeasiblePlanError as exc:
         raise InputError(
             str(model),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetrain._io import check_output_path
+from hetrain._io import MIN_POSITIVE, check_output_path
 from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
 from hetrain.errors import InputError, NoFeasiblePlanError
 from hetrain.profile import ProfileArrays, load_profile
@@ -42,10 +42,13 @@ def minimum_budget(
     """The least long-run average cost per iteration of ``resource`` any policy can reach on
     this trace, estimated as the mean over ``samples`` evenly spaced slots of the cheapest plan's
     cost in that slot's state (the planner with ``V → 0``: minimise ``y_j`` alone).
+    The searches share ``hetrain plan``'s soft time budget (256 devices × 1000 layers searched
+    for minutes without it); instances that need more get an upper estimate.
 
     Raises:
         NoFeasiblePlanError: some sampled slot has no feasible plan.
     """
+    from hetrain.commands.plan import PLAN_TIME_BUDGET_S
     from hetrain.planner import best_plan
 
     picks = np.unique(np.linspace(0, max(slots - 1, 0), num=min(samples, slots)).astype(int))
@@ -67,7 +70,10 @@ def minimum_budget(
                 seen[key] = 0.0
             else:
                 # V -> 0: minimise y_j alone (V·T is 1e-9 of any plan's y_j <= T·rate)
-                cheap = best_plan(state, profile, config, v=1e-9 * rate, queues={resource: 1.0})
+                cheap = best_plan(
+                    state, profile, config, v=1e-9 * rate, queues={resource: 1.0},
+                    time_budget_s=PLAN_TIME_BUDGET_S / len(picks),
+                )  # fmt: skip
                 seen[key] = float((cheap.cost or {})[resource])
         costs.append(seen[key])
     return float(np.mean(costs)) if costs else 0.0
@@ -117,8 +123,10 @@ def run_simulate(
         )
     check_v(v)
     for name, value in budgets.items():
-        if value <= 0:
-            raise InputError("--budget", name, f"expected a number > 0, got {value}")
+        if value < MIN_POSITIVE:  # the controller divides by the budget squared
+            raise InputError(
+                "--budget", name, f"expected a number >= {MIN_POSITIVE:g}, got {value:g}"
+            )
     if csv_out is not None:
         check_output_path("--csv-out", csv_out)
     parsed = load_trace(trace, spec) if trace is not None else Trace((), "<no trace>")
