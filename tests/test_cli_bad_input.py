@@ -93,6 +93,19 @@ FILES: dict[str, object] = {
         ]
     },  # fmt: skip
     "t_tiny.csv": TRACE_HEADER + "0,a,1e-300,,,\n",
+    # 2048 devices of 4 kinds, 8 per node: the polish's μ move idled groups (IndexError)
+    "big2048.json": {
+        "devices": [
+            {
+                "id": f"d{i}",
+                "node": f"n{i // 8}",
+                "tflops": (10, 20, 5, 8)[i % 4],
+                "memory_gib": (16, 40, 12, 16)[i % 4],
+                "nic_gbps": 10,
+            }
+            for i in range(2048)
+        ]
+    },
     "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
@@ -108,8 +121,12 @@ def inputs(tmp_path_factory) -> Path:
     return d
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def _argv(args: str, d: Path) -> list[str]:
-    return [a.replace("{d}", str(d)) for a in args.split()]
+    out = [a.replace("{d}", str(d)) for a in args.split()]
+    return [str(ROOT / a) if a.startswith("examples/") else a for a in out]
 
 
 def _check(inputs: Path, capsys, args: str, code: int, words: tuple[str, ...]) -> None:
@@ -169,6 +186,8 @@ CASES = [
     ("plan --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "layers", "fits")),
     ("plan --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8", 0, ()),
+    ("plan --cluster {d}/big2048.json --model examples/profiles/resnet50.json --batch 512", 0,
+     ()),
     # --- plan options -----------------------------------------------------------------------
     ("plan --cluster {d}/c.yaml --model {d}/m.json --batch 0", 2, ("--batch", ">= 1", "got 0")),
     ("plan --cluster {d}/c.yaml --model {d}/m.json --batch -3", 2, ("--batch", "got -3")),
