@@ -91,8 +91,9 @@ class BaselinePolicy:
             return True
         if self.replan == REPLAN_ON_AVAILABILITY:
             return self._available is None or not np.array_equal(available, self._available)
-        # on-loss: a device of an active group is gone
-        assert self._plan is not None
+        # on-loss: a device of an active group is gone (or no plan yet)
+        if self._plan is None:
+            return True
         index = observed.index()
         return any(
             not available[index[d]] for g in self._plan.groups if g.batch > 0 for d in g.devices
