@@ -5,9 +5,12 @@ Run from the repository root::
     PYTHONPATH=src python examples/build_examples.py [--data-dir /work/shared/data]
 
 Writes ``examples/profiles/{opt-350m,gpt-neo-2.7b,vgg16,resnet50-pipedream}.json`` (converted
-with :mod:`hetrain.converters`) and ``examples/clusters/*.yaml`` (built with
-:func:`hetrain.catalog.make_cluster`). The profiles measured by ``hetrain profile`` are made by
-``examples/profile_examples.sh``. Deterministic: running it twice gives the same files.
+with :mod:`hetrain.converters`), ``examples/clusters/*.yaml`` (built with
+:func:`hetrain.catalog.make_cluster`) and ``examples/traces/priced8-spot.csv`` (a SPEC §7 trace
+for ``clusters/priced8.yaml``: real AWS spot prices via :mod:`hetrain.sim.converters`, speed
+drift and straggler spikes from :mod:`hetrain.sim.dynamics`). The profiles measured by
+``hetrain profile`` are made by ``examples/profile_examples.sh``. Deterministic: running it
+twice gives the same files.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import yaml
 
 from hetrain.catalog import DEFAULT_DATA_DIR, make_cluster
 from hetrain.converters import load_json, pipedream_chain, sailor_model_profile
+from hetrain.sim.converters import spot_price_rows
+from hetrain.sim.dynamics import generate_trace
+from hetrain.trace import write_trace
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,6 +84,36 @@ def main() -> None:
         "spot price of Dec 2019 - Feb 2020 (spot-prices-aws), A100 at the on-demand price.",
         make_cluster({"A100-40": 2, "V100-16": 2, "K80": 4}, spot=True),
     )
+
+    write_priced8_trace(data, HERE / "traces" / "priced8-spot.csv")
+
+
+PRICED8_TRACE_SLOTS = 300
+
+
+def write_priced8_trace(data: Path, path: Path) -> None:
+    """A 300-slot trace for ``clusters/priced8.yaml`` (1 slot = 1 hour of price history): the
+    K80s follow the us-east-1 spot price of p2.xlarge and the V100s that of p3.2xlarge (one GPU
+    per instance; the A100s stay at their on-demand price), every device's speed drifts
+    (Ornstein-Uhlenbeck, 1% per slot) and has rare straggler spikes (0.3x). Seeded."""
+    slots = PRICED8_TRACE_SLOTS
+    spot = data / "spot-prices-aws" / "us-east-1"
+    k80 = [f"k80-{i}" for i in range(4)]
+    v100 = [f"v100-16-{i}" for i in range(2)]
+    everyone = ["a100-40-0", "a100-40-1", *v100, *k80]
+    rows = spot_price_rows(spot / "p2.xlarge.json", k80, slots)
+    rows += spot_price_rows(spot / "p3.2xlarge.json", v100, slots)
+    rows += generate_trace(
+        everyone,
+        slots,
+        seed=8,
+        drift={"sigma": 0.01},
+        stragglers={"rate": 0.003, "slowdown": 0.3, "mean_duration_slots": 10.0},
+    )
+    rows.sort(key=lambda r: r.slot)
+    path.parent.mkdir(exist_ok=True)
+    write_trace(path, rows)
+    print("wrote", path.relative_to(HERE.parent))
 
 
 if __name__ == "__main__":

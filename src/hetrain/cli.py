@@ -43,9 +43,11 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
 
     Raises:
         InputError: an item is not ``name=number`` with name ``money`` or ``energy`` and a
-            finite number >= 0.
+            finite number in ``[0, MAX_NUMBER]``, or a name is given twice.
     """
     import math
+
+    from hetrain._io import MAX_NUMBER
 
     out: dict[str, float] = {}
     for item in items or []:
@@ -53,12 +55,16 @@ def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
         name = name.strip()
         if not sep or name not in ("money", "energy"):
             raise InputError(option, item, "expected money=NUMBER or energy=NUMBER")
+        if name in out:
+            raise InputError(option, name, "expected each of money and energy at most once")
         try:
             number = float(value)
         except ValueError:
-            raise InputError(option, name, f"expected a number, got {value!r}") from None
-        if not math.isfinite(number) or number < 0:
-            raise InputError(option, name, f"expected a finite number >= 0, got {value}")
+            raise InputError(option, name, f"expected a number, got {value.strip()!r}") from None
+        if not (math.isfinite(number) and 0 <= number <= MAX_NUMBER):
+            raise InputError(
+                option, name, f"expected a finite number >= 0 and <= {MAX_NUMBER:g}, got {value}"
+            )
         out[name] = number
     return out
 

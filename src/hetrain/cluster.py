@@ -10,12 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
-from hetrain._io import MAX_NUMBER, check_finite_tree, read_structured
+from hetrain._io import MAX_NUMBER, check_finite_tree, check_not_tiny, read_structured
 from hetrain.errors import InputError, from_validation_error
 
 GBPS_TO_BYTES_PER_S = 1e9 / 8.0  # 1 Gbit/s = 1.25e8 bytes/s
@@ -23,12 +30,15 @@ GIB = float(2**30)
 
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
+Rate = Annotated[float, AfterValidator(check_not_tiny)]
+"""A speed or bandwidth: > 0 (the Field) and not below ``MIN_POSITIVE``."""
+
 
 class LinksSpec(BaseModel):
     """``links`` of a cluster file: intra-node bandwidth (Gbit/s) and per-link latency (µs)."""
 
     model_config = _STRICT
-    intra_node_gbps: float = Field(800.0, gt=0, le=MAX_NUMBER)
+    intra_node_gbps: Rate = Field(800.0, gt=0, le=MAX_NUMBER)
     latency_us: float = Field(20.0, ge=0, le=MAX_NUMBER)
 
 
@@ -38,9 +48,9 @@ class DeviceSpec(BaseModel):
     model_config = _STRICT
     id: str = Field(min_length=1)
     node: str | None = None
-    tflops: float = Field(gt=0, le=MAX_NUMBER)
+    tflops: Rate = Field(gt=0, le=MAX_NUMBER)
     memory_gib: float = Field(gt=0, le=MAX_NUMBER)
-    nic_gbps: float = Field(gt=0, le=MAX_NUMBER)
+    nic_gbps: Rate = Field(gt=0, le=MAX_NUMBER)
     power_w: float = Field(0.0, ge=0, le=MAX_NUMBER)
     price_per_hour: float = Field(0.0, ge=0, le=MAX_NUMBER)
     microbatch_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hetrain._io import check_finite_tree, read_structured
+from hetrain._io import MAX_BATCH, check_finite_tree, read_structured
 from hetrain.errors import InputError, from_validation_error
 
 Schedule = Literal["1f1b", "gpipe"]
@@ -31,8 +31,8 @@ class GroupPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     devices: tuple[str, ...] = Field(min_length=1)
     stages: tuple[tuple[int, int], ...] = Field(min_length=1)
-    microbatch_size: int = Field(ge=1)
-    batch: int = Field(ge=0)
+    microbatch_size: int = Field(ge=1, le=MAX_BATCH)
+    batch: int = Field(ge=0, le=MAX_BATCH)
 
     @model_validator(mode="after")
     def _check(self) -> GroupPlan:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetrain._io import MAX_NUMBER
+from hetrain._io import MAX_NUMBER, MIN_POSITIVE, read_text
 from hetrain.cluster import GBPS_TO_BYTES_PER_S, ClusterSpec, ClusterState
 from hetrain.errors import InputError
 
@@ -119,9 +119,9 @@ def _parse_float(source: str, line: int, col: str, text: str, lo: float) -> floa
         not math.isfinite(value)
         or value < lo
         or value > MAX_NUMBER
-        or (strictly_positive and value == 0)
+        or (strictly_positive and value < MIN_POSITIVE)
     ):
-        bound = "> 0" if strictly_positive else f">= {lo:g}"
+        bound = f">= {MIN_POSITIVE:g}" if strictly_positive else f">= {lo:g}"
         raise InputError(
             source,
             f"row {line}.{col}",
@@ -138,13 +138,7 @@ def load_trace(path: str | Path, cluster: ClusterSpec | None = None) -> Trace:
             ``available`` not 0/1, unknown devices (when ``cluster`` is given).
     """
     source = str(path)
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(source, "", "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(source, "", f"cannot read file ({type(exc).__name__})") from None
+    text = read_text(path)
     reader = csv.reader(text.splitlines())
     try:
         header = [h.strip() for h in next(reader)]

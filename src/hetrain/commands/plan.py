@@ -8,24 +8,52 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from hetrain._io import MAX_BATCH, MAX_NUMBER
 from hetrain.cluster import ClusterState, load_cluster
 from hetrain.costmodel import SCHEDULES, PlanEvaluation, TrainingConfig, evaluate_plan
 from hetrain.errors import InputError, NoFeasiblePlanError
 from hetrain.plan import Plan, load_plan
 from hetrain.profile import ProfileArrays, load_profile
 
+PLAN_TIME_BUDGET_S = 10.0
+"""Soft wall-clock budget of ``hetrain plan``'s search (``best_plan(time_budget_s=...)``). The
+shipped examples plan in well under a second and never reach it; it keeps large inputs from
+hanging: 256 devices × 300 layers searched 50 s without it, 256 × 1000 over 100 s (the
+partitioner's stage matrices grow with layers² × pipeline length)."""
 
-def _config(batch: int, optimizer_state_factor: float, schedule: str = "1f1b") -> TrainingConfig:
+
+def training_config(
+    batch: int, optimizer_state_factor: float, schedule: str = "1f1b"
+) -> TrainingConfig:
+    """The :class:`TrainingConfig` of the command-line options ``--batch``,
+    ``--optimizer-state-factor`` and ``--schedule``.
+
+    Raises:
+        InputError: ``--batch`` not in ``[1, MAX_BATCH]``, ``--optimizer-state-factor`` not a
+            finite number in ``[0, MAX_NUMBER]``, unknown schedule.
+    """
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
+    if batch > MAX_BATCH:
+        raise InputError("--batch", "", f"expected an integer <= {MAX_BATCH:.0e}, got {batch}")
     o = optimizer_state_factor
-    if not math.isfinite(o) or o < 0:
-        raise InputError("--optimizer-state-factor", "", f"expected a finite number >= 0, got {o}")
+    if not (math.isfinite(o) and 0 <= o <= MAX_NUMBER):
+        raise InputError(
+            "--optimizer-state-factor",
+            "",
+            f"expected a finite number between 0 and {MAX_NUMBER:g}, got {o}",
+        )
     if schedule not in SCHEDULES:
         raise InputError(
             "--schedule", "", f"expected one of {', '.join(SCHEDULES)}, got {schedule!r}"
         )
     return TrainingConfig(batch=batch, optimizer_state_factor=o, schedule=schedule)
+
+
+def check_v(v: float) -> None:
+    """Raise :class:`InputError` unless ``--V`` is a finite number in ``(0, MAX_NUMBER]``."""
+    if not (math.isfinite(v) and 0 < v <= MAX_NUMBER):
+        raise InputError("--V", "", f"expected a finite number > 0 and <= {MAX_NUMBER:g}, got {v}")
 
 
 def _load(cluster: Path, model: Path) -> tuple[ClusterState, ProfileArrays]:
@@ -70,14 +98,20 @@ def run_plan(
         InputError: bad files or options; a model that fits on no arrangement of the devices
             (names the model file).
     """
-    config = _config(batch, optimizer_state_factor, schedule)
-    if not math.isfinite(v) or v <= 0:
-        raise InputError("--V", "", f"expected a finite number > 0, got {v}")
+    config = training_config(batch, optimizer_state_factor, schedule)
+    check_v(v)
     state, profile = _load(cluster, model)
     from hetrain.planner import best_plan
 
     try:
-        plan = best_plan(state, profile, config, v=v, queues=dict(queues or {}))
+        plan = best_plan(
+            state,
+            profile,
+            config,
+            v=v,
+            queues=dict(queues or {}),
+            time_budget_s=PLAN_TIME_BUDGET_S,
+        )
     except NoFeasiblePlanError as exc:
         raise InputError(
             str(model),
@@ -113,7 +147,7 @@ def run_evaluate(
         InputError (exit 2): bad files; the plan names unknown or unavailable devices, does not
             cover the layers, or its shares do not sum to ``--batch``.
     """
-    config = _config(batch, optimizer_state_factor)
+    config = training_config(batch, optimizer_state_factor)
     state, profile = _load(cluster, model)
     the_plan = load_plan(plan)
     the_plan.validate_for(state.ids, profile.num_layers, batch, str(plan))

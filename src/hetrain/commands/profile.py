@@ -11,14 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetrain._io import check_output_path
 from hetrain.errors import InputError
+
+MAX_PROFILE_BATCH = 4096
+"""Most samples ``hetrain profile`` runs at once (``--batch``, ``--microbatch-sizes``): the
+profile is per sample, and real inputs of that many samples are allocated."""
 
 
 def parse_microbatch_sizes(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``.
 
     Raises:
-        InputError: not at least 2 distinct integers >= 1.
+        InputError: not at least 2 distinct integers in ``[1, MAX_PROFILE_BATCH]``.
     """
     try:
         sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
@@ -26,8 +31,13 @@ def parse_microbatch_sizes(text: str) -> tuple[int, ...]:
         raise InputError(
             "--microbatch-sizes", "", f"expected integers like 1,2,4,8, got {text!r}"
         ) from None
-    if len(sizes) < 2 or sizes[0] < 1:
-        raise InputError("--microbatch-sizes", "", "expected at least 2 distinct integers >= 1")
+    if len(sizes) < 2 or sizes[0] < 1 or sizes[-1] > MAX_PROFILE_BATCH:
+        raise InputError(
+            "--microbatch-sizes",
+            "",
+            f"expected at least 2 distinct integers between 1 and {MAX_PROFILE_BATCH}, "
+            f"got {text!r}",
+        )
     return sizes
 
 
@@ -59,8 +69,10 @@ def run_profile(
     every median time and fit.
 
     Raises:
-        InputError: unknown example, ``batch < 1``, bad device or micro-batch sizes,
-            ``workers < 1``, or ``--measure`` without ``--out``.
+        InputError: unknown example, ``batch`` not in ``[1, MAX_PROFILE_BATCH]``, bad device
+            or micro-batch sizes, ``workers``, ``repeats`` or ``threads`` < 1, ``warmup`` < 0,
+            ``--out``/``--cluster-out`` not writable as a file, or ``--measure`` without
+            ``--out``.
     """
     import torch
 
@@ -75,10 +87,27 @@ def run_profile(
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
         raise InputError("--device", "", f"expected auto, cpu or meta, got {device!r}")
-    if workers < 1:
-        raise InputError("--workers", "", f"expected an integer >= 1, got {workers}")
+    if batch > MAX_PROFILE_BATCH:
+        raise InputError(
+            "--batch",
+            "",
+            f"expected at most {MAX_PROFILE_BATCH} samples (per-sample figures; a few suffice), "
+            f"got {batch}",
+        )
+    for option, value, least in (
+        ("--workers", workers, 1),
+        ("--repeats", repeats, 1),
+        ("--warmup", warmup, 0),
+        ("--threads", threads, 1),
+    ):
+        if value < least:
+            raise InputError(option, "", f"expected an integer >= {least}, got {value}")
     if measure and out is None:
         raise InputError("--out", "", "required with --measure (the cluster file goes next to it)")
+    if out is not None:
+        check_output_path("--out", out)
+    if measure and cluster_out is not None:
+        check_output_path("--cluster-out", cluster_out)
     sizes = parse_microbatch_sizes(microbatch_sizes) if measure else ()
     ex = EXAMPLES[example]
     count_device = device if device != "auto" else ("meta" if ex.large else "cpu")
@@ -167,6 +196,7 @@ def _measure(
     }
     cluster_from_dict(cluster, "<measured cluster>")  # validate before writing
     cpath = cluster_out or out.with_name(out.stem + ".cluster.yaml")
+    cpath.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"# measured by `hetrain profile --example {ex.name} --measure` on {platform.node()}\n"
         f"# ({platform.processor() or platform.machine()}, {times.threads} thread(s) per rank);"

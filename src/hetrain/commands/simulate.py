@@ -3,8 +3,10 @@
 Never imports torch (tested). Bad input of any kind raises :class:`~hetrain.errors.InputError`
 (one line, exit 2): unreadable or invalid files, a trace naming unknown devices, negative speeds
 or slots out of order (:func:`hetrain.trace.load_trace`), an unknown policy, ``--V`` not > 0,
-``--slots`` < 1, a model that fits on no arrangement of the devices, or a budget below the
-cheapest plan's cost (the message states the minimum feasible budget).
+``--slots`` < 1 or above :data:`MAX_SLOTS` / :data:`MAX_DEVICE_SLOTS`, a trace where no device is
+available in any slot, a ``--csv-out`` that cannot be written, a model that fits on no
+arrangement of the devices, or a budget below the cheapest plan's cost (the message states the
+minimum feasible budget).
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
+from hetrain._io import MIN_POSITIVE, check_output_path
 from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
 from hetrain.errors import InputError, NoFeasiblePlanError
 from hetrain.profile import ProfileArrays, load_profile
 from hetrain.trace import Trace, TraceTimeline, load_trace
+
+MAX_SLOTS = 10**6
+"""Most slots ``hetrain simulate`` runs (a few ms each: about an hour)."""
+
+MAX_DEVICE_SLOTS = 10**7
+"""Most slots × devices: the trace is expanded to dense ``(slots, D)`` arrays (~0.3 GB)."""
 
 
 def minimum_budget(
@@ -33,10 +42,13 @@ def minimum_budget(
     """The least long-run average cost per iteration of ``resource`` any policy can reach on
     this trace, estimated as the mean over ``samples`` evenly spaced slots of the cheapest plan's
     cost in that slot's state (the planner with ``V → 0``: minimise ``y_j`` alone).
+    The searches share ``hetrain plan``'s soft time budget (256 devices × 1000 layers searched
+    for minutes without it); instances that need more get an upper estimate.
 
     Raises:
         NoFeasiblePlanError: some sampled slot has no feasible plan.
     """
+    from hetrain.commands.plan import PLAN_TIME_BUDGET_S
     from hetrain.planner import best_plan
 
     picks = np.unique(np.linspace(0, max(slots - 1, 0), num=min(samples, slots)).astype(int))
@@ -58,7 +70,10 @@ def minimum_budget(
                 seen[key] = 0.0
             else:
                 # V -> 0: minimise y_j alone (V·T is 1e-9 of any plan's y_j <= T·rate)
-                cheap = best_plan(state, profile, config, v=1e-9 * rate, queues={resource: 1.0})
+                cheap = best_plan(
+                    state, profile, config, v=1e-9 * rate, queues={resource: 1.0},
+                    time_budget_s=PLAN_TIME_BUDGET_S / len(picks),
+                )  # fmt: skip
                 seen[key] = float((cheap.cost or {})[resource])
         costs.append(seen[key])
     return float(np.mean(costs)) if costs else 0.0
@@ -87,34 +102,41 @@ def run_simulate(
     Raises:
         InputError: any bad input (see module docstring).
     """
+    from hetrain.commands.plan import check_v, training_config
     from hetrain.control import POLICY_NAMES, make_policy
-    from hetrain.costmodel import TrainingConfig
     from hetrain.sim.simulator import simulate
 
     spec: ClusterSpec = load_cluster(cluster)
     profile = load_profile(model).arrays()
-    if batch < 1:
-        raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
-    if slots < 1:
-        raise InputError("--slots", "", f"expected an integer >= 1, got {slots}")
+    config = training_config(batch, optimizer_state_factor)
+    max_slots = min(MAX_SLOTS, MAX_DEVICE_SLOTS // len(spec.devices))
+    if not 1 <= slots <= max_slots:
+        raise InputError(
+            "--slots",
+            "",
+            f"expected an integer between 1 and {max_slots} (at most {MAX_DEVICE_SLOTS:.0e} "
+            f"device-slots for {len(spec.devices)} devices), got {slots}",
+        )
     if policy not in POLICY_NAMES and plan is None:
         raise InputError(
             "--policy", "", f"expected one of {', '.join(POLICY_NAMES)}, got {policy!r}"
         )
-    if not (math.isfinite(v) and v > 0):
-        raise InputError("--V", "", f"expected a finite number > 0, got {v}")
-    if not (math.isfinite(optimizer_state_factor) and optimizer_state_factor >= 0):
-        raise InputError(
-            "--optimizer-state-factor",
-            "",
-            f"expected a finite number >= 0, got {optimizer_state_factor}",
-        )
+    check_v(v)
     for name, value in budgets.items():
-        if value <= 0:
-            raise InputError("--budget", name, f"expected a number > 0, got {value}")
-    config = TrainingConfig(batch=batch, optimizer_state_factor=optimizer_state_factor)
+        if value < MIN_POSITIVE:  # the controller divides by the budget squared
+            raise InputError(
+                "--budget", name, f"expected a number >= {MIN_POSITIVE:g}, got {value:g}"
+            )
+    if csv_out is not None:
+        check_output_path("--csv-out", csv_out)
     parsed = load_trace(trace, spec) if trace is not None else Trace((), "<no trace>")
     timeline = parsed.timeline(spec, slots)
+    if not timeline.available.any():
+        raise InputError(
+            str(trace),
+            "available",
+            f"expected some device available in some of the {slots} slots (all are 0)",
+        )
     if not budgets:
         _check_model_fits(spec.state(), profile, config, str(model))
     for name, value in budgets.items():
@@ -150,7 +172,12 @@ def run_simulate(
         pol = make_policy(policy, profile, config, v=v, budgets=budgets or None)
     result = simulate(pol, timeline, profile, config, slots=slots, budgets=budgets)
     if csv_out is not None:
-        result.write_csv(csv_out)
+        try:
+            result.write_csv(csv_out)
+        except OSError as exc:
+            raise InputError(
+                "--csv-out", "", f"cannot write {str(csv_out)!r} ({exc.strerror})"
+            ) from None
     summary = result.summary()
     if json_out:
         print(json.dumps(summary))

@@ -1051,9 +1051,12 @@ def local_search(
             unused = [int(d) for d in ctx.available if int(d) not in used]
             # μ moves: the same structure with each group's μ ± 1 among its candidates
             for step in (-1, 1):
+                # current's own groups: the μ - 1 move may have idled some (then the old
+                # groups outnumbered current's μs: IndexError on 20000 devices)
+                mu_groups = [tuple(int(x) for x in g) for g in current.groups]
                 mus = [max(1, int(m) + step) for m in current.microbatch_sizes]
                 solves += 1
-                cand = solve_structure(ctx, groups, current, extra_mus=mus)
+                cand = solve_structure(ctx, mu_groups, current, extra_mus=mus)
                 if cand is not current and cand.objective < current.objective * (1 - 1e-9):
                     current = cand
             for trial in _structure_moves(ctx, groups, unused):

@@ -296,11 +296,12 @@ class Adapter:
         confirm_steps: consecutive steps on which a change must look worth it (noise guard).
         replan_threshold: relative move of a speed estimate that triggers the planner.
         replan_every_steps: run the planner at least this often.
-        min_share_gain: relative predicted gain a share-only change from the policy needs (the
-            policy re-balances shares every slot; measured speeds are noisy).
-        async_planning: run the planner in a background thread of rank 0 (the exhaustive
-            search takes ~0.1-1 s; training goes on meanwhile and the candidate is checked
-            against the estimates of the step when it arrives).
+        min_share_gain: relative predicted gain a share-only change from the policy needs, on
+            ``confirm_steps`` consecutive answers (the policy re-balances shares every slot;
+            measured speeds are noisy).
+        async_planning: run the planner / controller in a background thread of rank 0 (the
+            exhaustive search takes ~0.1-1 s; training goes on meanwhile and the answer is
+            applied at the first step after it arrives).
         warmup_steps: steps to measure before the first decision.
         optimizer_state_factor: ``o`` for the migration bytes.
     """
@@ -318,7 +319,7 @@ class Adapter:
     replan_threshold: float = 0.3
     replan_every_steps: int = 100
     async_planning: bool = True
-    min_share_gain: float = 0.1
+    min_share_gain: float = 0.15
     optimizer_state_factor: float = 2.0
     estimates: SpeedEstimates = field(init=False)
     _votes: int = field(default=0, init=False)
@@ -362,20 +363,27 @@ class Adapter:
             if not self._pending.done():
                 return None
             future, self._pending = self._pending, None
-            candidate, source = future.result()
+            candidate, source, policy = future.result()
+            self.policy = policy  # the controller's state after that decision
         elif self.async_planning:
             self._pending = _executor().submit(_policy_decide, self.policy, step, state)
             return None
         else:
-            candidate, source = _policy_decide(self.policy, step, state)
+            candidate, source, self.policy = _policy_decide(self.policy, step, state)
         candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
         if _same_plan(candidate, current):
             return None
         decision = _decision(self, step, current, candidate, state, source)
-        if not decision.structure_changed and not (
-            decision.predicted_time_s < (1 - self.min_share_gain) * decision.current_time_s
-        ):
-            return None  # a share-only change must gain min_share_gain (noise guard)
+        if not decision.structure_changed:
+            # noise guard: a share-only change must gain min_share_gain on confirm_steps
+            # consecutive answers of the controller
+            if decision.predicted_time_s >= (1 - self.min_share_gain) * decision.current_time_s:
+                self._votes = 0
+                return None
+            self._votes += 1
+            if self._votes < self.confirm_steps:
+                return None
+        self._votes = 0
         self._last_change = step
         return decision
 
@@ -461,7 +469,10 @@ _EXECUTOR = None
 
 
 def _executor():
-    """One background thread for planner calls (created on first use, daemon)."""
+    """One background thread for planner/controller calls (created on first use). The search
+    is Python + numpy: while it runs it competes with rank 0's training loop for the GIL, so
+    rank 0's steps slow down for the ~0.1-1 s of a search (a forked helper process would
+    avoid that; it hung with gloo in the parent and is not used)."""
     global _EXECUTOR
     if _EXECUTOR is None:
         from concurrent.futures import ThreadPoolExecutor
@@ -515,8 +526,10 @@ def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
     return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
 
 
-def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str]:
-    return policy.decide(slot, observed), "policy"
+def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str, Any]:
+    """``policy.decide`` returning the policy too (it is stateful and, in the planner process,
+    a copy: the caller keeps the returned one)."""
+    return policy.decide(slot, observed), "policy", policy
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:

@@ -48,7 +48,7 @@ from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-FIRST_PLAN_MIN_GAIN = 0.2  # relative predicted gain over even shares needed for the first plan
+FIRST_PLAN_MIN_GAIN = 0.3  # relative predicted gain over even shares needed for the first plan
 
 
 @dataclass
