@@ -120,22 +120,37 @@ def verify_files(folder: str | Path, files: Mapping[str, Any], manifest_path: st
     """
     folder = Path(folder)
     for name, rec in files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\0" in name
+            or len(name.encode("utf-8", "surrogatepass")) > 255
+        ):
+            raise CheckpointError(
+                manifest_path, "files", f"expected plain file names, got {name!r}"
+            )
         fpath = folder / name
-        if not fpath.is_file():
-            raise CheckpointError(str(fpath), "", "missing (checkpoint corrupted)")
         try:
             size, digest = int(rec["size"]), str(rec["sha256"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise CheckpointError(
                 manifest_path, f"files.{name}", "expected size and sha256"
             ) from None
-        actual = fpath.stat().st_size
-        if actual != size:
-            raise CheckpointError(
-                str(fpath), "", f"size {actual} bytes, manifest says {size} (checkpoint corrupted)"
-            )
-        if _sha256(fpath) != digest:
-            raise CheckpointError(str(fpath), "", "checksum mismatch (checkpoint corrupted)")
+        try:
+            if not fpath.is_file():
+                raise CheckpointError(str(fpath), "", "missing (checkpoint corrupted)")
+            actual = fpath.stat().st_size
+            if actual != size:
+                raise CheckpointError(
+                    str(fpath),
+                    "",
+                    f"size {actual} bytes, manifest says {size} (checkpoint corrupted)",
+                )
+            if _sha256(fpath) != digest:
+                raise CheckpointError(str(fpath), "", "checksum mismatch (checkpoint corrupted)")
+        except OSError as exc:
+            raise CheckpointError(str(fpath), "", f"unreadable ({type(exc).__name__})") from None
 
 
 def _fsync_dir(path: Path) -> None:
