@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
-from hetrain.runtime.checkpoint_io import file_digests, fsync_dir, verify_files
+from hetrain.runtime.checkpoint_io import file_digests, publish_checkpoint, verify_files
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -103,23 +102,7 @@ def save(
         # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
         # load; the manifest is written last (fsync + rename), then the folder is published
         data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
-        part = tmp / (MANIFEST + ".part")
-        with open(part, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(part, tmp / MANIFEST)
-        fsync_dir(tmp)
-        if final.exists():  # re-saving a step after a restart: swap, never delete first
-            old = root / f".old-{final.name}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(root)
+        publish_checkpoint(tmp, final, data)
     _barrier()
     return final
 

@@ -195,6 +195,37 @@ def _rank(process_group: Any) -> int:
     return dist.get_rank(group=process_group)
 
 
+def publish_checkpoint(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
+    """Make the fully written checkpoint folder ``tmp`` visible as ``final``, atomically.
+
+    The manifest is written last (``.part`` + fsync + ``os.replace``), then ``tmp`` is renamed
+    to ``final``; an existing ``final`` (a step re-saved after a restart) is swapped out, never
+    deleted first, so a crash at any point leaves either the old or the new checkpoint
+    complete. Called on one rank (rank 0) after every rank's data is on disk.
+
+    Raises:
+        OSError: the filesystem failed (earlier checkpoints are intact).
+    """
+    part = tmp / (MANIFEST + ".part")
+    with open(part, "w", encoding="utf-8") as fh:
+        json.dump(dict(manifest), fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, tmp / MANIFEST)
+    _fsync_dir(tmp)
+    root = final.parent
+    if final.exists():  # re-saving a step (e.g. after a restart): replace it atomically
+        old = root / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -258,23 +289,7 @@ def save_checkpoint(
             "meta": meta_json,
             "files": files,
         }
-        part = tmp / (MANIFEST + ".part")
-        with open(part, "w", encoding="utf-8") as fh:
-            json.dump(manifest, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(part, tmp / MANIFEST)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a restart): replace it atomically
-            old = root / f".old-{final.name}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        publish_checkpoint(tmp, final, manifest)
         for stale in list_checkpoints(root)[: -int(keep)]:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(process_group)
