@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from random_inputs import random_profile
 
 from hetrain.catalog import make_mixed_cluster
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.planner import baselines, best_plan
 from hetrain.profile import profile_from_dict
-
-
-def _profile(rng: np.random.Generator) -> dict:
-    num_layers = int(rng.integers(6, 30))
-    return {
-        "layers": [
-            {"name": f"l{i}", "fwd_flops": float(rng.uniform(1e9, 5e11)),
-             "activation_bytes": float(rng.uniform(1e5, 5e7)),
-             "param_bytes": float(rng.choice([1e6, 1e8, 1e9]) * rng.uniform(0.5, 1.5))}
-            for i in range(num_layers)
-        ]
-    }  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -34,7 +23,7 @@ def test_pruned_search_invariants(seed: int) -> None:
         gone = rng.random(size) < 0.2
         gone[0] = False
         state = state.with_changes(available=~gone)
-    profile = profile_from_dict(_profile(rng)).arrays()
+    profile = profile_from_dict(random_profile(rng, 6, 29)).arrays()
     config = TrainingConfig(batch=int(rng.integers(8, 300)), schedule=["1f1b", "gpipe"][seed % 2])
     queues = {"money": float(rng.choice([0.0, 100.0, 1000.0]))}
     plan = best_plan(state, profile, config, queues=queues)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from random_inputs import random_profile
 
 from hetrain.catalog import make_mixed_cluster
 from hetrain.cluster import load_cluster
@@ -86,24 +87,12 @@ def best_single_pipeline_s(state, profile, config, order) -> float:
     return best
 
 
-def _profile(rng: np.random.Generator) -> dict:
-    num_layers = int(rng.integers(12, 41))
-    return {
-        "layers": [
-            {"name": f"l{i}", "fwd_flops": float(rng.uniform(1e9, 5e11)),
-             "activation_bytes": float(rng.uniform(1e5, 5e7)),
-             "param_bytes": float(rng.choice([1e6, 1e8, 1e9]) * rng.uniform(0.5, 1.5))}
-            for i in range(num_layers)
-        ]
-    }  # fmt: skip
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_never_worse_than_baselines_and_single_pipelines(seed: int) -> None:
     rng = np.random.default_rng(500 + seed)
     size = int(rng.integers(5, 9))
     state = make_mixed_cluster(size, seed=seed, speed_jitter=0.1).state()
-    profile = profile_from_dict(_profile(rng)).arrays()
+    profile = profile_from_dict(random_profile(rng, 12, 40)).arrays()
     config = TrainingConfig(batch=int(rng.integers(8, 65)), schedule=["1f1b", "gpipe"][seed % 2])
     plan = best_plan(state, profile, config)
     ev = evaluate_plan(plan, state, profile, config)
