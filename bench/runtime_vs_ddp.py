@@ -17,10 +17,11 @@ adaptation steps count). Every rank emulates a device ``--base-slowdown`` (defau
 slower than one host core, the slow one ``3 x`` that: with sleeping emulation the 4 ranks then
 use about one core, so they do not slow each other down on a 2-core machine (with 4 busy ranks
 on 2 cores a sleeping rank frees a core for the others and the slow-down costs DDP little).
-Runs: one rank 3x slower, then no slow-down. The last line is JSON
+Runs: one rank 3x slower, then no slow-down; in each, DDP and hetrain alternate ``--repeats``
+(default 3) times and the median iterations/s are compared. The last line is JSON
 ``{"speedup_vs_ddp_one_slow": x, "ratio_vs_ddp_equal": y, ...}``; targets x >= 1.5, y >= 0.9.
 
-Usage: ``PYTHONPATH=src python bench/runtime_vs_ddp.py [--steps 60] [--batch 64]``
+Usage: ``PYTHONPATH=src python bench/runtime_vs_ddp.py [--steps 60] [--batch 64] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -218,6 +219,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--keep", help="keep hetrain's metrics files in this folder")
     ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="alternate DDP and hetrain this many times per case; medians are compared",
+    )
+    ap.add_argument(
         "--base-slowdown",
         type=float,
         default=4.0,
@@ -234,16 +241,29 @@ def main() -> None:
         for slow in (True, False):
             tag = "one_slow" if slow else "equal"
             base = args.base_slowdown
-            ddp = its_per_s(run_ddp(args.steps, args.batch, slow, base), args.warmup)
-            stamps, summary = run_hetrain(args.steps, args.batch, slow, base, tmp)
-            het = its_per_s(stamps, args.warmup)
+            # DDP and hetrain alternate, --repeats times each, and the medians are compared:
+            # on a shared 2-core machine one run's it/s varies by +-15 % from run to run
+            ddp_runs, het_runs = [], []
+            for _ in range(args.repeats):
+                ddp = its_per_s(run_ddp(args.steps, args.batch, slow, base), args.warmup)
+                stamps, summary = run_hetrain(args.steps, args.batch, slow, base, tmp)
+                het = its_per_s(stamps, args.warmup)
+                ddp_runs.append(ddp)
+                het_runs.append(het)
+                print(
+                    f"{tag:9s} DDP {ddp:6.2f} it/s   hetrain {het:6.2f} it/s   ratio "
+                    f"{het / ddp:5.2f}   final plan shares "
+                    f"{[(g['devices'], g['batch']) for g in summary['final_plan']['groups']]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            ddp, het = float(np.median(ddp_runs)), float(np.median(het_runs))
             result[f"ddp_it_per_s_{tag}"] = round(ddp, 3)
             result[f"hetrain_it_per_s_{tag}"] = round(het, 3)
             result[f"hetrain_replans_{tag}"] = summary["replans"]
             print(
-                f"{tag:9s} DDP {ddp:6.2f} it/s   hetrain {het:6.2f} it/s   ratio "
-                f"{het / ddp:5.2f}   final plan shares "
-                f"{[(g['devices'], g['batch']) for g in summary['final_plan']['groups']]}",
+                f"{tag:9s} median of {args.repeats}: DDP {ddp:6.2f} it/s   hetrain {het:6.2f} "
+                f"it/s   ratio {het / ddp:5.2f}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -257,6 +277,7 @@ def main() -> None:
         "steps": args.steps,
         "batch": args.batch,
         "base_slowdown": args.base_slowdown,
+        "repeats": args.repeats,
         "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         **result,
