@@ -439,15 +439,14 @@ class Adapter:
             if _same_plan(candidate, current):
                 return None
             self._candidate, self._source, self._votes = candidate, source, 0
-        candidate, source = self._candidate, self._source
-        t_cur = predict_iteration_time_s(current, state, self.profile, self.config)
-        t_new = predict_iteration_time_s(candidate, state, self.profile, self.config)
-        mig = migration_time_estimate_s(
-            current, candidate, self.profile, state, self.optimizer_state_factor
-        )
-        if source != "policy":
+        decision = _decision(self, step, current, self._candidate, state, self._source)
+        if self._source != "policy":
+            t_cur, t_new = decision.current_time_s, decision.predicted_time_s
             horizon = max(min(self.steps - step, self.horizon_steps), 0)
-            if not (t_new < (1 - self.min_gain) * t_cur and (t_cur - t_new) * horizon > mig):
+            if not (
+                t_new < (1 - self.min_gain) * t_cur
+                and (t_cur - t_new) * horizon > decision.migration_time_s
+            ):
                 self._candidate = None
                 return None
             self._votes += 1
@@ -455,14 +454,7 @@ class Adapter:
                 return None
         self._candidate = None
         self._last_change = step
-        return Decision(
-            plan=candidate,
-            reason=f"{source}: predicted {t_cur:.4g}s -> {t_new:.4g}s per iteration",
-            current_time_s=t_cur,
-            predicted_time_s=t_new,
-            migration_time_s=mig,
-            structure_changed=candidate.structure() != current.structure(),
-        )
+        return decision
 
 
 _EXECUTOR = None
