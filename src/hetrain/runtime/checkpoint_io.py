@@ -319,15 +319,26 @@ def validate_checkpoint(path: str | Path, *, fingerprint: str | None = None) -> 
     mpath = path / MANIFEST
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        step = int(manifest["step"])
+        step = manifest["step"]
+        # exact types: JSON numbers such as 3.0, true or Infinity are not steps or versions
+        if type(step) is not int or step < 0 or type(manifest.get("format")) is not int:
+            raise ValueError("step/format")
         files = dict(manifest["files"])
         stored_fp = str(manifest["fingerprint"])
         meta = dict(manifest.get("meta") or {})
-        if int(manifest.get("format", 0)) != FORMAT_VERSION:
+        if manifest["format"] != FORMAT_VERSION:
             raise ValueError("format")
     except FileNotFoundError:
         raise CheckpointError(str(mpath), "", "missing (checkpoint incomplete)") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        RecursionError,
+        OverflowError,
+    ):
         raise CheckpointError(
             str(mpath), "", f"expected a hetrain checkpoint manifest (format {FORMAT_VERSION})"
         ) from None

@@ -398,8 +398,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
     if plan is None and resume is not None and set(resume.plan.devices) == set(job.devices):
         plan = resume.plan
-    if plan is None:
-        # measured speeds of the local ranks (emulation of the first slot applied)
+    if plan is None or job.adaptive:
+        # measured speeds and per-micro-batch overheads κ of the local ranks (emulation of the
+        # first slot applied); also with a given plan when adapting, else the controller would
+        # plan with placeholder speeds and κ = 0 (free micro-batches: tiny μ, long pipelines)
         factor = emu.factors(start_step)[device_id]
         flops_per_sample = float(profile.train_flops.sum())
         mine = _measure_device(
@@ -410,6 +412,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         measured = [float(t[0]) for t in gathered]
         kappa = [float(t[1]) for t in gathered]
         base_state = _base_state(job, measured, kappa)
+    else:
+        base_state = _base_state(job, None)
+    if plan is None:
         if lead:
             first = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
             if job.adaptive and world > 1:
@@ -429,8 +434,6 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             payload = [None]
         dist.broadcast_object_list(payload, src=0)
         plan = plan_from_dict(payload[0], "<first plan>")
-    else:
-        base_state = _base_state(job, None)
     if plan.plan_id is None:
         plan = plan.model_copy(update={"plan_id": 0})
     if lead and job.adaptive:
