@@ -187,3 +187,16 @@ def test_overlap_off_is_spec_and_on_only_changes_the_sync_charge(seed: int) -> N
         # one bucket per device, ready when its group ends: the collective starts when the
         # slowest group ends and lasts the slowest owner's t_d -> SPEC §3 exactly
         assert on.iteration_time_s == pytest.approx(spec.iteration_time_s, rel=1e-9)
+
+
+def test_planner_figures_and_choice_use_the_overlap_when_asked() -> None:
+    from hetrain.planner import best_plan
+
+    state = _cluster(nic_gbps=0.8)
+    config = TrainingConfig(batch=8, sync_overlap=True, sync_bucket_cap_bytes=PER_LAYER)
+    plan = best_plan(state, PROFILE, config)
+    ev = evaluate_plan(plan, state, PROFILE, config)
+    assert ev.exposed_sync_time_s is not None
+    assert plan.iteration_time_s == ev.iteration_time_s
+    spec = best_plan(state, PROFILE, TrainingConfig(batch=8))
+    assert ev.iteration_time_s <= spec.iteration_time_s * (1 + 1e-12)
