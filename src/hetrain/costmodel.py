@@ -21,6 +21,12 @@ size ``μ_g`` and share ``b_g``:
 * money ``y_money = T Σ_{d used} π_d``, energy ``y_energy = T Σ_{d used} W_d``
 * lower bound ``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d``
 
+Opt-in refinement (``TrainingConfig.sync_overlap``, default off = SPEC §3 exactly): the
+gradient all-reduce overlapped with the last micro-batch's backward, bucket by bucket, as the
+runtime engine (:class:`hetrain.runtime.data_parallel.GradientSync`) and PyTorch DDP do (Li et
+al., "PyTorch Distributed", VLDB 2020); see :func:`overlapped_sync_s`. Then
+``T = max_g T_g + T_exposed`` instead of ``max_g T_g + T_sync``.
+
 Choices where SPEC §3 is silent (see docs/planner.md): devices of an idle group (``b_g = 0``)
 are reported with the memory of their parameters, gradients and optimizer state (``h_k = 0``)
 and count towards ``fits``; they are neither used nor charged.
@@ -47,14 +53,22 @@ class TrainingConfig:
     ``o`` (bytes of optimizer state per parameter byte: 2 Adam, 1 SGD+momentum, 0 SGD) and the
     pipeline schedule (``"1f1b"`` or ``"gpipe"``; it only changes the memory term ``h_k``).
 
+    ``sync_overlap`` (not in SPEC §3, default False = SPEC §3 exactly): charge only the part of
+    the gradient all-reduce that the bucketed overlap with the last backward leaves exposed
+    (:func:`overlapped_sync_s`), for engines that overlap (hetrain's runtime, PyTorch DDP).
+    ``sync_bucket_cap_bytes``: the engine's gradient bucket cap (bytes; the runtime's
+    ``Worker(bucket_cap_bytes=...)`` default, 64 MiB), used only with ``sync_overlap``.
+
     Raises:
         ValueError: ``batch < 1``, negative or non-finite ``optimizer_state_factor``, unknown
-            schedule.
+            schedule, ``sync_overlap`` not a bool, ``sync_bucket_cap_bytes`` not finite > 0.
     """
 
     batch: int
     optimizer_state_factor: float = 2.0
     schedule: str = "1f1b"
+    sync_overlap: bool = False
+    sync_bucket_cap_bytes: float = 64 * 2**20
 
     def __post_init__(self) -> None:
         if isinstance(self.batch, bool) or int(self.batch) != self.batch or self.batch < 1:
@@ -64,6 +78,11 @@ class TrainingConfig:
             raise ValueError(f"optimizer_state_factor: expected a finite number >= 0, got {o!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.sync_overlap, bool | np.bool_):
+            raise ValueError(f"sync_overlap: expected a bool, got {self.sync_overlap!r}")
+        cap = self.sync_bucket_cap_bytes
+        if isinstance(cap, bool) or not (np.isfinite(float(cap)) and float(cap) > 0):
+            raise ValueError(f"sync_bucket_cap_bytes: expected a finite number > 0, got {cap!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +238,27 @@ def sync_times_s(
     num_active = len(groups)
     if num_active <= 1:
         return [np.zeros(len(devs)) for devs, _ in groups]
+    beta = sync_bandwidths_bytes_per_s(state, prefix, groups)
+    bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
+    sizes = np.array([len(b) - 1 for b in bounds_list])
+    starts = np.concatenate([b[:-1] for b in bounds_list])
+    ends = np.concatenate([b[1:] for b in bounds_list])
+    theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
+    scale = 2.0 * (num_active - 1) / num_active
+    t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
+    return np.split(t, np.cumsum(sizes)[:-1])
+
+
+def sync_bandwidths_bytes_per_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> np.ndarray:
+    """``β_d`` of SPEC §3's sync term for every device of the given **active** groups,
+    concatenated in group then stage order, shape ``(Σ_g K_g,)``, bytes/s: the intra-node
+    bandwidth if every device of the other active groups holding any of ``d``'s layers is on
+    ``d``'s node, else ``nic_d`` (see :func:`sync_times_s`)."""
+    num_active = len(groups)
     num_layers = prefix.num_layers
     devs_all = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
     bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
@@ -234,11 +274,124 @@ def sync_times_s(
     local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
     row = np.repeat(np.arange(num_active), sizes)
     all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
-    beta = np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
-    theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
+    return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
+
+
+def sync_bucket_edges(
+    prefix: ProfilePrefix, stage_bounds: Sequence[np.ndarray], cap_bytes: float
+) -> np.ndarray:
+    """Gradient buckets as the runtime engine forms them
+    (:func:`hetrain.runtime.data_parallel.build_buckets`): maximal runs of consecutive layers
+    with the same owners — so a bucket never crosses a stage boundary of any group of the
+    plan, idle ones included — split greedily, in increasing layer order, where adding the
+    next layer's parameter bytes ``p_l`` would exceed ``cap_bytes``.
+
+    Returns:
+        edges ``0 = y_0 < y_1 < ... < y_J = L`` (shape ``(J + 1,)``); bucket j is layers
+        ``[y_j, y_{j+1})``.
+    """
+    num_layers = prefix.num_layers
+    cuts = np.zeros(num_layers + 1, dtype=bool)
+    for b in stage_bounds:
+        cuts[np.asarray(b, dtype=np.int64)] = True
+    p = np.diff(prefix.param_bytes)
+    edges = [0]
+    size = 0.0
+    for layer in range(num_layers):
+        if layer > 0 and (cuts[layer] or size + p[layer] > cap_bytes):
+            edges.append(layer)
+            size = 0.0
+        size += p[layer]
+    edges.append(num_layers)
+    return np.asarray(edges, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """What :func:`overlapped_sync_s` needs of one **active** group: ``devices`` (shape
+    ``(K,)``), stage ``bounds`` (``(K + 1,)``), micro-batch size ``μ`` (samples), boundary
+    times ``E_k`` (``(K − 1,)``, seconds per micro-batch) and group time ``T_g`` (seconds)."""
+
+    devices: np.ndarray
+    bounds: np.ndarray
+    microbatch_size: int
+    transfer_s: np.ndarray
+    group_time_s: float
+
+
+def overlapped_sync_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    bwd_flops_prefix: np.ndarray,
+    groups: Sequence[SyncGroup],
+    bucket_edges: np.ndarray,
+) -> float:
+    """Exposed gradient all-reduce time ``T_exposed`` (seconds) when each bucket's all-reduce
+    overlaps the last micro-batch's backward (``TrainingConfig.sync_overlap``; not SPEC §3).
+
+    Source: SPEC §3's ring all-reduce time and β rule, applied per gradient bucket, with the
+    bucketed overlap of the runtime engine (``GradientSync``) and of PyTorch DDP (Li et al.,
+    "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020):
+    a bucket's all-reduce starts once its gradients are final, buckets go in decreasing layer
+    order, and the buckets of one device share its link (one after the other).
+
+    All groups start the iteration at time 0. In active group g (``G'`` active groups), the
+    last micro-batch's backward leaves stage k at ``end_k = T_g − Σ_{j<k} (W_j + E_j)`` with
+    ``W_j = μ_g Σ_{l∈S_j} w_l / s_{d_j}`` (the backward pass drains toward stage 1). Bucket
+    ``b = [y_b, y_{b+1})`` (:func:`sync_bucket_edges`; inside one stage k of every group) is
+    ready in g at ``r_{b,g} = end_k − μ_g Σ_{l∈S_k, l<y_b} w_l / s_{d_k}`` and needs
+    ``dur_{b,g} = 2 (G'−1) lat + 2 (G'−1)/G' · θ_b / β_{d_k}`` (``θ_b`` its parameter bytes,
+    ``β`` of :func:`sync_bandwidths_bytes_per_s`). The all-reduce is a collective of one owner
+    per active group: it starts when the last owner is ready, ``r_b = max_g r_{b,g}``, moves
+    at its slowest member, ``dur_b = max_g dur_{b,g}``, and an owner whose stage also holds
+    bucket ``b+1`` reduces that one first (its link is busy):
+    ``F_b = max(r_b, F_{b+1} if some group holds b and b+1 on one device) + dur_b``.
+    ``T_exposed = max(0, max_b F_b − max_g T_g)``, and ``T = max_g T_g + T_exposed``.
+
+    A bucket without parameters costs nothing (the engine skips it). 0 when ``G' ≤ 1``.
+    With identical groups this is, per device, the recurrence ``f_i = max(f_{i−1}, r_i) +
+    dur_i`` over its buckets measured from its group's end. ``O(J G')``, a Python loop over the
+    ``J ≤ L`` buckets for the recurrence.
+    """
+    num_active = len(groups)
+    if num_active <= 1:
+        return 0.0
+    edges = np.asarray(bucket_edges, dtype=np.int64)
+    lo, hi = edges[:-1], edges[1:]
+    theta = prefix.param_bytes[hi] - prefix.param_bytes[lo]
+    beta_all = sync_bandwidths_bytes_per_s(
+        state, prefix, [(gr.devices, gr.bounds) for gr in groups]
+    )
     scale = 2.0 * (num_active - 1) / num_active
-    t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
-    return np.split(t, np.cumsum(sizes)[:-1])
+    latency_s = 2.0 * (num_active - 1) * state.latency_s
+    ready = np.full(len(lo), -np.inf)
+    dur = np.zeros(len(lo))
+    chained = np.zeros(len(lo), dtype=bool)
+    offset = 0
+    for gr in groups:
+        devs = np.asarray(gr.devices, dtype=np.int64)
+        bounds = np.asarray(gr.bounds, dtype=np.int64)
+        speed = state.speed_flops[devs]
+        mu = gr.microbatch_size
+        bwd_s = mu * (bwd_flops_prefix[bounds[1:]] - bwd_flops_prefix[bounds[:-1]]) / speed
+        drain_s = np.concatenate(([0.0], np.cumsum(bwd_s[:-1] + np.asarray(gr.transfer_s))))
+        stage = np.searchsorted(bounds, lo, side="right") - 1
+        end_s = gr.group_time_s - drain_s[stage]
+        r = end_s - mu * (bwd_flops_prefix[lo] - bwd_flops_prefix[bounds[stage]]) / speed[stage]
+        ready = np.maximum(ready, r)
+        beta = beta_all[offset + stage]
+        dur = np.maximum(dur, latency_s + scale * theta / beta)
+        chained |= hi < bounds[stage + 1]
+        offset += len(devs)
+    has_params = theta > 0
+    ready = np.where(has_params, ready, -np.inf)
+    dur = np.where(has_params, dur, 0.0)
+    finish = -np.inf
+    last_s = -np.inf
+    for b in range(len(lo) - 1, -1, -1):
+        finish = max(ready[b], finish if chained[b] else -np.inf) + dur[b]
+        last_s = max(last_s, finish)
+    return max(0.0, last_s - max(gr.group_time_s for gr in groups))
 
 
 def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> float:
@@ -264,9 +417,10 @@ class PlanEvaluation:
     """SPEC §3's figures of one plan in one cluster state.
 
     Attributes:
-        iteration_time_s: ``T = max_g T_g + T_sync``.
+        iteration_time_s: ``T = max_g T_g + T_sync``; with ``TrainingConfig.sync_overlap``
+            ``T = max_g T_g + T_exposed``.
         lower_bound_s: ``T_LB`` of the state (all available devices).
-        sync_time_s: ``T_sync``.
+        sync_time_s: ``T_sync`` (SPEC §3, no overlap; also with ``sync_overlap``).
         group_times_s: ``T_g`` per group in plan order (0 for idle groups).
         cost: ``{"money": currency/iteration, "energy": J/iteration}``.
         fits: every device named by the plan is within its memory.
@@ -274,6 +428,8 @@ class PlanEvaluation:
         stage_compute_s / stage_transfer_s: ``C_k`` and ``E_k`` per group (seconds per
             micro-batch), for reports and the simulator.
         sync_times_s: ``t_d`` per device id of the active groups.
+        exposed_sync_time_s: ``T_exposed`` of :func:`overlapped_sync_s` (seconds) with
+            ``TrainingConfig.sync_overlap``, else None.
     """
 
     iteration_time_s: float
@@ -287,6 +443,7 @@ class PlanEvaluation:
     stage_compute_s: tuple[tuple[float, ...], ...] = field(default=())
     stage_transfer_s: tuple[tuple[float, ...], ...] = field(default=())
     sync_times_s: dict[str, float] = field(default_factory=dict)
+    exposed_sync_time_s: float | None = None
 
     @property
     def out_of_memory(self) -> list[str]:
@@ -306,8 +463,9 @@ class PlanEvaluation:
         return float(total)
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The ``hetrain evaluate --json`` object of SPEC §7."""
-        return {
+        """The ``hetrain evaluate --json`` object of SPEC §7 (plus ``exposed_sync_time_s`` with
+        ``sync_overlap``)."""
+        out = {
             "iteration_time_s": self.iteration_time_s,
             "lower_bound_s": self.lower_bound_s,
             "sync_time_s": self.sync_time_s,
@@ -322,6 +480,9 @@ class PlanEvaluation:
                 for d in self.memory_bytes
             },
         }
+        if self.exposed_sync_time_s is not None:
+            out["exposed_sync_time_s"] = self.exposed_sync_time_s
+        return out
 
 
 def evaluate_plan(
@@ -330,6 +491,8 @@ def evaluate_plan(
     """Evaluate ``plan`` with SPEC §3 (see the module docstring for every formula).
 
     The schedule is the plan's own ``schedule`` (``config.schedule`` is the planner's default).
+    With ``config.sync_overlap`` the iteration time charges only the exposed sync
+    (:func:`overlapped_sync_s`) instead of ``T_sync``.
     The plan's shares need not sum to ``config.batch`` here (commands validate that with
     :meth:`Plan.validate_for`); ``T_LB`` uses ``config.batch``.
 
@@ -350,6 +513,8 @@ def evaluate_plan(
     compute_all: list[tuple[float, ...]] = []
     transfer_all: list[tuple[float, ...]] = []
     used: list[int] = []
+    all_bounds: list[np.ndarray] = []
+    sync_groups: list[SyncGroup] = []
     for g, group in enumerate(plan.groups):
         try:
             devs = np.array([index[d] for d in group.devices], dtype=np.int64)
@@ -363,6 +528,7 @@ def evaluate_plan(
             )
         mu = group.microbatch_size
         n = num_microbatches(group.batch, mu)
+        all_bounds.append(bounds)
         compute_s, transfer_s = stage_times_s(state, prefix, devs, bounds, mu)
         compute_all.append(tuple(float(x) for x in compute_s))
         transfer_all.append(tuple(float(x) for x in transfer_s))
@@ -380,6 +546,7 @@ def evaluate_plan(
                 raise ValueError(f"groups[{g}].devices: device {unavailable[0]!r} is not available")
             active.append((devs, bounds))
             active_ids.append(group.devices)
+            sync_groups.append(SyncGroup(devs, bounds, mu, transfer_s, group_times[-1]))
             used.extend(int(i) for i in devs)
     sync = sync_times_s(state, prefix, active)
     sync_by_id = {
@@ -388,7 +555,13 @@ def evaluate_plan(
         for d, t in zip(ids, ts, strict=True)
     }
     sync_time = max(sync_by_id.values(), default=0.0)
-    iteration = (max(group_times) if group_times else 0.0) + sync_time
+    exposed = None
+    if config.sync_overlap:
+        bwd_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(profile.bwd_flops, dtype=float))))
+        edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
+        exposed = overlapped_sync_s(state, prefix, bwd_prefix, sync_groups, edges)
+    charged = sync_time if exposed is None else exposed
+    iteration = (max(group_times) if group_times else 0.0) + charged
     used_arr = np.asarray(used, dtype=np.int64)
     cost = {
         "money": float(iteration * np.sum(state.price_per_s[used_arr])),
@@ -407,4 +580,5 @@ def evaluate_plan(
         stage_compute_s=tuple(compute_all),
         stage_transfer_s=tuple(transfer_all),
         sync_times_s=sync_by_id,
+        exposed_sync_time_s=exposed,
     )

@@ -25,6 +25,13 @@ weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of
   weight, then ``μ`` refined around the shares; then a local-search polish
   (:func:`local_search`). Heuristic; the SPEC §6 baseline plans are evaluated too, so the
   result is never worse than the best feasible baseline.
+
+Sync: the search scores candidates with SPEC §3's ``T_sync`` (:func:`sync_times_s`, no
+overlap) also when ``TrainingConfig.sync_overlap`` is set; the returned plan's figures
+(:func:`fill_figures`) and its comparison with the baselines use :func:`evaluate_plan`, which
+honours the flag. The overlap changes only the sync charge and mostly lowers it (not always:
+per-bucket latencies, a collective waiting for its slowest owner), so the search ranks
+structures by the no-overlap sync, a close over-estimate for sync-heavy plans.
 """
 
 from __future__ import annotations

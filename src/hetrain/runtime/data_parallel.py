@@ -14,6 +14,7 @@ is collective over the whole world); groups are cached by their sorted rank tupl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -133,9 +134,17 @@ class GradientSync:
     back into ``.grad`` and runs the broadcasts. The arithmetic is the same with or without
     overlap.
 
-    Emulated links: a bucket's all-reduce lasts at least ``2 (G'-1) lat + 2 (G'-1)/G' · n / β``
-    from its start (SPEC §3 ring all-reduce, ``β`` the slowest emulated link from this rank to
-    another owner).
+    Emulated links (when the emulation limits links): bucket ``i`` (launch order) of ``n_i``
+    bytes needs ``dur_i = 2 (G'-1) lat + 2 (G'-1)/G' · n_i / β`` (SPEC §3 ring all-reduce,
+    ``β`` the slowest emulated link from this rank to another owner), and the buckets share
+    this rank's link, one after the other: its emulated finish is
+    ``f_i = max(r_i, f_{i-1}) + dur_i`` and :meth:`finish` waits until then. ``r_i`` is when
+    the emulated device would have the bucket's gradients: the engine runs a backward at full
+    speed and then sleeps ``(factor - 1)×`` its duration (:func:`slow_down`), so a bucket
+    launched ``τ`` seconds into the real last backward (started at :meth:`arm`) is ready at
+    ``arm + factor · τ`` on the emulated device; a bucket launched by :meth:`finish` is ready
+    at its launch. Without this the all-reduces would run during the sleep that stands for
+    the very compute that produces their gradients.
     """
 
     def __init__(
@@ -171,11 +180,13 @@ class GradientSync:
         self._remaining: dict[int, set[int]] = {}
         self._bucket_of: dict[int, int] = {}
         self._handles: list[Any] = []
+        self._armed_at: float | None = None
         self.bytes = 0
 
     def arm(self) -> None:
         """Start each bucket's all-reduce as soon as its gradients are final (call right
         before the last backward of the step)."""
+        self._armed_at = time.perf_counter()
         for i in self.order:
             params = self.mine[i][1]
             self._remaining[i] = {id(p) for p in params}
@@ -196,14 +207,19 @@ class GradientSync:
             return
         self._remaining[i].discard(id(param))
         while self._next < len(self.order) and not self._remaining.get(self.order[self._next]):
-            self._launch(self.order[self._next])
+            self._launch(self.order[self._next], in_backward=True)
             self._next += 1
 
-    def _launch(self, i: int) -> None:
+    def _launch(self, i: int, in_backward: bool = False) -> None:
         b, params = self.mine[i]
         flat = _flat_grads(params, self.device)
         work = dist.all_reduce(flat, group=self.groups.get(b.reduce_ranks), async_op=True)
-        self._works[i] = (flat, work, time.perf_counter())
+        now = time.perf_counter()
+        ready = now
+        if in_backward and self._armed_at is not None and self.emulation is not None:
+            factor = self.emulation.slowdown_of(self.layout.devices[self.rank])
+            ready = self._armed_at + factor * (now - self._armed_at)
+        self._works[i] = (flat, work, ready)
 
     def finish(self) -> tuple[float, int]:
         """Finish the step's gradient combination.
@@ -219,8 +235,9 @@ class GradientSync:
             self._next += 1
         me = self.layout.devices[self.rank]
         em = self.emulation
+        link_free = -math.inf  # emulated finish of the previous bucket on this rank's link
         for i in self.order:
-            flat, work, started = self._works[i]
+            flat, work, ready = self._works[i]
             work.wait()
             nbytes = flat.numel() * flat.element_size()
             self.bytes += nbytes
@@ -232,8 +249,11 @@ class GradientSync:
                     for r in b.active
                     if r != self.rank
                 )
-                target = 2 * (g - 1) * em.latency_s + 2 * (g - 1) / g * nbytes / bw
-                sleep_s(target - (time.perf_counter() - started))
+                dur = 2 * (g - 1) * em.latency_s
+                if not math.isinf(bw):
+                    dur += 2 * (g - 1) / g * nbytes / bw
+                link_free = max(ready, link_free) + dur
+                sleep_s(link_free - time.perf_counter())
         for i, (b, params) in enumerate(self.mine):
             flat = self._works[i][0] if i in self._works else None
             if b.idle and self.rank in b.broadcast_ranks:

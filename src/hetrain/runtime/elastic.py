@@ -271,7 +271,9 @@ def planned_for_devices(devices: Sequence[str], model, batch: int, cluster: Path
     probe = copy.deepcopy(model)  # profiling runs backward: keep the model's grads untouched
     profile = profile_chain(probe, torch.zeros(2, IN_FEATURES), name="elastic-toy").arrays()
     state = cluster_state_for(devices, cluster)
-    return best_plan(state, profile, TrainingConfig(batch=batch, optimizer_state_factor=1.0))
+    # the engine overlaps the gradient all-reduce with the last backward (GradientSync)
+    config = TrainingConfig(batch=batch, optimizer_state_factor=1.0, sync_overlap=True)
+    return best_plan(state, profile, config)
 
 
 def _mse(out, target):

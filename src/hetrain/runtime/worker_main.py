@@ -272,8 +272,14 @@ def _training_config(job: TrainJob):
     except ImportError:
         return None
     o = 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
+    # this engine overlaps each gradient bucket's all-reduce with the last backward
+    # (GradientSync; Worker's default bucket cap is TrainingConfig's default, 64 MiB): the
+    # controller's model charges only the exposed part of the sync
     return TrainingConfig(
-        batch=job.batch, optimizer_state_factor=o, schedule=job.schedule or "1f1b"
+        batch=job.batch,
+        optimizer_state_factor=o,
+        schedule=job.schedule or "1f1b",
+        sync_overlap=True,
     )
 
 
