@@ -28,7 +28,7 @@ def _data(batch, seed=0):
     return torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _measure(rank, world, plan, emulation, steps, autocast=False):
+def _measure(rank, world, plan, emulation, steps, autocast=False, cap_bytes=64 * 2**20):
     torch.manual_seed(0)
     worker = Worker(
         digits_cnn(channels=16, hidden=64),
@@ -38,6 +38,7 @@ def _measure(rank, world, plan, emulation, steps, autocast=False):
         OptimizerSpec("sgd", lr=0.05),
         emulation=emulation,
         autocast_bf16=autocast,
+        bucket_cap_bytes=cap_bytes,
     )
     x, y = _data(plan_from_dict(plan).global_batch)
     return [gather_measurements(worker.step(x, y, t)) for t in range(steps)]
@@ -267,21 +268,6 @@ def test_migrated_layer_keeps_its_non_persistent_buffers(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-9, atol=1e-12)
 
 
-def _measure_sync(rank, world, plan, emulation, cap_bytes):
-    torch.manual_seed(0)
-    worker = Worker(
-        digits_cnn(channels=16, hidden=64),
-        plan_from_dict(plan),
-        f"w{rank}",
-        F.cross_entropy,
-        OptimizerSpec("sgd", lr=0.05),
-        emulation=emulation,
-        bucket_cap_bytes=cap_bytes,
-    )
-    x, y = _data(plan_from_dict(plan).global_batch)
-    return [gather_measurements(worker.step(x, y, t)) for t in range(3)]
-
-
 DIGITS_LAYER_BYTES = [640, 18560, 0, 131328, 16640, 2600]  # digits_cnn(16, 64), float32
 
 
@@ -291,7 +277,7 @@ def test_emulated_gradient_buckets_share_the_link_one_after_the_other(tmp_path):
     bw = 150_000.0  # bytes/s: the buckets need 4.3, 124, 875, 111, 17 ms, 1.13 s in all
     plan = {"groups": [_group(["w0"], [[0, 6]], 16, 16), _group(["w1"], [[0, 6]], 16, 16)]}
     emulation = Emulation(node={"w0": "a", "w1": "b"}, nic_bandwidth_bytes_per_s={"w0": bw})
-    steps = run_ranks(_measure_sync, 2, tmp_path, args=(plan, emulation, 1))[0]
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 3, False, 1))[0]
     total_s = sum(DIGITS_LAYER_BYTES) / bw
     for s in steps:
         for r in s:
@@ -312,7 +298,7 @@ def test_emulated_slow_device_has_its_gradients_only_after_its_emulated_backward
         node={"w0": "a", "w1": "b"},
         nic_bandwidth_bytes_per_s={"w0": bw},
     )
-    steps = run_ranks(_measure_sync, 2, tmp_path, args=(plan, emulation, 64 * 2**20))[0]
+    steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 3))[0]
     for s in steps[1:]:
         for r in s:
             assert r["sync_time_s"] >= 0.19
