@@ -155,10 +155,13 @@ MAX_NESTING = 100
 """Deepest nesting of lists/mappings accepted in an input file (the formats need 4)."""
 
 
-def check_finite_tree(source: str, obj: Any, field: str = "") -> None:
+def check_finite_tree(
+    source: str, obj: Any, field: str = "", *, bool_keys: tuple[str, ...] = ()
+) -> None:
     """Raise :class:`InputError` for any NaN or infinite float inside ``obj`` (SPEC §7:
-    "Numbers must be finite"), any boolean (no field of these formats is one), or for nesting
-    deeper than :data:`MAX_NESTING`.
+    "Numbers must be finite"), any boolean except as the value of a mapping key named in
+    ``bool_keys`` (e.g. a profile's ``shared[].frozen``), or for nesting deeper than
+    :data:`MAX_NESTING`.
 
     Iterative, and each container is visited once even when YAML aliases make it reachable many
     times, so hostile files (deep nesting, "billion laughs" alias bombs) fail fast instead of
@@ -168,6 +171,8 @@ def check_finite_tree(source: str, obj: Any, field: str = "") -> None:
     stack: list[tuple[Any, str, int]] = [(obj, field, 0)]
     while stack:
         item, where, depth = stack.pop()
+        if isinstance(item, bool) and bool_keys and where.rsplit(".", 1)[-1] in bool_keys:
+            continue
         if isinstance(item, bool):
             # no field of the cluster, profile or plan formats is a boolean; pydantic would
             # read true as 1 (YAML's yes/on are booleans too)

@@ -37,6 +37,14 @@ OptStateOpt = Annotated[
     ),
 ]
 
+NormBlockOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--norm-block",
+        help="BatchNorm norm block G: shares and micro-batch sizes multiples of G",
+    ),
+]
+
 
 def parse_key_values(option: str, items: list[str] | None) -> dict[str, float]:
     """Parse ``["money=0.5", "energy=2"]`` into ``{"money": 0.5, "energy": 2.0}``.
@@ -81,6 +89,7 @@ def plan(
         typer.Option("--queue", help="virtual queue backlog, e.g. money=Q (repeatable)"),
     ] = None,
     schedule: Annotated[str, typer.Option("--schedule", help="1f1b or gpipe")] = "1f1b",
+    norm_block: NormBlockOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Print the best plan for one slot (minimum T, or minimum V*T + sum_j Q_j y_j)."""
@@ -95,6 +104,7 @@ def plan(
             v=v,
             queues=parse_key_values("--queue", queue),
             schedule=schedule,
+            norm_block=norm_block,
             json_out=json_out,
         )
     )
@@ -107,6 +117,7 @@ def evaluate(
     batch: BatchOpt,
     plan: Annotated[Path, typer.Option("--plan", help="plan file (JSON, SPEC §7)")],
     optimizer_state_factor: OptStateOpt = 2.0,
+    norm_block: NormBlockOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Print SPEC §3's figures for a given plan (exit 1 if some device runs out of memory)."""
@@ -119,6 +130,7 @@ def evaluate(
             batch=batch,
             plan=plan,
             optimizer_state_factor=optimizer_state_factor,
+            norm_block=norm_block,
             json_out=json_out,
         )
     )
@@ -156,6 +168,7 @@ def simulate(
         Path | None,
         typer.Option("--plan", help="simulate this fixed plan every slot (policy 'fixed')"),
     ] = None,
+    norm_block: NormBlockOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -175,6 +188,7 @@ def simulate(
             csv_out=csv_out,
             json_out=json_out,
             plan=plan,
+            norm_block=norm_block,
         )
     )
 

@@ -43,7 +43,9 @@ class LinksSpec(BaseModel):
 
 
 class DeviceSpec(BaseModel):
-    """One device of a cluster file (SPEC §7). ``node`` defaults to the device's own id."""
+    """One device of a cluster file (SPEC §7). ``node`` defaults to the device's own id;
+    ``microbatch_overhead_ms`` (κ, per micro-batch and stage) and ``layer_overhead_ms`` (λ, per
+    micro-batch and layer of the stage, SPEC v3) default to 0."""
 
     model_config = _STRICT
     id: str = Field(min_length=1)
@@ -54,6 +56,7 @@ class DeviceSpec(BaseModel):
     power_w: float = Field(0.0, ge=0, le=MAX_NUMBER)
     price_per_hour: float = Field(0.0, ge=0, le=MAX_NUMBER)
     microbatch_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    layer_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)
 
     @property
     def node_id(self) -> str:
@@ -101,6 +104,7 @@ class ClusterSpec(BaseModel):
             power_w=np.array([d.power_w for d in self.devices]),
             price_per_s=np.array([d.price_per_hour / 3600.0 for d in self.devices]),
             kappa_s=np.array([d.microbatch_overhead_ms * 1e-3 for d in self.devices]),
+            layer_overhead_s=np.array([d.layer_overhead_ms * 1e-3 for d in self.devices]),
             available=np.ones(n, dtype=bool),
             intra_node_bytes_per_s=self.links.intra_node_gbps * GBPS_TO_BYTES_PER_S,
             latency_s=self.links.latency_us * 1e-6,
@@ -123,6 +127,8 @@ class ClusterState:
         available: whether the device may be used in this slot.
         intra_node_bytes_per_s: bandwidth between two devices of one node, bytes/s.
         latency_s: latency ``lat`` of every link, seconds.
+        layer_overhead_s: fixed cost ``λ_d`` per micro-batch and layer of the stage, seconds
+            (SPEC v3 §2; default zeros).
     """
 
     ids: tuple[str, ...]
@@ -136,6 +142,11 @@ class ClusterState:
     available: np.ndarray
     intra_node_bytes_per_s: float
     latency_s: float
+    layer_overhead_s: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_overhead_s is None:
+            object.__setattr__(self, "layer_overhead_s", np.zeros(len(self.ids)))
 
     @property
     def num_devices(self) -> int:

@@ -8,16 +8,19 @@ devices ``d_1..d_K``, contiguous stages ``S_1..S_K`` (layer ranges ``[start, end
 size ``μ_g`` and share ``b_g``:
 
 * compute per sample at stage k: ``c_k = Σ_{l∈S_k} (f_l + w_l) / s_{d_k}``  (seconds)
-* stage time per micro-batch: ``C_k = μ_g c_k + κ_{d_k}``
+* stage time per micro-batch: ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} |S_k|`` (v3: ``λ`` per layer)
 * boundary k→k+1 per micro-batch: ``E_k = μ_g · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``
 * micro-batches ``n_g = ceil(b_g / μ_g)``
 * group time ``T_g = A_g + (n_g − 1) M_g``, ``A_g = Σ_k C_k + Σ_{k<K} E_k``,
   ``M_g = max(max_k C_k, max_{k<K} E_k)``; ``T_g = 0`` when ``b_g = 0``
-* sync: ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` for devices of active groups,
-  ``T_sync = max_d t_d`` (0 when ``G' ≤ 1``)
+* sync: ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` for devices of active groups
+  (``θ_d``: trainable bytes of d's layers, frozen and shared tensors excluded), plus per
+  trainable shared tensor ``s`` that d holds ``2 (n_s−1) lat + 2 (n_s−1)/n_s · bytes_s /
+  β_{d,s}`` (v3; ``n_s`` holders in active groups); ``T_sync = max_d t_d``
 * ``T = max_g T_g + T_sync``
-* memory ``θ_{d_k} (2 + o) + h_k μ_g Σ_{l∈S_k} m_l`` with ``h_k = min(n_g, K − k + 1)`` (1F1B)
-  or ``h_k = n_g`` (GPipe)
+* memory ``θ'_{d_k} (2 + o) + φ_{d_k} + h_k μ_g Σ_{l∈S_k} m_l`` (``θ'`` = θ plus the trainable
+  shared tensors held, ``φ`` the frozen bytes held, shared or not) with
+  ``h_k = min(n_g, K − k + 1)`` (1F1B) or ``h_k = n_g`` (GPipe)
 * money ``y_money = T Σ_{d used} π_d``, energy ``y_energy = T Σ_{d used} W_d``
 * lower bound ``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d``
 
@@ -25,7 +28,8 @@ Opt-in refinement (``TrainingConfig.sync_overlap``, default off = SPEC §3 exact
 gradient all-reduce overlapped with the last micro-batch's backward, bucket by bucket, as the
 runtime engine (:class:`hetrain.runtime.data_parallel.GradientSync`) and PyTorch DDP do (Li et
 al., "PyTorch Distributed", VLDB 2020); see :func:`overlapped_sync_s`. Then
-``T = max_g T_g + T_exposed`` instead of ``max_g T_g + T_sync``.
+``T = max_g T_g + T_exposed`` instead of ``max_g T_g + T_sync``; shared tensors' all-reduces
+(v3) are added to ``T_exposed`` in full (not overlapped).
 
 Choices where SPEC §3 is silent (see docs/planner.md): devices of an idle group (``b_g = 0``)
 are reported with the memory of their parameters, gradients and optimizer state (``h_k = 0``)
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
 
@@ -59,9 +64,16 @@ class TrainingConfig:
     ``sync_bucket_cap_bytes``: the engine's gradient bucket cap (bytes; the runtime's
     ``Worker(bucket_cap_bytes=...)`` default, 64 MiB), used only with ``sync_overlap``.
 
+    ``norm_block`` (``G``, SPEC v3 §5, default None): a BatchNorm norm block; plans keep every
+    share ``b_g`` and micro-batch size ``μ_g`` a multiple of ``G`` (the planner and the
+    baselines; :func:`hetrain.plan.check_norm_block` checks a given plan), and ``B`` must be a
+    multiple of ``G``.
+
     Raises:
         ValueError: ``batch < 1``, negative or non-finite ``optimizer_state_factor``, unknown
             schedule, ``sync_overlap`` not a bool, ``sync_bucket_cap_bytes`` not finite > 0.
+        InputError: ``norm_block`` not an integer >= 1, or ``batch`` not a multiple of it
+            (names ``--norm-block`` and the batch).
     """
 
     batch: int
@@ -69,6 +81,7 @@ class TrainingConfig:
     schedule: str = "1f1b"
     sync_overlap: bool = False
     sync_bucket_cap_bytes: float = 64 * 2**20
+    norm_block: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.batch, bool) or int(self.batch) != self.batch or self.batch < 1:
@@ -83,6 +96,17 @@ class TrainingConfig:
         cap = self.sync_bucket_cap_bytes
         if isinstance(cap, bool) or not (np.isfinite(float(cap)) and float(cap) > 0):
             raise ValueError(f"sync_bucket_cap_bytes: expected a finite number > 0, got {cap!r}")
+        g = self.norm_block
+        if g is not None:
+            if isinstance(g, bool) or not isinstance(g, int | np.integer) or g < 1:
+                raise InputError("--norm-block", "", f"expected an integer >= 1, got {g!r}")
+            if self.batch % g:
+                raise InputError(
+                    "--norm-block",
+                    "",
+                    f"expected a norm block that divides the global batch {self.batch} "
+                    f"(--batch), got norm block {g}",
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,17 +118,70 @@ class TrainingConfig:
 class ProfilePrefix:
     """Prefix sums of a profile, shape ``(L + 1,)`` each, so that a stage ``[i, j)`` sums as
     ``x[j] - x[i]``: ``train_flops`` (f+w, FLOP/sample), ``act_mem_bytes`` (m, bytes/sample),
-    ``param_bytes`` (p, bytes); plus ``boundary_bytes`` (shape ``(L,)``): ``2 a_l`` per sample,
-    what crosses a stage boundary after layer ``l`` (activation forward, gradient backward)."""
+    ``param_bytes`` (p, trainable bytes, shared tensors excluded), ``frozen_bytes`` (p^frozen,
+    bytes); plus ``boundary_bytes`` (shape ``(L,)``): ``2 a_l`` per sample, what crosses a
+    stage boundary after layer ``l`` (activation forward, gradient backward).
+
+    Shared tensors (SPEC v3 §2), ``S`` of them: ``shared_bytes`` (shape ``(S,)``),
+    ``shared_frozen`` (``(S,)`` bool) and ``shared_uses`` (``(S, L + 1)``: the number of layers
+    below ``x`` that use tensor ``s``, so that stage ``[i, j)`` holds ``s`` iff
+    ``shared_uses[s, j] > shared_uses[s, i]``)."""
 
     train_flops: np.ndarray
     act_mem_bytes: np.ndarray
     param_bytes: np.ndarray
     boundary_bytes: np.ndarray
+    frozen_bytes: np.ndarray | None = None
+    shared_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    shared_frozen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    shared_uses: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.frozen_bytes is None:
+            object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
+        if self.shared_uses is None:
+            object.__setattr__(self, "shared_uses", np.zeros((0, len(self.param_bytes))))
 
     @property
     def num_layers(self) -> int:
         return len(self.boundary_bytes)
+
+    @property
+    def has_shared(self) -> bool:
+        """Whether the profile lists any shared tensor."""
+        return len(self.shared_bytes) > 0
+
+    def shared_held(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Whether stage ``[starts, ends)`` holds each shared tensor: bool, shape
+        ``starts.shape + (S,)`` (broadcast of ``starts`` and ``ends``)."""
+        starts = np.asarray(starts, dtype=np.int64)
+        ends = np.asarray(ends, dtype=np.int64)
+        uses = self.shared_uses  # (S, L+1)
+        return np.moveaxis(uses[:, ends] > uses[:, starts], 0, -1)
+
+    def fixed_memory_bytes(
+        self, starts: np.ndarray, ends: np.ndarray, optimizer_state_factor: float
+    ) -> np.ndarray:
+        """SPEC §3's memory of a stage ``[starts, ends)`` that does not depend on the
+        micro-batches: ``θ' (2 + o) + φ`` bytes — trainable parameters (the layers' own and the
+        trainable shared tensors the stage holds) with their gradients and optimizer state,
+        plus frozen weights (the layers' own and the frozen shared tensors it holds; weights
+        only). Broadcast shape of ``starts`` and ``ends``."""
+        starts = np.asarray(starts, dtype=np.int64)
+        ends = np.asarray(ends, dtype=np.int64)
+        factor = 2.0 + float(optimizer_state_factor)
+        out = (self.param_bytes[ends] - self.param_bytes[starts]) * factor + (
+            self.frozen_bytes[ends] - self.frozen_bytes[starts]
+        )
+        if self.has_shared:
+            per = np.where(self.shared_frozen, 1.0, factor) * self.shared_bytes
+            out = out + self.shared_held(starts, ends).astype(float) @ per
+        return out
+
+    def total_fixed_memory_bytes(self, optimizer_state_factor: float) -> float:
+        """:meth:`fixed_memory_bytes` of the whole model on one device (bytes)."""
+        return float(self.fixed_memory_bytes(np.array(0), np.array(self.num_layers),
+                                             optimizer_state_factor))  # fmt: skip
 
 
 def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
@@ -113,11 +190,23 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
     def cum(x: np.ndarray) -> np.ndarray:
         return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float))))
 
+    num_layers = profile.num_layers
+    shared = tuple(getattr(profile, "shared", ()) or ())
+    uses = np.zeros((len(shared), num_layers + 1))
+    for s, tensor in enumerate(shared):
+        mark = np.zeros(num_layers)
+        mark[list(tensor.layers)] = 1.0
+        uses[s, 1:] = np.cumsum(mark)
+    frozen = getattr(profile, "frozen_param_bytes", None)
     return ProfilePrefix(
         train_flops=cum(profile.train_flops),
         act_mem_bytes=cum(profile.activation_memory_bytes),
         param_bytes=cum(profile.param_bytes),
         boundary_bytes=2.0 * np.asarray(profile.activation_bytes, dtype=float),
+        frozen_bytes=cum(frozen if frozen is not None else np.zeros(num_layers)),
+        shared_bytes=np.array([float(t.bytes) for t in shared], dtype=float),
+        shared_frozen=np.array([bool(t.frozen) for t in shared], dtype=bool),
+        shared_uses=uses,
     )
 
 
@@ -151,13 +240,17 @@ def stage_times_s(
             is layers ``[x_k, x_{k+1})``.
         microbatch_size: ``μ_g`` samples.
 
-    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k}``;
+    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} |S_k|`` (SPEC v3);
     ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
     """
     devices = np.asarray(devices, dtype=np.int64)
     bounds = np.asarray(bounds, dtype=np.int64)
     flops = prefix.train_flops[bounds[1:]] - prefix.train_flops[bounds[:-1]]
-    compute_s = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
+    compute_s = (
+        microbatch_size * flops / state.speed_flops[devices]
+        + state.kappa_s[devices]
+        + state.layer_overhead_s[devices] * np.diff(bounds)
+    )
     if len(devices) == 1:
         return compute_s, np.zeros(0)
     last = bounds[1:-1] - 1
@@ -205,14 +298,16 @@ def stage_memory_bytes(
     optimizer_state_factor: float,
     schedule: str,
 ) -> np.ndarray:
-    """Memory per stage device, shape ``(K,)``, bytes (SPEC §3):
-    ``θ_{d_k} (2 + o) + h_k μ Σ_{l∈S_k} m_l`` — parameters, gradients, optimizer state and the
-    activations of the ``h_k`` micro-batches held alive."""
+    """Memory per stage device, shape ``(K,)``, bytes (SPEC §3, v3):
+    ``θ'_{d_k} (2 + o) + φ_{d_k} + h_k μ Σ_{l∈S_k} m_l`` — trainable parameters (shared ones
+    the stage holds included), gradients, optimizer state, frozen weights
+    (:meth:`ProfilePrefix.fixed_memory_bytes`) and the activations of the ``h_k``
+    micro-batches held alive."""
     bounds = np.asarray(bounds, dtype=np.int64)
-    theta = prefix.param_bytes[bounds[1:]] - prefix.param_bytes[bounds[:-1]]
+    fixed = prefix.fixed_memory_bytes(bounds[:-1], bounds[1:], optimizer_state_factor)
     act = prefix.act_mem_bytes[bounds[1:]] - prefix.act_mem_bytes[bounds[:-1]]
     alive = micro_batches_alive(len(bounds) - 1, n_microbatches, schedule)
-    return theta * (2.0 + optimizer_state_factor) + alive * microbatch_size * act
+    return fixed + alive * microbatch_size * act
 
 
 def sync_times_s(
@@ -229,15 +324,18 @@ def sync_times_s(
         per group, ``t_d`` of its devices, seconds, shape ``(K_g,)``:
         ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` with ``β_d`` the intra-node bandwidth
         if every device of the other active groups holding any of ``d``'s layers is on ``d``'s
-        node, else ``nic_d``. All zeros when ``G' ≤ 1``.
+        node, else ``nic_d`` (0 when ``G' ≤ 1``); plus, per trainable shared tensor ``d``
+        holds (SPEC v3), the ring all-reduce among its ``n_s`` holders
+        (:func:`shared_sync_times_s`).
 
     Implementation: per layer l the node of its owner in every active group, shape
     ``(L, G')``; a layer is "node-local to n" when all its owners are on node n; ``β_d`` is
     intra-node iff every layer of ``d`` is node-local to ``d``'s node. ``O(L G')``.
     """
     num_active = len(groups)
+    shared = shared_sync_times_s(state, prefix, groups)
     if num_active <= 1:
-        return [np.zeros(len(devs)) for devs, _ in groups]
+        return shared
     beta = sync_bandwidths_bytes_per_s(state, prefix, groups)
     bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
     sizes = np.array([len(b) - 1 for b in bounds_list])
@@ -246,6 +344,44 @@ def sync_times_s(
     theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
     scale = 2.0 * (num_active - 1) / num_active
     t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
+    return [a + b for a, b in zip(np.split(t, np.cumsum(sizes)[:-1]), shared, strict=True)]
+
+
+def shared_sync_times_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> list[np.ndarray]:
+    """The shared-tensor part of ``t_d`` (SPEC v3 §3), per active group, shape ``(K_g,)``,
+    seconds: for each trainable shared tensor ``s`` that device ``d`` holds,
+    ``2 (n_s−1) lat + 2 (n_s−1)/n_s · bytes_s / β_{d,s}``, where ``n_s`` is the number of
+    devices of the active groups whose stage uses ``s`` (same group or not), and ``β_{d,s}``
+    is the intra-node bandwidth if every other holder of ``s`` is on ``d``'s node, else
+    ``nic_d``. Frozen shared tensors are never synced. Zeros without shared tensors or when
+    ``n_s ≤ 1``. ``O(S Σ_g K_g)``."""
+    sizes = [len(np.asarray(d)) for d, _ in groups]
+    zeros = [np.zeros(k) for k in sizes]
+    if not prefix.has_shared or not groups:
+        return zeros
+    devs = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
+    starts = np.concatenate([np.asarray(b, dtype=np.int64)[:-1] for _, b in groups])
+    ends = np.concatenate([np.asarray(b, dtype=np.int64)[1:] for _, b in groups])
+    held = prefix.shared_held(starts, ends)  # (D', S)
+    held &= ~prefix.shared_frozen[None, :]
+    held &= prefix.shared_bytes[None, :] > 0
+    count = held.sum(axis=0)  # n_s
+    node = state.node[devs]
+    t = np.zeros(len(devs))
+    for s in np.flatnonzero(count >= 2):
+        holders = np.flatnonzero(held[:, s])
+        n_s = len(holders)
+        nodes = node[holders]
+        local = np.all(nodes[None, :] == nodes[:, None], axis=1)  # every other holder local
+        beta = np.where(local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs[holders]])
+        t[holders] += (
+            2.0 * (n_s - 1) * state.latency_s
+            + 2.0 * (n_s - 1) / n_s * prefix.shared_bytes[s] / beta
+        )
     return np.split(t, np.cumsum(sizes)[:-1])
 
 
@@ -560,6 +696,10 @@ def evaluate_plan(
         bwd_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(profile.bwd_flops, dtype=float))))
         edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
         exposed = overlapped_sync_s(state, prefix, bwd_prefix, sync_groups, edges)
+        # shared tensors (SPEC v3): their all-reduces are charged in full after the layer
+        # buckets (not overlapped; docs/planner.md)
+        shared = shared_sync_times_s(state, prefix, active)
+        exposed += max((float(np.max(t)) for t in shared if len(t)), default=0.0)
     charged = sync_time if exposed is None else exposed
     iteration = (max(group_times) if group_times else 0.0) + charged
     used_arr = np.asarray(used, dtype=np.int64)

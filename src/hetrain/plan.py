@@ -151,6 +151,35 @@ class Plan(BaseModel):
         return json.dumps(self.to_json_dict(), indent=indent)
 
 
+def check_norm_block(plan: Plan, norm_block: int | None, source: str = "<plan>") -> None:
+    """Check that every group's share ``batch`` and ``microbatch_size`` are multiples of the
+    norm block ``G`` (SPEC v3 §5: ghost batch norm over aligned blocks of ``G`` samples needs
+    every micro-batch to hold whole blocks). No check when ``norm_block`` is None.
+
+    Raises:
+        InputError: naming the first group (``groups[g].batch`` or
+            ``groups[g].microbatch_size``) that breaks the rule.
+    """
+    if norm_block is None:
+        return
+    g_size = int(norm_block)
+    for g, group in enumerate(plan.groups):
+        if group.batch % g_size:
+            raise InputError(
+                source,
+                f"groups[{g}].batch",
+                f"expected a share that is a multiple of the norm block {g_size}, "
+                f"got {group.batch}",
+            )
+        if group.batch > 0 and group.microbatch_size % g_size:
+            raise InputError(
+                source,
+                f"groups[{g}].microbatch_size",
+                f"expected a micro-batch size that is a multiple of the norm block {g_size}, "
+                f"got {group.microbatch_size}",
+            )
+
+
 def plan_from_dict(raw: Any, source: str = "<plan>") -> Plan:
     """Validate an already-parsed plan object.
 

@@ -23,7 +23,9 @@ _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 class LayerProfile(BaseModel):
     """One layer: per-sample ``fwd_flops`` (f_l), ``bwd_flops`` (w_l, default ``2 f_l``),
     ``activation_bytes`` (a_l, output crossing a stage boundary), ``activation_memory_bytes``
-    (m_l, kept for backward, default ``a_l``), and ``param_bytes`` (p_l)."""
+    (m_l, kept for backward, default ``a_l``), ``param_bytes`` (p_l, trainable) and
+    ``frozen_param_bytes`` (p^frozen_l, parameters that take no gradient, default 0; SPEC v3
+    §2). Shared tensors are listed in :attr:`ModelProfile.shared`, not here."""
 
     model_config = _STRICT
     name: str = ""
@@ -32,6 +34,7 @@ class LayerProfile(BaseModel):
     activation_bytes: float = Field(ge=0, le=MAX_NUMBER)
     activation_memory_bytes: float | None = Field(None, ge=0, le=MAX_NUMBER)
     param_bytes: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    frozen_param_bytes: float = Field(0.0, ge=0, le=MAX_NUMBER)
 
     @model_validator(mode="after")
     def _defaults(self) -> LayerProfile:
@@ -42,13 +45,51 @@ class LayerProfile(BaseModel):
         return self
 
 
+class SharedTensorProfile(BaseModel):
+    """A shared (tied) tensor of a profile file (SPEC v3 §2, §7): ``name``, ``bytes``, the
+    0-based ``layers`` that use it, and whether it is ``frozen`` (default false). It is listed
+    once and not counted in the ``param_bytes`` of its layers."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1)
+    bytes: float = Field(ge=0, le=MAX_NUMBER)
+    layers: list[int] = Field(min_length=1)
+    frozen: bool = Field(False, strict=True)
+
+
 class ModelProfile(BaseModel):
-    """A model profile file ``{"name": ..., "layers": [...]}`` (SPEC §7), layers in execution
-    order (0-based indices in plans)."""
+    """A model profile file ``{"name": ..., "layers": [...], "shared": [...]}`` (SPEC §7),
+    layers in execution order (0-based indices in plans), shared tensors optional.
+
+    Raises:
+        ValueError (via pydantic): a shared tensor naming a layer outside ``[0, L)`` or the
+            same layer twice, or two shared tensors with one name.
+    """
 
     model_config = _STRICT
     name: str = "model"
     layers: list[LayerProfile] = Field(min_length=1)
+    shared: list[SharedTensorProfile] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> ModelProfile:
+        names: dict[str, int] = {}
+        for i, tensor in enumerate(self.shared):
+            if tensor.name in names:
+                raise ValueError(
+                    f"shared[{i}].name: duplicate shared tensor name {tensor.name!r} "
+                    f"(also shared[{names[tensor.name]}])"
+                )
+            names[tensor.name] = i
+            for j, layer in enumerate(tensor.layers):
+                if not 0 <= layer < len(self.layers):
+                    raise ValueError(
+                        f"shared[{i}].layers[{j}]: expected a layer index in "
+                        f"[0, {len(self.layers)}), got {layer}"
+                    )
+            if len(set(tensor.layers)) != len(tensor.layers):
+                raise ValueError(f"shared[{i}].layers: expected each layer once")
+        return self
 
     @property
     def num_layers(self) -> int:
@@ -65,6 +106,11 @@ class ModelProfile(BaseModel):
                 [ly.activation_memory_bytes for ly in self.layers], dtype=float
             ),
             param_bytes=np.array([ly.param_bytes for ly in self.layers], dtype=float),
+            frozen_param_bytes=np.array([ly.frozen_param_bytes for ly in self.layers], dtype=float),
+            shared=tuple(
+                SharedTensor(t.name, float(t.bytes), tuple(sorted(t.layers)), bool(t.frozen))
+                for t in self.shared
+            ),
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -73,10 +119,22 @@ class ModelProfile(BaseModel):
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A shared (tied) tensor (SPEC v3 §2): ``bytes`` of it, the sorted 0-based ``layers``
+    that use it, ``frozen`` (no gradient: never synced, weights only in memory)."""
+
+    name: str
+    bytes: float
+    layers: tuple[int, ...]
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
 class ProfileArrays:
     """Per-layer vectors, shape ``(L,)``: ``fwd_flops`` f_l and ``bwd_flops`` w_l (FLOP per
     sample), ``activation_bytes`` a_l and ``activation_memory_bytes`` m_l (bytes per sample),
-    ``param_bytes`` p_l (bytes)."""
+    ``param_bytes`` p_l (trainable bytes, shared tensors excluded) and ``frozen_param_bytes``
+    p^frozen_l (bytes; default zeros); ``shared``: the shared tensors (SPEC v3 §2)."""
 
     names: tuple[str, ...]
     fwd_flops: np.ndarray
@@ -84,6 +142,12 @@ class ProfileArrays:
     activation_bytes: np.ndarray
     activation_memory_bytes: np.ndarray
     param_bytes: np.ndarray
+    frozen_param_bytes: np.ndarray | None = None
+    shared: tuple[SharedTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.frozen_param_bytes is None:
+            object.__setattr__(self, "frozen_param_bytes", np.zeros(len(self.names)))
 
     @property
     def num_layers(self) -> int:
@@ -109,7 +173,7 @@ def profile_from_dict(raw: Any, source: str = "<profile>") -> ModelProfile:
     """Validate an already-parsed profile object; see :func:`load_profile`."""
     if not isinstance(raw, dict):
         raise InputError(source, "", "expected a mapping with keys 'name' and 'layers'")
-    check_finite_tree(source, raw)
+    check_finite_tree(source, raw, bool_keys=("frozen",))
     try:
         return ModelProfile.model_validate(raw)
     except ValidationError as exc:

@@ -30,6 +30,7 @@ def _devices(cluster: dict) -> list[dict]:
                 "watts": d.get("power_w", 0.0),
                 "price": d.get("price_per_hour", 0.0) / 3600.0,
                 "kappa": d.get("microbatch_overhead_ms", 0.0) / 1000.0,
+                "lam": d.get("layer_overhead_ms", 0.0) / 1000.0,
             }
         )
     return out
@@ -45,12 +46,30 @@ def _layers(profile: dict) -> list[dict]:
                 "a": ly["activation_bytes"],
                 "m": ly.get("activation_memory_bytes", ly["activation_bytes"]),
                 "p": ly.get("param_bytes", 0.0),
+                "p0": ly.get("frozen_param_bytes", 0.0),
             }
         )
     return out
 
 
-def _group_table(devs, order, cuts, layers, links, batch, o, schedule) -> np.ndarray:
+def _shared(profile: dict) -> list[dict]:
+    return [
+        {"bytes": t["bytes"], "layers": set(t["layers"]), "frozen": t.get("frozen", False)}
+        for t in profile.get("shared", [])
+    ]
+
+
+def _fixed_memory(stage, layers, shared, o) -> float:
+    """theta' (2 + o) + phi of one stage: its layers' trainable and frozen bytes, plus every
+    shared tensor one of its layers uses (trainable: 2 + o times; frozen: once)."""
+    mem = sum(layers[i]["p"] * (2 + o) + layers[i]["p0"] for i in stage)
+    for t in shared:
+        if t["layers"] & set(stage):
+            mem += t["bytes"] * (1 if t["frozen"] else 2 + o)
+    return mem
+
+
+def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule) -> np.ndarray:
     """T_g(b) for b = 0..B (inf where nothing fits), min over mu = 1..B."""
     k_count = len(order)
     stages = [range(cuts[k], cuts[k + 1]) for k in range(k_count)]
@@ -59,7 +78,10 @@ def _group_table(devs, order, cuts, layers, links, batch, o, schedule) -> np.nda
         c = []
         for k, st in enumerate(stages):
             d = devs[order[k]]
-            c.append(mu * sum(layers[i]["fw"] for i in st) / d["speed"] + d["kappa"])
+            c.append(
+                mu * sum(layers[i]["fw"] for i in st) / d["speed"] + d["kappa"]
+                + d["lam"] * len(st)
+            )  # fmt: skip
         e = []
         for k in range(k_count - 1):
             d1, d2 = devs[order[k]], devs[order[k + 1]]
@@ -72,10 +94,9 @@ def _group_table(devs, order, cuts, layers, links, batch, o, schedule) -> np.nda
             n = math.ceil(b / mu)
             ok = True
             for k, st in enumerate(stages):
-                theta = sum(layers[i]["p"] for i in st)
                 act = sum(layers[i]["m"] for i in st)
                 h = n if schedule == "gpipe" else min(n, k_count - k)
-                if theta * (2 + o) + h * mu * act > devs[order[k]]["mem"]:
+                if _fixed_memory(st, layers, shared, o) + h * mu * act > devs[order[k]]["mem"]:
                     ok = False
                     break
             if ok:
@@ -96,32 +117,45 @@ def _min_max_shares(tables: list[np.ndarray], batch: int) -> float:
     return float(cur[batch])
 
 
-def _sync(devs, groups, links) -> float:
-    """groups: list of (order, cuts); T_sync of SPEC §3 with all groups active."""
+def _sync(devs, groups, layers, shared, links) -> float:
+    """groups: list of (order, cuts); T_sync of SPEC §3 (v3) with all groups active: per
+    device the ring all-reduce of its layers' trainable bytes among the G' groups, plus per
+    trainable shared tensor it holds the ring all-reduce among all n_s holders."""
     g_count = len(groups)
-    if g_count == 1:
-        return 0.0
+    holders = []  # (device, set of layers)
+    for order, cuts in groups:
+        for k, dev in enumerate(order):
+            holders.append((dev, set(range(cuts[k], cuts[k + 1]))))
     worst = 0.0
     for gi, (order, cuts) in enumerate(groups):
         for k, dev in enumerate(order):
             mine = set(range(cuts[k], cuts[k + 1]))
-            local = True
-            for gj, (order2, cuts2) in enumerate(groups):
-                if gj == gi:
+            t = 0.0
+            if g_count > 1:
+                local = True
+                for gj, (order2, cuts2) in enumerate(groups):
+                    if gj == gi:
+                        continue
+                    for k2, dev2 in enumerate(order2):
+                        if mine & set(range(cuts2[k2], cuts2[k2 + 1])) and (
+                            devs[dev2]["node"] != devs[dev]["node"]
+                        ):
+                            local = False
+                beta = links["intra"] if local else devs[dev]["nic"]
+                theta = sum(layers[i]["p"] for i in mine)
+                t += 2 * (g_count - 1) * links["lat"] + 2 * (g_count - 1) / g_count * theta / beta
+            for tensor in shared:
+                if tensor["frozen"] or not tensor["layers"] & mine:
                     continue
-                for k2, dev2 in enumerate(order2):
-                    if mine & set(range(cuts2[k2], cuts2[k2 + 1])) and (
-                        devs[dev2]["node"] != devs[dev]["node"]
-                    ):
-                        local = False
-            beta = links["intra"] if local else devs[dev]["nic"]
-            theta = sum(layers_p for layers_p in _THETA[(dev, cuts[k], cuts[k + 1])])
-            t = 2 * (g_count - 1) * links["lat"] + 2 * (g_count - 1) / g_count * theta / beta
+                others = [d2 for d2, ls in holders if d2 != dev and tensor["layers"] & ls]
+                n_s = len(others) + 1
+                if n_s < 2:
+                    continue
+                local = all(devs[d2]["node"] == devs[dev]["node"] for d2 in others)
+                beta = links["intra"] if local else devs[dev]["nic"]
+                t += 2 * (n_s - 1) * links["lat"] + 2 * (n_s - 1) / n_s * tensor["bytes"] / beta
             worst = max(worst, t)
     return worst
-
-
-_THETA: dict = {}
 
 
 def _labelings(n: int):
@@ -155,11 +189,7 @@ def brute_force_objective(
         "intra": cluster.get("links", {}).get("intra_node_gbps", 800.0) * 1e9 / 8,
         "lat": cluster.get("links", {}).get("latency_us", 20.0) * 1e-6,
     }
-    _THETA.clear()
-    for d in range(len(devs)):
-        for i in range(num_layers):
-            for j in range(i + 1, num_layers + 1):
-                _THETA[(d, i, j)] = [layers[x]["p"] for x in range(i, j)]
+    shared = _shared(profile)
     table_cache: dict = {}
     best = math.inf
     for size in range(1, len(devs) + 1):
@@ -186,12 +216,13 @@ def brute_force_objective(
                             key = (order, cut)
                             if key not in table_cache:
                                 table_cache[key] = _group_table(
-                                    devs, order, cut, layers, links, batch, o, schedule
+                                    devs, order, cut, layers, shared, links, batch, o, schedule
                                 )
                             tables.append(table_cache[key])
                         t_groups = _min_max_shares(tables, batch)
                         if not math.isfinite(t_groups):
                             continue
-                        t = t_groups + _sync(devs, list(zip(orders, cuts, strict=True)), links)
+                        groups = list(zip(orders, cuts, strict=True))
+                        t = t_groups + _sync(devs, groups, layers, shared, links)
                         best = min(best, v * t + queue_money * t * price)
     return best

@@ -52,7 +52,20 @@ def random_instance(seed: int) -> tuple[dict, dict, int]:
         "devices": devices,
     }
     batch = rng.randint(1, 16)
-    return cluster, {"name": f"r{seed}", "layers": layers}, batch
+    profile: dict = {"name": f"r{seed}", "layers": layers}
+    # SPEC v3 inputs, drawn after the rest so the v2 parts of each instance stay as they were
+    if seed % 4 == 1:  # per-layer overhead λ
+        for dev in devices:
+            dev["layer_overhead_ms"] = rng.choice([0.0, 0.2, 1.0])
+    if seed % 4 == 3:  # frozen parameters
+        for ly in layers:
+            ly["frozen_param_bytes"] = rng.choice([0.0, 1e7, 2e8])
+    if seed % 5 in (1, 2) and num_layers >= 2:  # a tied tensor (first and last layer)
+        profile["shared"] = [
+            {"name": "tied", "bytes": rng.choice([2e7, 2e8]), "layers": [0, num_layers - 1],
+             "frozen": seed % 5 == 2}
+        ]  # fmt: skip
+    return cluster, profile, batch
 
 
 SEEDS = list(range(32))

@@ -12,7 +12,7 @@ from hetrain._io import MAX_BATCH, MAX_NUMBER
 from hetrain.cluster import ClusterState, load_cluster
 from hetrain.costmodel import SCHEDULES, PlanEvaluation, TrainingConfig, evaluate_plan
 from hetrain.errors import InputError, NoFeasiblePlanError
-from hetrain.plan import Plan, load_plan
+from hetrain.plan import Plan, check_norm_block, load_plan
 from hetrain.profile import ProfileArrays, load_profile
 
 PLAN_TIME_BUDGET_S = 10.0
@@ -23,14 +23,18 @@ partitioner's stage matrices grow with layers² × pipeline length)."""
 
 
 def training_config(
-    batch: int, optimizer_state_factor: float, schedule: str = "1f1b"
+    batch: int,
+    optimizer_state_factor: float,
+    schedule: str = "1f1b",
+    norm_block: int | None = None,
 ) -> TrainingConfig:
     """The :class:`TrainingConfig` of the command-line options ``--batch``,
-    ``--optimizer-state-factor`` and ``--schedule``.
+    ``--optimizer-state-factor``, ``--schedule`` and ``--norm-block``.
 
     Raises:
         InputError: ``--batch`` not in ``[1, MAX_BATCH]``, ``--optimizer-state-factor`` not a
-            finite number in ``[0, MAX_NUMBER]``, unknown schedule.
+            finite number in ``[0, MAX_NUMBER]``, unknown schedule, ``--norm-block`` not an
+            integer >= 1 that divides ``--batch``.
     """
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
@@ -47,7 +51,9 @@ def training_config(
         raise InputError(
             "--schedule", "", f"expected one of {', '.join(SCHEDULES)}, got {schedule!r}"
         )
-    return TrainingConfig(batch=batch, optimizer_state_factor=o, schedule=schedule)
+    return TrainingConfig(
+        batch=batch, optimizer_state_factor=o, schedule=schedule, norm_block=norm_block
+    )
 
 
 def check_v(v: float) -> None:
@@ -89,6 +95,7 @@ def run_plan(
     v: float = 1.0,
     queues: Mapping[str, float] | None = None,
     schedule: str = "1f1b",
+    norm_block: int | None = None,
     json_out: bool = False,
 ) -> int:
     """``hetrain plan``: print the best plan for one slot (table, or the plan JSON with
@@ -98,7 +105,7 @@ def run_plan(
         InputError: bad files or options; a model that fits on no arrangement of the devices
             (names the model file).
     """
-    config = training_config(batch, optimizer_state_factor, schedule)
+    config = training_config(batch, optimizer_state_factor, schedule, norm_block)
     check_v(v)
     state, profile = _load(cluster, model)
     from hetrain.planner import best_plan
@@ -138,6 +145,7 @@ def run_evaluate(
     batch: int,
     plan: Path,
     optimizer_state_factor: float = 2.0,
+    norm_block: int | None = None,
     json_out: bool = False,
 ) -> int:
     """``hetrain evaluate``: SPEC §3's figures for a given plan. Returns 0 when the plan fits,
@@ -145,12 +153,14 @@ def run_evaluate(
 
     Raises:
         InputError (exit 2): bad files; the plan names unknown or unavailable devices, does not
-            cover the layers, or its shares do not sum to ``--batch``.
+            cover the layers, its shares do not sum to ``--batch``, or (with ``--norm-block``)
+            a group's share or micro-batch size is not a multiple of the norm block.
     """
-    config = training_config(batch, optimizer_state_factor)
+    config = training_config(batch, optimizer_state_factor, norm_block=norm_block)
     state, profile = _load(cluster, model)
     the_plan = load_plan(plan)
     the_plan.validate_for(state.ids, profile.num_layers, batch, str(plan))
+    check_norm_block(the_plan, norm_block, str(plan))
     check_plan_devices(the_plan, state, str(plan))
     evaluation = evaluate_plan(the_plan, state, profile, config)
     if json_out:

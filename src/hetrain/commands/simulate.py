@@ -93,8 +93,10 @@ def run_simulate(
     csv_out: Path | None,
     json_out: bool,
     plan: Path | None = None,
+    norm_block: int | None = None,
 ) -> int:
     """Run ``hetrain simulate``; print the SPEC §7 summary (``--json``) or a short report.
+    ``norm_block``: ``--norm-block G`` (every plan keeps shares and μ multiples of ``G``).
 
     Returns:
         0 on success.
@@ -108,7 +110,7 @@ def run_simulate(
 
     spec: ClusterSpec = load_cluster(cluster)
     profile = load_profile(model).arrays()
-    config = training_config(batch, optimizer_state_factor)
+    config = training_config(batch, optimizer_state_factor, norm_block=norm_block)
     max_slots = min(MAX_SLOTS, MAX_DEVICE_SLOTS // len(spec.devices))
     if not 1 <= slots <= max_slots:
         raise InputError(
@@ -160,6 +162,9 @@ def run_simulate(
 
         fixed = load_plan(plan)
         fixed.validate_for(spec.ids, profile.num_layers, batch, str(plan))
+        from hetrain.plan import check_norm_block
+
+        check_norm_block(fixed, norm_block, str(plan))
         from hetrain.costmodel import evaluate_plan
 
         ev = evaluate_plan(fixed, spec.state(), profile, config)

@@ -20,6 +20,7 @@ from hetrain.cluster import ClusterState
 from hetrain.costmodel import TrainingConfig
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
+from hetrain.planner.norm_block import per_norm_block
 from hetrain.planner.search import (
     Candidate,
     SearchContext,
@@ -68,6 +69,7 @@ def warm_structure(
     return groups, bounds
 
 
+@per_norm_block
 def best_plan(
     state: ClusterState,
     profile: ProfileArrays,
@@ -102,6 +104,9 @@ def best_plan(
         include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
             better (guarantees the result is never worse than them, also when
             ``time_budget_s`` cut the search short).
+
+    With ``config.norm_block = G`` every share and μ is a multiple of ``G`` (the problem is
+    solved in blocks of ``G`` samples, exactly: :mod:`hetrain.planner.norm_block`).
 
     Raises:
         NoFeasiblePlanError: no device is available, or the model fits no arrangement of the

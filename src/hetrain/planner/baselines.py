@@ -18,6 +18,7 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.costmodel import TrainingConfig, profile_prefix, stage_memory_bytes
 from hetrain.plan import GroupPlan, Plan
+from hetrain.planner.norm_block import per_norm_block
 from hetrain.planner.search import (
     SearchContext,
     _order_in_node,
@@ -45,10 +46,11 @@ def _fitting_mu(
     shares: np.ndarray,
 ) -> np.ndarray:
     """Largest ``μ ≤ share`` per device with which the whole model fits on it (0 if none),
-    shape ``(D,)``: memory ``P (2 + o) + h μ Σm ≤ M`` with ``h = 1`` under 1F1B (one stage)
+    shape ``(D,)``: memory ``P' (2 + o) + Φ + h μ Σm ≤ M`` (all trainable and frozen bytes,
+    shared tensors once, SPEC v3) with ``h = 1`` under 1F1B (one stage)
     and ``h = ceil(share / μ)`` under GPipe (SPEC §3)."""
     prefix = profile_prefix(profile)
-    params = prefix.param_bytes[-1] * (2.0 + config.optimizer_state_factor)
+    params = prefix.total_fixed_memory_bytes(config.optimizer_state_factor)
     act = prefix.act_mem_bytes[-1]
     free = state.memory_bytes[devices] - params
     shares = np.asarray(shares, dtype=np.int64)
@@ -109,6 +111,7 @@ def _dp_plan(
     return fill_figures(ctx, Plan(schedule=config.schedule, groups=tuple(groups)))
 
 
+@per_norm_block
 def dp_even_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:
@@ -117,6 +120,7 @@ def dp_even_plan(
     return _dp_plan(state, profile, config, "even")
 
 
+@per_norm_block
 def dp_proportional_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:
@@ -146,6 +150,7 @@ def flops_balanced_bounds(profile: ProfileArrays, num_stages: int) -> np.ndarray
     return np.asarray(bounds[::-1], dtype=np.int64)
 
 
+@per_norm_block
 def pipeline_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:
@@ -174,6 +179,7 @@ def pipeline_plan(
     return fill_figures(ctx, Plan(schedule=config.schedule, groups=(group,)))
 
 
+@per_norm_block
 def static_hybrid_plan(
     state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> Plan | None:

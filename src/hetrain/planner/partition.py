@@ -90,7 +90,11 @@ def split_table(
     mu = int(microbatch_size)
     k_stages = len(devices)
     flops = prefix.train_flops[bounds[:, 1:]] - prefix.train_flops[bounds[:, :-1]]
-    compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
+    compute = (
+        mu * flops / state.speed_flops[devices]
+        + state.kappa_s[devices]
+        + state.layer_overhead_s[devices] * np.diff(bounds, axis=1)
+    )
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
     if k_stages > 1:
@@ -98,29 +102,37 @@ def split_table(
         transfer = mu * prefix.boundary_bytes[bounds[:, 1:-1] - 1] / bw + 2.0 * state.latency_s
         fill = fill + transfer.sum(axis=1)
         bottleneck = np.maximum(bottleneck, transfer.max(axis=1))
-    theta = prefix.param_bytes[bounds[:, 1:]] - prefix.param_bytes[bounds[:, :-1]]
+    fixed = prefix.fixed_memory_bytes(bounds[:, :-1], bounds[:, 1:], optimizer_state_factor)
     act = prefix.act_mem_bytes[bounds[:, 1:]] - prefix.act_mem_bytes[bounds[:, :-1]]
     nmax = max_microbatches(
-        theta, act, state.memory_bytes[devices], mu, optimizer_state_factor, schedule
-    )
+        None, act, state.memory_bytes[devices], mu, optimizer_state_factor, schedule,
+        fixed_bytes=fixed,
+    )  # fmt: skip
     return SplitTable(bounds, fill, bottleneck, nmax, mu)
 
 
 def max_microbatches(
-    theta_bytes: np.ndarray,
+    theta_bytes: np.ndarray | None,
     act_bytes_per_sample: np.ndarray,
     limit_bytes: np.ndarray,
     microbatch_size: int,
     optimizer_state_factor: float,
     schedule: str,
+    *,
+    fixed_bytes: np.ndarray | None = None,
 ) -> np.ndarray:
     """Largest ``n`` with ``θ_k (2 + o) + h_k(n) μ act_k ≤ M_k`` for every stage (SPEC §3),
     shape ``(P,)`` from inputs of shape ``(P, K)``; ``NO_LIMIT`` when memory never binds, 0
-    when not even the parameters fit."""
-    theta_bytes = np.atleast_2d(theta_bytes)
+    when not even the parameters fit. ``fixed_bytes`` (shape ``(P, K)``), when given, is the
+    whole micro-batch-independent term ``θ' (2 + o) + φ`` (SPEC v3,
+    :meth:`~hetrain.costmodel.ProfilePrefix.fixed_memory_bytes`) and ``theta_bytes`` is
+    ignored."""
     act = np.atleast_2d(act_bytes_per_sample)
-    k_stages = theta_bytes.shape[1]
-    fixed = theta_bytes * (2.0 + optimizer_state_factor)
+    if fixed_bytes is None:
+        fixed = np.atleast_2d(theta_bytes) * (2.0 + optimizer_state_factor)
+    else:
+        fixed = np.atleast_2d(fixed_bytes)
+    k_stages = fixed.shape[1]
     free = limit_bytes - fixed
     per_mb = microbatch_size * act
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -146,7 +158,7 @@ def max_microbatches(
 class _StageMatrices:
     """Per stage k over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
     ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)`` (inf where out of position),
-    and the memory terms ``fixed`` (``θ (2 + o)``, bytes) and ``per_alive`` (``μ Σ m``, bytes
+    and the memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes) and ``per_alive`` (``μ Σ m``, bytes
     per micro-batch held alive), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
 
     total: np.ndarray
@@ -186,11 +198,12 @@ def _stage_matrices(
     kk = np.arange(k_stages)[:, None, None]
     mu = microbatch_size
     flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
-    theta = (prefix.param_bytes[None, :] - prefix.param_bytes[:, None])[None]
+    fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
     act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    compute = mu * flops / speed + kappa
+    per_layer = state.layer_overhead_s[devices][:, None, None]
+    compute = mu * flops / speed + kappa + per_layer * (j - i)
     ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
     ok &= (kk != k_stages - 1) | (j == num_layers)
     if k_stages > 1:
@@ -208,7 +221,7 @@ def _stage_matrices(
     return _StageMatrices(
         total=np.where(ok, total, np.inf),
         worst=np.where(ok, worst, np.inf),
-        fixed=theta * (2.0 + optimizer_state_factor),
+        fixed=fixed,
         per_alive=mu * act,
         limit=state.memory_bytes[devices][:, None, None],
         schedule=schedule,
@@ -293,7 +306,8 @@ def envelope_splits(
         return split_table(state, prefix, devices, np.zeros((0, k_stages + 1), np.int64),
                            microbatch_size, optimizer_state_factor, schedule)  # fmt: skip
     empty = np.zeros((0, k_stages + 1), dtype=np.int64)
-    params = prefix.param_bytes[-1] * (2.0 + optimizer_state_factor)
+    # (a lower bound on the memory every split needs: shared tensors counted once)
+    params = prefix.total_fixed_memory_bytes(optimizer_state_factor)
     if params > float(np.sum(state.memory_bytes[devices])):
         return split_table(state, prefix, devices, empty, microbatch_size,
                            optimizer_state_factor, schedule)  # fmt: skip

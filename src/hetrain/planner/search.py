@@ -135,9 +135,10 @@ class SearchContext:
         """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
         s = self.state
         per = tuple(
-            (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]))
+            (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
+             float(s.layer_overhead_s[d]))
             for d in devices
-        )
+        )  # fmt: skip
         links = (
             tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
             if len(devices) > 1
@@ -155,6 +156,7 @@ class SearchContext:
                 int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
                 float(f"{s.kappa_s[d]:.3g}"),
                 float(f"{s.memory_bytes[d]:.3g}"),
+                float(f"{s.layer_overhead_s[d]:.3g}"),
             )
             for d in devices
         )
@@ -181,9 +183,8 @@ class SearchContext:
         idx = np.arange(num_layers + 1)
         valid = idx[None, :] > idx[:, None]
         flops = pre.train_flops[None, :] - pre.train_flops[:, None]
-        theta = (pre.param_bytes[None, :] - pre.param_bytes[:, None]) * (
-            2.0 + self.config.optimizer_state_factor
-        )
+        theta = pre.fixed_memory_bytes(idx[:, None], idx[None, :],
+                                       self.config.optimizer_state_factor)  # fmt: skip
         last = np.clip(idx - 1, 0, num_layers - 1)
         bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
         best = np.full(num_layers + 1, np.inf)
@@ -295,8 +296,9 @@ class SearchContext:
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
-        """``T_sync`` of the given active groups."""
-        if len(groups) <= 1:
+        """``T_sync`` of the given active groups (shared tensors included, SPEC v3: a
+        single group may have a sync time when a shared tensor spans two of its stages)."""
+        if len(groups) <= 1 and not self.prefix.has_shared:
             return 0.0
         ts = sync_times_s(self.state, self.prefix, list(zip(groups, bounds, strict=True)))
         return float(max(float(np.max(t)) for t in ts))
@@ -478,6 +480,17 @@ def _solve_exhaustive_structure(
     if any(not opts for opts in per_group):
         return best
     groups = [np.asarray(o, dtype=np.int64) for o in orders]
+    if len(groups) == 1 and ctx.prefix.has_shared:
+        # a shared tensor spanning two stages is synced inside the group: per split
+        for opts in per_group[0]:
+            t, p = opts.time_for(ctx.batch)
+            if not np.isfinite(t):
+                continue
+            t += ctx.sync_time_s(groups, [opts.bounds[p]])
+            if best is None or t * weight < best.objective:
+                best = Candidate(t * weight, t, groups, [opts.bounds[p]],
+                                 [int(opts.microbatch_size[p])], [ctx.batch])  # fmt: skip
+        return best
     if len(groups) == 1:
         t, p = _merge(per_group[0]).time_for(ctx.batch)
         if not np.isfinite(t):
@@ -809,6 +822,7 @@ def fixed_split_options(
         flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
         compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
         compute = compute + st.kappa_s[devs][:, None, :]
+        compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
         fill = compute.sum(axis=2)
         worst = compute.max(axis=2)
         if k > 1:
@@ -819,13 +833,13 @@ def fixed_split_options(
             transfer = transfer + 2.0 * st.latency_s
             fill = fill + transfer.sum(axis=2)
             worst = np.maximum(worst, transfer.max(axis=2))
-        theta = pre.param_bytes[bnd[:, 1:]] - pre.param_bytes[bnd[:, :-1]]
+        fixed = pre.fixed_memory_bytes(bnd[:, :-1], bnd[:, 1:], cfg.optimizer_state_factor)
         act = pre.act_mem_bytes[bnd[:, 1:]] - pre.act_mem_bytes[bnd[:, :-1]]
         g_count, u_count = mu.shape
         rows = np.repeat(np.arange(g_count), u_count)
         nmax = max_microbatches(
-            theta[rows], act[rows], st.memory_bytes[devs][rows],
-            mu.reshape(-1, 1), cfg.optimizer_state_factor, cfg.schedule,
+            None, act[rows], st.memory_bytes[devs][rows],
+            mu.reshape(-1, 1), cfg.optimizer_state_factor, cfg.schedule, fixed_bytes=fixed[rows],
         ).reshape(g_count, u_count)  # fmt: skip
         nmax = np.minimum(nmax, -(-ctx.batch // mu))
         for r, i in enumerate(idx):
