@@ -143,7 +143,10 @@ def best_plan(
     best = pruned_search(ctx, best, deadline=deadline)
     family_cpu = time.process_time() - family_cpu
     num_structures = structure_count(len(ctx.available), profile.num_layers, config.batch)
-    if deadline is None or time.perf_counter() < deadline:
+    exhaustive = exhaustive_is_small(ctx)
+    if (deadline is None or time.perf_counter() < deadline) and not (
+        exhaustive and num_structures > STRUCTURES_EXACT_MAX
+    ):  # (the exhaustive search below covers what the polish would try)
         if num_structures <= STRUCTURES_EXACT_MAX:
             best = structure_search(ctx, best, deadline=deadline)
         else:
@@ -164,8 +167,8 @@ def best_plan(
                 ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
                 deadline=deadline, cpu_budget_s=budget, starts=starts,
             )  # fmt: skip
-    if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
-        best = exhaustive_search(ctx, best)
+    if exhaustive and (deadline is None or time.perf_counter() < deadline):
+        best = exhaustive_search(ctx, best, deadline=deadline)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:

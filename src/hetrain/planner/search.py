@@ -69,6 +69,9 @@ from hetrain.profile import ProfileArrays
 EXHAUSTIVE_MAX_DEVICES = 4
 EXHAUSTIVE_MAX_LAYERS = 8
 EXHAUSTIVE_MAX_BATCH = 64
+EXHAUSTIVE_WIDE_MAX_DEVICES = 6
+EXHAUSTIVE_WIDE_MAX_LAYERS = 6
+EXHAUSTIVE_WIDE_MAX_BATCH = 16
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
 MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
@@ -345,22 +348,14 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
             for b in env.bounds:
                 found[tuple(int(x) for x in b)] = None
         bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k + 1)
-    per_split: list[GroupOptions] = []
-    tables = [
-        split_table(ctx.state, ctx.prefix, devs, bounds, mu, ctx.config.optimizer_state_factor,
-                    ctx.config.schedule)
-        for mu in mus
-    ]  # fmt: skip
-    for p in range(len(bounds)):
-        rows = [
-            SplitTable(t.bounds[p : p + 1], t.fill_s[p : p + 1], t.bottleneck_s[p : p + 1],
-                       t.max_microbatches[p : p + 1], t.microbatch_size)
-            for t in tables
-            if t.max_microbatches[p] >= 1
-        ]  # fmt: skip
-        opts = GroupOptions.from_tables(rows, k)
-        if len(opts):
-            per_split.append(opts)
+    # every split × every μ at once ((P, U, K) arrays of SPEC §3's stage times and memory)
+    per_split = [
+        opts
+        for opts in fixed_split_options(
+            ctx, [devs] * len(bounds), list(bounds), [mus] * len(bounds)
+        )  # fmt: skip
+        if len(opts)
+    ]
     ctx.option_cache[key] = per_split
     return per_split
 
@@ -368,31 +363,55 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
 def exhaustive_is_small(ctx: SearchContext) -> bool:
     """Whether the exact search runs: at most :data:`EXHAUSTIVE_MAX_DEVICES` available
     devices, :data:`EXHAUSTIVE_MAX_LAYERS` layers and a batch of at most
-    :data:`EXHAUSTIVE_MAX_BATCH`."""
+    :data:`EXHAUSTIVE_MAX_BATCH`; or at most :data:`EXHAUSTIVE_WIDE_MAX_DEVICES` devices with
+    at most :data:`EXHAUSTIVE_WIDE_MAX_LAYERS` layers and ``B ≤``
+    :data:`EXHAUSTIVE_WIDE_MAX_BATCH` (in norm blocks)."""
+    devices = len(ctx.available)
+    layers = ctx.prefix.num_layers
+    if devices <= EXHAUSTIVE_MAX_DEVICES:
+        return layers <= EXHAUSTIVE_MAX_LAYERS and ctx.batch <= EXHAUSTIVE_MAX_BATCH
     return (
-        len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES
-        and ctx.prefix.num_layers <= EXHAUSTIVE_MAX_LAYERS
-        and ctx.batch <= EXHAUSTIVE_MAX_BATCH
+        devices <= EXHAUSTIVE_WIDE_MAX_DEVICES
+        and layers <= EXHAUSTIVE_WIDE_MAX_LAYERS
+        and ctx.batch <= EXHAUSTIVE_WIDE_MAX_BATCH
     )
 
 
-def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) -> Candidate | None:
-    """Exact search over every structure of the available devices (see module docstring)."""
+def exhaustive_search(
+    ctx: SearchContext, incumbent: Candidate | None = None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Exact search over every structure of the available devices (see module docstring);
+    stops early at ``deadline`` (``time.perf_counter()`` value; then it is not exact).
+
+    Subsets are visited by their lower bound ``(B Σ(f+w) / Σ s_d) · weight`` and skipped once
+    it reaches the incumbent; a structure is skipped when :func:`structure_bound` (a valid
+    lower bound with all its groups active; a structure with an idle group is the smaller
+    structure without it, enumerated too) reaches the incumbent."""
     best = incumbent
     avail = [int(d) for d in ctx.available]
     batch = ctx.batch
+    num_layers = ctx.prefix.num_layers
+    speeds = ctx.state.speed_flops
+    subsets = []
     for size in range(len(avail), 0, -1):
         for subset in itertools.combinations(avail, size):
             sub = np.asarray(subset, dtype=np.int64)
             weight = ctx.weight(sub)
-            t_floor = batch * ctx.total_flops / float(np.sum(ctx.state.speed_flops[sub]))
-            if best is not None and t_floor * weight >= best.objective:
+            t_floor = batch * ctx.total_flops / float(np.sum(speeds[sub]))
+            subsets.append((t_floor * weight, -size, subset, weight, t_floor))
+    subsets.sort()
+    for floor, _, subset, weight, t_floor in subsets:
+        if best is not None and floor >= best.objective:
+            break
+        for blocks in set_partitions(subset):
+            if len(blocks) > batch or max(len(b) for b in blocks) > num_layers:
                 continue
-            for blocks in set_partitions(subset):
-                if len(blocks) > batch:
+            for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                if deadline is not None and best is not None and time.perf_counter() > deadline:
+                    return best
+                if best is not None and structure_bound(ctx, orders, weight) >= best.objective:
                     continue
-                for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
-                    best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
+                best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
     return best
 
 
@@ -506,11 +525,43 @@ def _solve_exhaustive_structure(
         # too many joint split combinations: let each group pick its split freely
         merged = [_merge(opts) for opts in per_group]
         return _solve_with_options(ctx, groups, merged, weight, best)
+    # lower bounds per combination, without solving it: the group time of the shares when
+    # every group may pick any of its splits (a relaxation), and the layer all-reduce with
+    # β_d = nic_d wherever some other group has no device on d's node (then some holder of
+    # d's layers is off-node: every group holds every layer), the intra-node bandwidth else
+    free = ShareProblem([_merge(opts) for opts in per_group], ctx.batch).solve()
+    if free is None:
+        return best
+    t_free = max(free.max_group_time_s, t_floor)
+    st = ctx.state
+    node_sets = [{int(st.node[d]) for d in o} for o in orders]
+    count = len(groups)
+    scale = 2.0 * (count - 1) / count
+    lat_s = 2.0 * (count - 1) * st.latency_s
+    sync_floor = []
+    for g, opts_g in enumerate(per_group):
+        devs = groups[g]
+        beta = np.array([
+            st.intra_node_bytes_per_s
+            if all(int(st.node[d]) in ns for h, ns in enumerate(node_sets) if h != g)
+            else float(st.nic_bytes_per_s[d])
+            for d in devs
+        ])  # fmt: skip
+        floors = []
+        for o in opts_g:
+            b = o.bounds[0]
+            theta = ctx.prefix.param_bytes[b[1:]] - ctx.prefix.param_bytes[b[:-1]]
+            floors.append(lat_s + scale * float(np.max(theta / beta)))
+        sync_floor.append(floors)
     for combo in itertools.product(*(range(s) for s in sizes)):
+        if best is not None:
+            floor = t_free + max(sync_floor[g][p] for g, p in enumerate(combo))
+            if floor * weight >= best.objective:
+                continue
         opts = [per_group[g][p] for g, p in enumerate(combo)]
         bounds = [o.bounds[0] for o in opts]
         sync = ctx.sync_time_s(groups, bounds)
-        if best is not None and (t_floor + sync) * weight >= best.objective:
+        if best is not None and (t_free + sync) * weight >= best.objective:
             continue
         sol = ShareProblem(opts, ctx.batch).solve()
         if sol is None:
