@@ -29,6 +29,7 @@ from hetrain.planner.search import (
     exhaustive_search,
     local_search,
     plan_objective,
+    polish_splits,
     pruned_search,
     solve_structure,
     structure_count,
@@ -169,6 +170,8 @@ def best_plan(
             )  # fmt: skip
     if exhaustive and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best, deadline=deadline)
+    # stages re-chosen by the iteration time, sync included (cheap: one pass, bounded)
+    best = polish_splits(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:

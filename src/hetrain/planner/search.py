@@ -73,6 +73,8 @@ EXHAUSTIVE_WIDE_MAX_DEVICES = 6
 EXHAUSTIVE_WIDE_MAX_LAYERS = 6
 EXHAUSTIVE_WIDE_MAX_BATCH = 16
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
+MU_EVERY_MAX_BATCH = 16  # solve_structure tries every μ <= B (shares and μ jointly) up to this B
+NEIGHBOUR_MU_MAX_SHARE = 32  # beyond, μ is refined for shares b ± 1 up to this share
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
 MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
 
@@ -241,12 +243,27 @@ class SearchContext:
         cfg = self.config
         table = split_table(self.state, self.prefix, devices, bounds, mu,
                             cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
-        keep = table.max_microbatches >= 1
+        keep = self._sync_order(devices, table.bounds)
+        keep = keep[table.max_microbatches[keep] >= 1]
         n_cap = -(-self.batch // mu)
         return pareto(
             SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
                        np.minimum(table.max_microbatches[keep], n_cap), mu)
         )  # fmt: skip
+
+    def _sync_order(self, devices: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Indices of the splits ``bounds`` (shape ``(P, K + 1)``) in increasing order of
+        ``max_k θ'_k / nic_{d_k}`` (trainable bytes a stage all-reduces over its NIC; stable),
+        so that among splits with equal ``A``, ``M`` and memory — which :func:`pareto` keeps
+        only the first of — the one with the least all-reduce survives (issue 12)."""
+        pre = self.prefix
+        bounds = np.asarray(bounds, dtype=np.int64)
+        theta = pre.param_bytes[bounds[:, 1:]] - pre.param_bytes[bounds[:, :-1]]
+        if pre.has_shared:
+            trainable = np.where(pre.shared_frozen, 0.0, pre.shared_bytes)
+            theta = theta + pre.shared_held(bounds[:, :-1], bounds[:, 1:]).astype(float) @ trainable
+        key = np.max(theta / self.state.nic_bytes_per_s[np.asarray(devices)], axis=1)
+        return np.argsort(key, kind="stable")
 
     def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
         cfg = self.config
@@ -258,7 +275,8 @@ class SearchContext:
                 enumerate_splits(self.prefix.num_layers, k), mu,
                 cfg.optimizer_state_factor, cfg.schedule,
             )  # fmt: skip
-            keep = table.max_microbatches >= 1
+            keep = self._sync_order(devices, table.bounds)
+            keep = keep[table.max_microbatches[keep] >= 1]
             return pareto(
                 SplitTable(
                     table.bounds[keep],
@@ -804,6 +822,10 @@ def solve_structure(
                 m for o in old_mus for m in (max(1, o // 2), o - 1, o, o + 1, 2 * o)
                 if 1 <= m <= ctx.batch
             }  # fmt: skip
+        elif ctx.batch <= MU_EVERY_MAX_BATCH:
+            # small batches: every μ, so that shares and μ are solved jointly (a group's
+            # options span every μ and the share solver picks, per share, the best)
+            mus = set(ctx.mu_candidates(every=True))
         else:
             mus = set(ctx.mu_candidates(cap)) | old_mus
         mu_lists.append(sorted(mus))
@@ -835,6 +857,11 @@ def solve_structure(
             ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
+            # small shares: the neighbouring shares in one micro-batch or in n (the shares
+            # were solved with the first μ candidates, and a share one sample larger may want
+            # its own μ; for large shares one sample matters little)
+            if b <= NEIGHBOUR_MU_MAX_SHARE:
+                extra[i].update(m for b2 in (b - 1, b + 1) if b2 >= 1 for m in (b2, -(-b2 // n)))
         new_opts = list(opts)
         for i, more in extra.items():
             have = set(opts[i].microbatch_size.tolist())
@@ -873,7 +900,8 @@ def fixed_split_options(
         flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
         compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
         compute = compute + st.kappa_s[devs][:, None, :]
-        compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
+        if np.any(st.layer_overhead_s[devs]):
+            compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
         fill = compute.sum(axis=2)
         worst = compute.max(axis=2)
         if k > 1:
@@ -1218,6 +1246,66 @@ def mixed_depth_search(
     if best is None or current.objective < best.objective:
         return current
     return best
+
+
+def polish_splits(
+    ctx: SearchContext, cand: Candidate | None, *, max_evals: int = 256
+) -> Candidate | None:
+    """Re-choose each active group's stages by the **iteration time**, sync included, with
+    its devices, ``μ`` and share fixed (issue 12: splits with the same group time can differ
+    in the parameter bytes each device all-reduces; a split with a slightly longer group time
+    can save more sync than it costs).
+
+    One pass of coordinate descent over the groups: for group g every split (all of them
+    when there are at most :data:`ALL_SPLITS_MAX`, else the envelope splits of its ``μ``)
+    that fits its micro-batches, in increasing group time ``T_g``, is scored as
+    ``max(max_{h≠g} T_h, T_g) + T_sync`` (SPEC §3, :func:`sync_times_s`) until that group
+    time alone reaches the current iteration time (``T_sync ≥ 0``) or ``max_evals`` sync
+    evaluations in all. Returns ``cand`` unchanged when nothing is better; the objective is
+    rescaled (the devices, hence the weight, are unchanged)."""
+    if cand is None or (len(cand.groups) < 2 and not ctx.prefix.has_shared):
+        return cand
+    st, pre, cfg = ctx.state, ctx.prefix, ctx.config
+    groups = [np.asarray(g, dtype=np.int64) for g in cand.groups]
+    bounds = [np.asarray(b, dtype=np.int64) for b in cand.bounds]
+    times = []
+    for devs, b, mu, share in zip(groups, bounds, cand.microbatch_sizes, cand.shares,
+                                  strict=True):  # fmt: skip
+        t = split_table(st, pre, devs, b[None, :], mu, cfg.optimizer_state_factor, cfg.schedule)
+        times.append(float(t.fill_s[0] + (-(-share // mu) - 1) * t.bottleneck_s[0]))
+    current = max(times) + ctx.sync_time_s(groups, bounds)
+    evals = 0
+    for g, devs in enumerate(groups):
+        k = len(devs)
+        mu, share = int(cand.microbatch_sizes[g]), int(cand.shares[g])
+        n = -(-share // mu)
+        if count_splits(pre.num_layers, k) <= ALL_SPLITS_MAX:
+            options = enumerate_splits(pre.num_layers, k)
+        else:
+            options = ctx.envelope_options(devs, [mu]).bounds
+        if len(options) <= 1:
+            continue
+        table = split_table(st, pre, devs, options, mu, cfg.optimizer_state_factor, cfg.schedule)
+        t_g = np.where(table.max_microbatches >= n,
+                       table.fill_s + (n - 1) * table.bottleneck_s, np.inf)  # fmt: skip
+        others = max((times[h] for h in range(len(groups)) if h != g), default=0.0)
+        for p in np.argsort(t_g, kind="stable"):
+            t_groups = max(others, float(t_g[p]))
+            if not np.isfinite(t_g[p]) or t_groups >= current or evals >= max_evals:
+                break
+            if np.array_equal(options[p], bounds[g]):
+                continue
+            evals += 1
+            trial = [*bounds[:g], options[p], *bounds[g + 1 :]]
+            total = t_groups + ctx.sync_time_s(groups, trial)
+            if total < current * (1 - 1e-12):
+                current, bounds, times[g] = total, trial, float(t_g[p])
+    if current >= cand.iteration_time_s * (1 - 1e-12):
+        return cand
+    return Candidate(
+        cand.objective * current / cand.iteration_time_s, current, list(groups), bounds,
+        list(cand.microbatch_sizes), list(cand.shares),
+    )  # fmt: skip
 
 
 def candidate_to_plan(ctx: SearchContext, cand: Candidate) -> Plan:
