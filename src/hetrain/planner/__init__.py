@@ -50,6 +50,28 @@ POLISH_SMALL_DEVICES = 12
 POLISH_SMALL_CPU_S = 1.0
 
 
+def oversized_layer(ctx: SearchContext) -> tuple[int, float, int, float] | None:
+    """The first layer that fits on no available device by itself, as ``(layer, bytes it
+    needs, device with the most memory, that memory in bytes)``, or None. A layer's least
+    need is SPEC §3's memory of a one-layer stage with one micro-batch of the smallest size
+    alive: ``θ'_l (2 + o) + φ_l + m_l`` (bytes; shared tensors it uses included; with a norm
+    block the caller's profile is per block). Any stage holding the layer needs at least
+    that, so the model then fits on no arrangement."""
+    pre = ctx.prefix
+    idx = np.arange(pre.num_layers)
+    need = pre.fixed_memory_bytes(idx, idx + 1, ctx.config.optimizer_state_factor) + (
+        pre.act_mem_bytes[idx + 1] - pre.act_mem_bytes[idx]
+    )
+    memory = ctx.state.memory_bytes[ctx.available]
+    device = int(ctx.available[int(np.argmax(memory))])
+    limit = float(ctx.state.memory_bytes[device])
+    over = np.flatnonzero(need > limit)
+    if not len(over):
+        return None
+    layer = int(over[0])
+    return layer, float(need[layer]), device, limit
+
+
 def warm_structure(
     plan: Plan, state: ClusterState
 ) -> tuple[list[tuple[int, ...]], list[np.ndarray | None]]:
@@ -198,6 +220,16 @@ def best_plan(
             if fits and obj < objective * (1 - 1e-12):
                 plan, objective = other, obj
     if plan is None:
+        too_big = oversized_layer(ctx)
+        if too_big is not None:
+            layer, need, device, limit = too_big
+            raise NoFeasiblePlanError(
+                f"layer {layer} ({profile.names[layer][:60]!r}) alone needs {need:.6g} bytes "
+                f"({need / 2**30:.4g} GiB: weights with gradients and optimizer state, and one "
+                f"micro-batch's activations) but the largest available device, "
+                f"{state.ids[device][:60]!r}, has {limit:.6g} bytes ({limit / 2**30:.4g} GiB)",
+                layer=layer,
+            )
         raise NoFeasiblePlanError(
             f"no arrangement of the {len(ctx.available)} available devices holds the "
             f"{profile.num_layers}-layer model's parameters, gradients, optimizer state and "
