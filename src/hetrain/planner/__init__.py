@@ -40,7 +40,8 @@ from hetrain.profile import ProfileArrays
 
 __all__ = ["best_plan", "warm_structure"]
 
-STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices)
+STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices;
+# exact over structures, not over split combinations and μ: see exhaustive_is_small)
 # local-search polish (more than STRUCTURES_EXACT_MAX structures): at most this many
 # structure solves per device, within this fraction of the candidate family's CPU time, or
 # POLISH_SMALL_CPU_S on clusters of at most POLISH_SMALL_DEVICES devices
@@ -110,7 +111,10 @@ def best_plan(
 
     Search: the structure family (and the warm start); then every structure when there are at
     most :data:`STRUCTURES_EXACT_MAX` (≤ 5 devices, any number of layers), else a local-search
-    polish; the brute force on tiny instances; the SPEC §6 baselines (docs/planner.md).
+    polish (skipped where the exhaustive search runs); the exhaustive search (exact) at ≤ 4
+    devices with ≤ 8 layers and ``B ≤ 64`` or 5-6 devices with ≤ 6 layers and ``B ≤ 16``;
+    a final re-choice of each group's stages by the iteration time (:func:`polish_splits`);
+    the SPEC §6 baselines (docs/planner.md).
 
     Args:
         v: weight ``V > 0`` of the iteration time.
@@ -192,8 +196,10 @@ def best_plan(
             )  # fmt: skip
     if exhaustive and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best, deadline=deadline)
-    # stages re-chosen by the iteration time, sync included (cheap: one pass, bounded)
-    best = polish_splits(ctx, best)
+    # stages re-chosen by the iteration time, sync included (one bounded pass; skipped on
+    # large structures and once the time budget is spent)
+    if deadline is None or time.perf_counter() < deadline:
+        best = polish_splits(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:

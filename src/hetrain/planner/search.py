@@ -5,7 +5,8 @@ Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
 ``y_energy = T Σ_{used} W_d``, it equals ``T · (V + Σ_{d used} c_d)`` with the per-device
 weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of iteration).
 
-* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``): every subset,
+* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``; or 5-6 devices, 6
+  layers, ``B ≤ 16``; :func:`exhaustive_is_small`): every subset,
   every split of it into groups, every order inside each group; per group every split of the
   layers (or the exact envelope when there are too many), every ``μ ≤ B`` when ``B`` is small;
   for several groups every combination of splits (sync depends on them), each with exact
@@ -75,6 +76,7 @@ EXHAUSTIVE_WIDE_MAX_BATCH = 16
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
 MU_EVERY_MAX_BATCH = 16  # solve_structure tries every μ <= B (shares and μ jointly) up to this B
 NEIGHBOUR_MU_MAX_SHARE = 32  # beyond, μ is refined for shares b ± 1 up to this share
+POLISH_SPLITS_MAX_GROUPS = 16  # polish_splits re-chooses stages on plans of at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
 MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
 
@@ -1261,9 +1263,14 @@ def polish_splits(
     that fits its micro-batches, in increasing group time ``T_g``, is scored as
     ``max(max_{h≠g} T_h, T_g) + T_sync`` (SPEC §3, :func:`sync_times_s`) until that group
     time alone reaches the current iteration time (``T_sync ≥ 0``) or ``max_evals`` sync
-    evaluations in all. Returns ``cand`` unchanged when nothing is better; the objective is
-    rescaled (the devices, hence the weight, are unchanged)."""
-    if cand is None or (len(cand.groups) < 2 and not ctx.prefix.has_shared):
+    evaluations in all. Returns ``cand`` unchanged when nothing is better, and on structures
+    of more than :data:`POLISH_SPLITS_MAX_GROUPS` groups (each sync evaluation costs
+    ``O(L G')``); the objective is rescaled (the devices, hence the weight, are unchanged)."""
+    if (
+        cand is None
+        or (len(cand.groups) < 2 and not ctx.prefix.has_shared)
+        or len(cand.groups) > POLISH_SPLITS_MAX_GROUPS
+    ):
         return cand
     st, pre, cfg = ctx.state, ctx.prefix, ctx.config
     groups = [np.asarray(g, dtype=np.int64) for g in cand.groups]
