@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hetrain.calibration import ClusterEstimator, fit_speed_kappa
+from hetrain.calibration import ClusterEstimator, fit_stage_overheads
 from hetrain.cluster import cluster_from_dict
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.models.registry import EXAMPLES
@@ -68,7 +68,11 @@ WORLD = 4
 IDS = [f"w{r}" for r in range(WORLD)]
 F0 = 8.0  # base slow-down of every device
 B = 32
-CAL_MICROBATCHES = (2, 4, 8, 16)
+CAL_MICROBATCHES = (2, 8)
+# calibration stages: the whole chain (4 data-parallel groups) and a 4-stage pipeline of
+# chains of 1, 1, 3 and 1 layers (no stage of the scenarios below)
+CAL_PIPELINE = [[0, 1], [1, 2], [2, 5], [5, 6]]
+CLOCK = {"clock": "thread_cpu"}  # set by --clock
 SLOW_NIC = 20e6  # bytes/s of an emulated slow inter-node link
 
 
@@ -91,6 +95,7 @@ class Scenario:
             slowdown={d: self.factor(d) for d in IDS},
             node=dict(self.nodes),
             nic_bandwidth_bytes_per_s=dict(self.nic),
+            compute_clock=CLOCK["clock"],
         )
 
     def plan_dict(self) -> dict:
@@ -191,13 +196,10 @@ def _all(rank: int, world: int, scenarios, steps: int, warmup: int):
     """Every rank: one worker per calibration size and per scenario (same process group),
     stepped round-robin so that all of them see the same background load; returns, per
     worker, the per-rank measurements of the ``steps`` steps after ``warmup`` discarded."""
-    configs = [
-        (
-            {"groups": [g([d], WHOLE, mu, 2 * mu) for d in IDS]},
-            Emulation(slowdown=dict.fromkeys(IDS, F0)),
-        )
-        for mu in CAL_MICROBATCHES
-    ] + [(s.plan_dict(), s.emulation()) for s in scenarios]
+    em = Emulation(slowdown=dict.fromkeys(IDS, F0), compute_clock=CLOCK["clock"])
+    configs = [(p, em) for p in calibration_plans()] + [
+        (s.plan_dict(), s.emulation()) for s in scenarios
+    ]
     workers = [_worker(plan, em, rank) for plan, em in configs]
     data = [_data(w.plan.global_batch) for w in workers]
     out: list[list] = [[] for _ in workers]
@@ -206,29 +208,41 @@ def _all(rank: int, world: int, scenarios, steps: int, warmup: int):
             rows = gather_measurements(w.step(x, y, t))
             if t >= warmup:
                 out[i].append(rows)
-    n = len(CAL_MICROBATCHES)
+    n = len(calibration_plans())
     return out[:n], out[n:]
 
 
-def calibrate(cal) -> tuple[float, float, float]:
-    """(speed FLOP/s at factor F0, κ s at F0, fit RMS rel error) from the calibration runs.
-
-    Per micro-batch size: the slowest rank's compute time per micro-batch in each step (a
-    step waits for its slowest rank, and on a shared machine ranks straggle at random), median
-    over the steps; then the least-squares fit over the sizes."""
-    prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
-    flops = float(prof.arrays().train_flops.sum())
-    times = [
-        statistics.median(
-            max(r["compute_time_s"] / r["num_microbatches"] for r in rows) for rows in steps
-        )
-        for steps in cal
-    ]
-    fit = fit_speed_kappa(CAL_MICROBATCHES, flops, times)
-    return fit.speed_flops, fit.kappa_s, fit.rms_rel_error
+def calibration_plans() -> list[dict]:
+    """The calibration runs: per size in ``CAL_MICROBATCHES``, 4 data-parallel groups of the
+    whole chain (2 micro-batches each) and the pipeline ``CAL_PIPELINE`` (4 micro-batches)."""
+    plans = []
+    for mu in CAL_MICROBATCHES:
+        plans.append({"groups": [g([d], WHOLE, mu, 2 * mu) for d in IDS]})
+        plans.append({"groups": [g(IDS, CAL_PIPELINE, mu, 4 * mu)]})
+    return plans
 
 
-def cluster_state(s: Scenario, speed: float, kappa: float, bw: float, lat: float):
+def calibrate(cal, train_flops: np.ndarray):
+    """:class:`hetrain.calibration.StageOverheadFit` (speed, κ and λ at factor F0) of the
+    calibration runs: one point per rank and run, the rank's compute time per micro-batch
+    (median over the steps) for its stage's μ, FLOPs and number of layers."""
+    mus, flops, layers, times = [], [], [], []
+    for steps in cal:
+        for rank in range(WORLD):
+            r0 = steps[0][rank]
+            a, b = r0["stage"]
+            mus.append(r0["microbatch_size"])
+            flops.append(float(train_flops[a:b].sum()))
+            layers.append(b - a)
+            times.append(
+                statistics.median(
+                    rows[rank]["compute_time_s"] / rows[rank]["num_microbatches"] for rows in steps
+                )
+            )
+    return fit_stage_overheads(mus, flops, layers, times)
+
+
+def cluster_state(s: Scenario, speed: float, kappa: float, lam: float, bw: float, lat: float):
     devices = []
     for d in IDS:
         f = s.factor(d)
@@ -240,6 +254,7 @@ def cluster_state(s: Scenario, speed: float, kappa: float, bw: float, lat: float
                 "memory_gib": 64,
                 "nic_gbps": s.nic.get(d, bw) * 8 / 1e9,
                 "microbatch_overhead_ms": kappa * f / F0 * 1e3,
+                "layer_overhead_ms": lam * f / F0 * 1e3,
             }
         )
     spec = cluster_from_dict(
@@ -259,7 +274,7 @@ def online_state(offline, steps, flops_per_sample: np.ndarray):
                 a, b = r["stage"]
                 flops = float(flops_per_sample[a:b].sum()) * r["batch"]
                 est.observe_compute(
-                    r["device_id"], flops, r["compute_time_s"], r["num_microbatches"]
+                    r["device_id"], flops, r["compute_time_s"], r["num_microbatches"], b - a
                 )
     return est.apply(offline)
 
@@ -281,7 +296,14 @@ def main() -> None:
     ap.add_argument("--online", type=int, default=2, help="steps feeding the online estimates")
     ap.add_argument("--only", type=int, nargs="*", help="scenario indices to run")
     ap.add_argument("--verbose", action="store_true", help="print where the time went")
+    ap.add_argument(
+        "--clock",
+        choices=("thread_cpu", "wall"),
+        default="thread_cpu",
+        help="what the slow-down emulation multiplies (Emulation.compute_clock)",
+    )
     args = ap.parse_args()
+    CLOCK["clock"] = args.clock
     scenarios = [SCENARIOS[i] for i in args.only] if args.only else SCENARIOS
     torch.set_num_threads(1)
     t0 = time.time()
@@ -295,28 +317,36 @@ def main() -> None:
             timeout_s=1500,
             pg_timeout_s=300,
         )[0]
-    speed, kappa, cal_rms = calibrate(cal)
+    prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
+    arrays = prof.arrays()
+    fit = calibrate(cal, arrays.train_flops)
+    speed, kappa, lam = fit.speed_flops, fit.kappa_s, fit.layer_overhead_s
     print(
-        f"offline calibration (4 ranks, factor {F0:g}): speed {speed / 1e9:.3f} GFLOP/s, kappa "
-        f"{kappa * 1e3:.3f} ms, fit rms {cal_rms:.3f}; link "
+        f"offline calibration (4 ranks, factor {F0:g}, clock {CLOCK['clock']}): speed "
+        f"{speed / 1e9:.3f} GFLOP/s, kappa {kappa * 1e3:.3f} ms, lambda {lam * 1e3:.3f} ms/layer,"
+        f" fit rms {fit.rms_rel_error:.3f} max {fit.max_abs_rel_error:.3f}; link "
         f"{link.bandwidth_bytes_per_s / 1e9:.3f} GB/s, latency {link.latency_s * 1e6:.1f} us"
     )
     if args.verbose:
-        for mu, steps in zip(CAL_MICROBATCHES, cal, strict=True):
-            per = [r["compute_time_s"] / r["num_microbatches"] for rows in steps for r in rows]
+        for plan, steps in zip(calibration_plans(), cal, strict=True):
+            per = [
+                statistics.median(
+                    rows[r]["compute_time_s"] / rows[r]["num_microbatches"] for rows in steps
+                )
+                for r in range(WORLD)
+            ]
+            stages = [s0 for gr in plan["groups"] for s0 in gr["stages"]][:WORLD]
             print(
-                f"  calibration mu={mu}: per-micro-batch compute median {np.median(per):.4f} s,"
-                f" min {min(per):.4f}, max {max(per):.4f}"
+                f"  calibration mu={plan['groups'][0]['microbatch_size']} stages {stages}: "
+                f"per-micro-batch compute per rank {[round(x, 4) for x in per]}"
             )
-    prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
-    arrays = prof.arrays()
     # the engine overlaps the gradient all-reduce with the last backward (Worker defaults:
     # overlap on, 64 MiB buckets = TrainingConfig's default cap)
     config = TrainingConfig(batch=B, optimizer_state_factor=0, sync_overlap=True)
     print("model: SPEC §3 with sync_overlap=True (only the exposed part of the sync is charged)")
     offline_pairs, online_pairs = [], []
     for s, steps in zip(scenarios, runs, strict=True):
-        offline = cluster_state(s, speed, kappa, link.bandwidth_bytes_per_s, link.latency_s)
+        offline = cluster_state(s, speed, kappa, lam, link.bandwidth_bytes_per_s, link.latency_s)
         plan = plan_from_dict(s.plan_dict())
         measured_steps = steps[args.online :]
         measured = statistics.median(
