@@ -8,9 +8,11 @@ Two tools:
 * :func:`fit_stage_overheads` — the same with SPEC v3's per-layer cost ``λ_d`` (s per layer
   and micro-batch) beside ``κ_d``, from stages (chains of layers) of different lengths:
   ``C = μ · Σ(f_l + w_l) / s + κ + λ · |S|``.
-* :func:`fit_update_time` — the refinement ``TrainingConfig.update_time_per_param_byte_s``
-  (not in SPEC §3): per-iteration time of the weight update that grows with the trainable
-  parameter bytes a device holds.
+* :func:`fit_update_time` and :func:`relative_jitter` — the two numbers of the refinement
+  ``TrainingConfig.update_time_s_per_param_byte`` / ``group_time_jitter`` (not in SPEC §3;
+  :func:`hetrain.costmodel.refined_iteration_time_s`): the time of the weight update per
+  trainable parameter byte a device holds, and how much a device's time per iteration
+  jitters from one iteration to the next.
 * :class:`EwmaEstimator` / :class:`ClusterEstimator` — online estimates the runtime feeds with
   per-iteration measurements and the controller reads: an exponentially weighted moving average
   with outlier rejection (robust to one-off stalls, but following a lasting change of level
@@ -224,6 +226,76 @@ def fit_stage_overheads(
         predicted_s=tuple(float(p) for p in pred),
         num_points=int(mu.size),
     )
+
+
+@dataclass(frozen=True)
+class UpdateTimeFit:
+    """Result of :func:`fit_update_time`: ``time_s_per_param_byte`` (``ω``, s/byte) and the
+    fit's RMS and max relative error over ``num_points`` measurements."""
+
+    time_s_per_param_byte: float
+    rms_rel_error: float
+    max_abs_rel_error: float
+    num_points: int
+
+
+def fit_update_time(
+    param_bytes: Sequence[float] | np.ndarray, times_s: Sequence[float] | np.ndarray
+) -> UpdateTimeFit:
+    """Least-squares fit of ``u_i = ω · θ_i``: weight-update times ``u_i`` (s; optimizer step,
+    gradient norm and copies after the sync) of devices holding ``θ_i`` trainable parameter
+    bytes, minimising the relative squared error ``Σ ((ω θ_i − u_i)/u_i)²`` (closed form
+    ``ω = Σ (θ_i/u_i) / Σ (θ_i/u_i)²``). The ``ω`` of
+    :attr:`hetrain.costmodel.TrainingConfig.update_time_s_per_param_byte`.
+
+    Raises:
+        ValueError: no point, shapes differ, a value not finite, a byte count or time not
+            ``> 0``.
+    """
+    theta = np.asarray(param_bytes, dtype=float).ravel()
+    u = np.asarray(times_s, dtype=float).ravel()
+    if theta.shape != u.shape or theta.size == 0:
+        raise ValueError(
+            f"fit_update_time: expected as many byte counts as times (>= 1), got "
+            f"{theta.size} and {u.size}"
+        )
+    if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(u))):
+        raise ValueError("fit_update_time: bytes and times must be finite")
+    if np.any(theta <= 0) or np.any(u <= 0):
+        raise ValueError("fit_update_time: bytes and times must be > 0")
+    a = theta / u
+    omega = float(a.sum() / (a @ a))
+    rel = omega * a - 1.0
+    return UpdateTimeFit(
+        time_s_per_param_byte=omega,
+        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
+        max_abs_rel_error=float(np.max(np.abs(rel))),
+        num_points=int(theta.size),
+    )
+
+
+def relative_jitter(series: Iterable[Sequence[float]]) -> float:
+    """Relative standard deviation ``σ`` of per-iteration times, robustly: each series (one
+    device's time per iteration over several iterations, in seconds, all ``> 0``) is divided
+    by its median, the deviations ``x / median − 1`` of all series are pooled, and
+    ``σ = 1.4826 · median |deviation|`` (the normal-consistent median absolute deviation,
+    Rousseeuw & Croux, JASA 1993: a one-off stall does not inflate it). The
+    ``group_time_jitter`` of :class:`hetrain.costmodel.TrainingConfig`.
+
+    Raises:
+        ValueError: no series with at least 2 samples, a sample not finite or not ``> 0``.
+    """
+    devs: list[np.ndarray] = []
+    for xs in series:
+        x = np.asarray(xs, dtype=float).ravel()
+        if x.size < 2:
+            continue
+        if not np.all(np.isfinite(x)) or np.any(x <= 0):
+            raise ValueError("relative_jitter: times must be finite and > 0")
+        devs.append(x / np.median(x) - 1.0)
+    if not devs:
+        raise ValueError("relative_jitter: need a series of at least 2 times")
+    return float(1.4826 * np.median(np.abs(np.concatenate(devs))))
 
 
 def _solve(a1: np.ndarray, a2: np.ndarray, fit_kappa: bool) -> tuple[float, float]:
