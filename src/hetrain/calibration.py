@@ -275,9 +275,10 @@ def fit_update_time(
 
 
 def relative_jitter(series: Iterable[Sequence[float]]) -> float:
-    """Relative standard deviation ``σ`` of per-iteration times, robustly: each series (one
-    device's time per iteration over several iterations, in seconds, all ``> 0``) is divided
-    by its median, the deviations ``x / median − 1`` of all series are pooled, and
+    """Relative standard deviation ``σ`` of per-iteration times, robustly: each series (times
+    of the same work that would be equal without jitter: one device over several iterations,
+    or the devices of one data-parallel iteration; seconds, all ``> 0``) is divided by its
+    median, the deviations ``x / median − 1`` of all series are pooled, and
     ``σ = 1.4826 · median |deviation|`` (the normal-consistent median absolute deviation,
     Rousseeuw & Croux, JASA 1993: a one-off stall does not inflate it). The
     ``group_time_jitter`` of :class:`hetrain.costmodel.TrainingConfig`.
