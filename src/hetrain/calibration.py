@@ -5,6 +5,14 @@ Two tools:
 * :func:`fit_speed_kappa` — offline least-squares fit of a device's effective speed ``s_d``
   (FLOP/s) and fixed per-micro-batch cost ``κ_d`` (s) from times of several micro-batch sizes,
   following SPEC §3's stage time ``C = μ · Σ(f_l + w_l) / s + κ``.
+* :func:`fit_stage_overheads` — the same with SPEC v3's per-layer cost ``λ_d`` (s per layer
+  and micro-batch) beside ``κ_d``, from stages (chains of layers) of different lengths:
+  ``C = μ · Σ(f_l + w_l) / s + κ + λ · |S|``.
+* :func:`fit_update_time` and :func:`relative_jitter` — the two numbers of the refinement
+  ``TrainingConfig.update_time_s_per_param_byte`` / ``group_time_jitter`` (not in SPEC §3;
+  :func:`hetrain.costmodel.refined_iteration_time_s`): the time of the weight update per
+  trainable parameter byte a device holds, and how much a device's time per iteration
+  jitters from one iteration to the next.
 * :class:`EwmaEstimator` / :class:`ClusterEstimator` — online estimates the runtime feeds with
   per-iteration measurements and the controller reads: an exponentially weighted moving average
   with outlier rejection (robust to one-off stalls, but following a lasting change of level
@@ -104,6 +112,191 @@ def fit_speed_kappa(
         predicted_s=tuple(float(p) for p in pred),
         num_points=int(mu.size),
     )
+
+
+@dataclass(frozen=True)
+class StageOverheadFit:
+    """Result of :func:`fit_stage_overheads`.
+
+    Attributes:
+        speed_flops: effective speed ``s`` (FLOP/s), ``> 0``.
+        kappa_s: fixed cost ``κ`` per micro-batch and stage (s), ``>= 0``.
+        layer_overhead_s: fixed cost ``λ`` per micro-batch and layer of the stage (s), ``>= 0``.
+        rms_rel_error: root mean square of ``(predicted - measured) / measured``.
+        max_abs_rel_error: largest ``|predicted - measured| / measured``.
+        predicted_s: the fitted times, same order as the input, seconds.
+        num_points: number of measurements used.
+    """
+
+    speed_flops: float
+    kappa_s: float
+    layer_overhead_s: float
+    rms_rel_error: float
+    max_abs_rel_error: float
+    predicted_s: tuple[float, ...]
+    num_points: int
+
+    def predict_s(self, microbatch_size: float, flops_per_sample: float, num_layers: int) -> float:
+        """SPEC v3 §3 stage time ``μ · F / s + κ + λ · |S|`` in seconds."""
+        return (
+            microbatch_size * flops_per_sample / self.speed_flops
+            + self.kappa_s
+            + self.layer_overhead_s * num_layers
+        )
+
+
+def fit_stage_overheads(
+    microbatch_sizes: Sequence[float] | np.ndarray,
+    flops_per_sample: Sequence[float] | np.ndarray | float,
+    num_layers: Sequence[int] | np.ndarray,
+    times_s: Sequence[float] | np.ndarray,
+) -> StageOverheadFit:
+    """Least-squares fit of ``t_i = μ_i · F_i / s + κ + λ · n_i`` (SPEC v3 §3,
+    ``C_k = μ c_k + κ + λ |S_k|``) to measured stage times.
+
+    Each point is one stage (a chain of ``n_i`` consecutive layers with ``F_i = Σ (f_l + w_l)``
+    FLOP per sample) timed per micro-batch of ``μ_i`` samples. ``κ`` and ``λ`` are told apart
+    only by chains of different lengths: at least two distinct ``n_i`` are needed. As
+    :func:`fit_speed_kappa`, the fit minimises the *relative* squared error
+    ``Σ_i ((μ_i F_i / s + κ + λ n_i − t_i) / t_i)²``, linear in ``(1/s, κ, λ)``, with all three
+    ``>= 0`` (non-negative least squares, Lawson & Hanson 1974, ``scipy.optimize.nnls``: the
+    exact optimum of this convex problem with the bounds).
+
+    Args:
+        microbatch_sizes: ``μ_i`` (samples), shape ``(n,)``.
+        flops_per_sample: ``F_i`` (FLOP per sample) of the stage, scalar or shape ``(n,)``;
+            a stage of layers without FLOPs (``F_i = 0``) is allowed: it measures ``κ + λ n``.
+        num_layers: ``n_i = |S|`` layers of the stage, shape ``(n,)``, integers ``>= 1``.
+        times_s: measured ``t_i`` (s per micro-batch), shape ``(n,)``, all ``> 0``.
+
+    Raises:
+        ValueError: fewer than 3 points, shapes differ, a value is not finite, a time is not
+            ``> 0``, a layer count is not ``>= 1``, fewer than 2 distinct layer counts, no
+            point with work ``μ F > 0``, or the data imply no positive speed (time does not
+            grow with work).
+    """
+    from scipy.optimize import nnls
+
+    mu = np.asarray(microbatch_sizes, dtype=float).ravel()
+    t = np.asarray(times_s, dtype=float).ravel()
+    n = np.asarray(num_layers, dtype=float).ravel()
+    flops = np.broadcast_to(np.asarray(flops_per_sample, dtype=float), mu.shape).astype(float)
+    if not (mu.shape == t.shape == n.shape):
+        raise ValueError(
+            f"fit_stage_overheads: {mu.size} micro-batch sizes, {n.size} layer counts and "
+            f"{t.size} times; expected the same number"
+        )
+    if mu.size < 3:
+        raise ValueError(f"fit_stage_overheads: need at least 3 measurements, got {mu.size}")
+    for label, arr in (("micro-batch sizes", mu), ("flops", flops), ("layer counts", n)):
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"fit_stage_overheads: {label} must be finite")
+    if not np.all(np.isfinite(t)):
+        raise ValueError("fit_stage_overheads: times must be finite")
+    if np.any(t <= 0) or np.any(mu <= 0) or np.any(flops < 0):
+        raise ValueError("fit_stage_overheads: times and micro-batch sizes must be > 0, FLOPs >= 0")
+    if np.any(n < 1) or np.any(n != np.round(n)):
+        raise ValueError("fit_stage_overheads: layer counts must be integers >= 1")
+    if len(np.unique(n)) < 2:
+        raise ValueError(
+            "fit_stage_overheads: need chains of at least 2 different lengths to tell the "
+            f"per-layer cost from the per-stage cost, got only {int(n[0])} layer(s)"
+        )
+    x = mu * flops
+    if not np.any(x > 0):
+        raise ValueError("fit_stage_overheads: no measurement with work (μ x FLOPs) > 0")
+    w = 1.0 / t
+    a = np.stack([x * w, w, n * w], axis=1)
+    scale = a.max(axis=0)  # columns of very different magnitude: scale for nnls
+    sol, _ = nnls(a / scale, np.ones_like(t))
+    inv_s, kappa, lam = sol / scale
+    if inv_s <= 0:
+        raise ValueError(
+            "fit_stage_overheads: measured time does not grow with work; cannot fit a "
+            "positive speed"
+        )
+    pred = x * inv_s + kappa + lam * n
+    rel = (pred - t) / t
+    return StageOverheadFit(
+        speed_flops=float(1.0 / inv_s),
+        kappa_s=float(kappa),
+        layer_overhead_s=float(lam),
+        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
+        max_abs_rel_error=float(np.max(np.abs(rel))),
+        predicted_s=tuple(float(p) for p in pred),
+        num_points=int(mu.size),
+    )
+
+
+@dataclass(frozen=True)
+class UpdateTimeFit:
+    """Result of :func:`fit_update_time`: ``time_s_per_param_byte`` (``ω``, s/byte) and the
+    fit's RMS and max relative error over ``num_points`` measurements."""
+
+    time_s_per_param_byte: float
+    rms_rel_error: float
+    max_abs_rel_error: float
+    num_points: int
+
+
+def fit_update_time(
+    param_bytes: Sequence[float] | np.ndarray, times_s: Sequence[float] | np.ndarray
+) -> UpdateTimeFit:
+    """Least-squares fit of ``u_i = ω · θ_i``: weight-update times ``u_i`` (s; optimizer step,
+    gradient norm and copies after the sync) of devices holding ``θ_i`` trainable parameter
+    bytes, minimising the relative squared error ``Σ ((ω θ_i − u_i)/u_i)²`` (closed form
+    ``ω = Σ (θ_i/u_i) / Σ (θ_i/u_i)²``). The ``ω`` of
+    :attr:`hetrain.costmodel.TrainingConfig.update_time_s_per_param_byte`.
+
+    Raises:
+        ValueError: no point, shapes differ, a value not finite, a byte count or time not
+            ``> 0``.
+    """
+    theta = np.asarray(param_bytes, dtype=float).ravel()
+    u = np.asarray(times_s, dtype=float).ravel()
+    if theta.shape != u.shape or theta.size == 0:
+        raise ValueError(
+            f"fit_update_time: expected as many byte counts as times (>= 1), got "
+            f"{theta.size} and {u.size}"
+        )
+    if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(u))):
+        raise ValueError("fit_update_time: bytes and times must be finite")
+    if np.any(theta <= 0) or np.any(u <= 0):
+        raise ValueError("fit_update_time: bytes and times must be > 0")
+    a = theta / u
+    omega = float(a.sum() / (a @ a))
+    rel = omega * a - 1.0
+    return UpdateTimeFit(
+        time_s_per_param_byte=omega,
+        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
+        max_abs_rel_error=float(np.max(np.abs(rel))),
+        num_points=int(theta.size),
+    )
+
+
+def relative_jitter(series: Iterable[Sequence[float]]) -> float:
+    """Relative standard deviation ``σ`` of per-iteration times, robustly: each series (times
+    of the same work that would be equal without jitter: one device over several iterations,
+    or the devices of one data-parallel iteration; seconds, all ``> 0``) is divided by its
+    median, the deviations ``x / median − 1`` of all series are pooled, and
+    ``σ = 1.4826 · median |deviation|`` (the normal-consistent median absolute deviation,
+    Rousseeuw & Croux, JASA 1993: a one-off stall does not inflate it). The
+    ``group_time_jitter`` of :class:`hetrain.costmodel.TrainingConfig`.
+
+    Raises:
+        ValueError: no series with at least 2 samples, a sample not finite or not ``> 0``.
+    """
+    devs: list[np.ndarray] = []
+    for xs in series:
+        x = np.asarray(xs, dtype=float).ravel()
+        if x.size < 2:
+            continue
+        if not np.all(np.isfinite(x)) or np.any(x <= 0):
+            raise ValueError("relative_jitter: times must be finite and > 0")
+        devs.append(x / np.median(x) - 1.0)
+    if not devs:
+        raise ValueError("relative_jitter: need a series of at least 2 times")
+    return float(1.4826 * np.median(np.abs(np.concatenate(devs))))
 
 
 def _solve(a1: np.ndarray, a2: np.ndarray, fit_kappa: bool) -> tuple[float, float]:
@@ -215,15 +408,17 @@ class ClusterEstimator:
     """Online per-device estimates of speed ``s_d`` and NIC bandwidth ``nic_d`` (SPEC §2),
     refreshed from the runtime's per-iteration measurements and read by the controller.
 
-    A compute sample ``(flops, time_s, num_microbatches)`` gives the speed
-    ``flops / (time_s − num_microbatches · κ_d)`` (SPEC §3: each micro-batch costs
-    ``μ c + κ``); a transfer sample ``(bytes, time_s)`` gives the bandwidth
+    A compute sample ``(flops, time_s, num_microbatches, num_layers)`` gives the speed
+    ``flops / (time_s − num_microbatches · (κ_d + λ_d · num_layers))`` (SPEC v3 §3: each
+    micro-batch of a stage of ``|S|`` layers costs ``μ c + κ + λ |S|``); a transfer sample
+    ``(bytes, time_s)`` gives the bandwidth
     ``bytes / (time_s − 2 · lat)`` (SPEC §3: ``E = μ·2a/bw + 2 lat``, both directions). Each
     series goes through its own :class:`EwmaEstimator`.
 
     Args:
         ids: device ids (cluster-file order).
         kappa_s: ``κ_d`` per device (s), mapping or sequence in ``ids`` order; default 0.
+        layer_overhead_s: ``λ_d`` per device (s per layer and micro-batch), as ``kappa_s``.
         latency_s: link latency ``lat`` (s).
         **ewma: keyword arguments for every :class:`EwmaEstimator`.
 
@@ -238,33 +433,49 @@ class ClusterEstimator:
         *,
         kappa_s: Mapping[str, float] | Sequence[float] | None = None,
         latency_s: float = 0.0,
+        layer_overhead_s: Mapping[str, float] | Sequence[float] | None = None,
         **ewma: float,
     ) -> None:
         self.ids = tuple(ids)
-        if kappa_s is None:
-            kap = dict.fromkeys(self.ids, 0.0)
-        elif isinstance(kappa_s, Mapping):
-            kap = {d: float(kappa_s.get(d, 0.0)) for d in self.ids}
-        else:
-            kap = dict(zip(self.ids, (float(k) for k in kappa_s), strict=True))
-        self.kappa_s = kap
+        self.kappa_s = self._per_device(kappa_s)
+        self.layer_overhead_s = self._per_device(layer_overhead_s)
         self.latency_s = float(latency_s)
         self._speed = {d: EwmaEstimator(**ewma) for d in self.ids}
         self._nic = {d: EwmaEstimator(**ewma) for d in self.ids}
 
+    def _per_device(self, values: Mapping[str, float] | Sequence[float] | None) -> dict:
+        if values is None:
+            return dict.fromkeys(self.ids, 0.0)
+        if isinstance(values, Mapping):
+            return {d: float(values.get(d, 0.0)) for d in self.ids}
+        return dict(zip(self.ids, (float(k) for k in values), strict=True))
+
     @classmethod
     def for_state(cls, state: ClusterState, **ewma: float) -> ClusterEstimator:
-        """An estimator for the devices of ``state`` with its ``κ_d`` and latency."""
-        return cls(state.ids, kappa_s=list(state.kappa_s), latency_s=state.latency_s, **ewma)
+        """An estimator for the devices of ``state`` with its ``κ_d``, ``λ_d`` and latency."""
+        return cls(
+            state.ids,
+            kappa_s=list(state.kappa_s),
+            latency_s=state.latency_s,
+            layer_overhead_s=list(state.layer_overhead_s),
+            **ewma,
+        )
 
     def observe_compute(
-        self, device_id: str, flops: float, time_s: float, num_microbatches: int = 1
+        self,
+        device_id: str,
+        flops: float,
+        time_s: float,
+        num_microbatches: int = 1,
+        num_layers: int = 0,
     ) -> bool:
         """Feed one iteration's compute of a device: ``flops`` done in ``time_s`` over
-        ``num_microbatches`` micro-batches. Returns whether the sample was accepted."""
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (0 = do not
+        subtract ``λ``). Returns whether the sample was accepted."""
         if flops <= 0 or time_s <= 0:
             raise ValueError(f"observe_compute({device_id!r}): flops and time_s must be > 0")
-        busy = time_s - num_microbatches * self.kappa_s[device_id]
+        per_mb = self.kappa_s[device_id] + self.layer_overhead_s[device_id] * num_layers
+        busy = time_s - num_microbatches * per_mb
         busy = max(busy, 0.05 * time_s)  # κ estimate too large: do not divide by ~0
         return self._speed[device_id].update(flops / busy)
 

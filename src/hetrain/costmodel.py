@@ -31,6 +31,11 @@ al., "PyTorch Distributed", VLDB 2020); see :func:`overlapped_sync_s`. Then
 ``T = max_g T_g + T_exposed`` instead of ``max_g T_g + T_sync``; shared tensors' all-reduces
 (v3) are added to ``T_exposed`` in full (not overlapped).
 
+Opt-in refinement (``TrainingConfig.update_time_s_per_param_byte`` ``ω`` and
+``group_time_jitter`` ``σ``, both default 0 = SPEC §3 exactly; docs/profiling.md §6): the
+weight update after the sync and the straggler of data parallelism; see
+:func:`refined_iteration_time_s`. Then ``T = E[max_g T_g] + T_sync (or T_exposed) + max_d ω θ'_d``.
+
 Choices where SPEC §3 is silent (see docs/planner.md): devices of an idle group (``b_g = 0``)
 are reported with the memory of their parameters, gradients and optimizer state (``h_k = 0``)
 and count towards ``fits``; they are neither used nor charged.
@@ -69,9 +74,17 @@ class TrainingConfig:
     baselines; :func:`hetrain.plan.check_norm_block` checks a given plan), and ``B`` must be a
     multiple of ``G``.
 
+    ``update_time_s_per_param_byte`` (``ω``, s per trainable parameter byte, default 0) and
+    ``group_time_jitter`` (``σ``, relative standard deviation of a group's time from one
+    iteration to the next, default 0): the refinement of :func:`refined_iteration_time_s`
+    (not in SPEC §3; 0 and 0 = SPEC §3 exactly; docs/profiling.md §6). Measured by
+    :func:`hetrain.calibration.fit_update_time` and
+    :func:`hetrain.calibration.relative_jitter`.
+
     Raises:
         ValueError: ``batch < 1``, negative or non-finite ``optimizer_state_factor``, unknown
-            schedule, ``sync_overlap`` not a bool, ``sync_bucket_cap_bytes`` not finite > 0.
+            schedule, ``sync_overlap`` not a bool, ``sync_bucket_cap_bytes`` not finite > 0,
+            ``update_time_s_per_param_byte`` or ``group_time_jitter`` negative or not finite.
         InputError: ``norm_block`` not an integer >= 1, or ``batch`` not a multiple of it
             (names ``--norm-block`` and the batch).
     """
@@ -82,8 +95,14 @@ class TrainingConfig:
     sync_overlap: bool = False
     sync_bucket_cap_bytes: float = 64 * 2**20
     norm_block: int | None = None
+    update_time_s_per_param_byte: float = 0.0
+    group_time_jitter: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("update_time_s_per_param_byte", "group_time_jitter"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (np.isfinite(float(v)) and float(v) >= 0):
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
         if isinstance(self.batch, bool) or int(self.batch) != self.batch or self.batch < 1:
             raise ValueError(f"batch: expected an integer >= 1, got {self.batch!r}")
         o = float(self.optimizer_state_factor)
@@ -530,6 +549,102 @@ def overlapped_sync_s(
     return max(0.0, last_s - max(gr.group_time_s for gr in groups))
 
 
+# ---------------------------------------------------------------------------------------------
+# Refinement (not SPEC §3): weight update and the straggler of data parallelism
+# ---------------------------------------------------------------------------------------------
+
+# E[max of G standard normals], G = 1..8 (Harter, "Expected values of normal order
+# statistics", Biometrika 48, 1961); beyond 8 computed by integration
+_EXPECTED_MAX_NORMAL = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236)
+
+
+def expected_max_normal(times_s: Sequence[float], jitter: float) -> float:
+    """``E[max_g X_g]`` (seconds) of independent ``X_g ~ N(T_g, (σ T_g)²)``: the expected
+    time of the slowest of ``G'`` groups whose times jitter by ``σ`` (relative standard
+    deviation) from one iteration to the next.
+
+    ``max_g T_g`` when ``σ = 0`` or one time; equal times give ``T (1 + σ e_G)`` with ``e_G``
+    the expected maximum of ``G`` standard normals (Harter 1961: 0.564 for 2, 1.029 for 4);
+    otherwise ``∫ (1 − Π_g Φ((x − T_g)/(σ T_g))) dx`` from 0 (numerically, 4001 points over
+    ``T_g ± 8 σ T_g``; the mass below 0 is neglected: ``σ < 1/8``). Times of 0 (idle groups)
+    are left out.
+
+    Raises:
+        ValueError: ``jitter`` negative or not finite.
+    """
+    if not (np.isfinite(jitter) and jitter >= 0):
+        raise ValueError(f"group_time_jitter: expected a finite number >= 0, got {jitter!r}")
+    t = np.asarray([x for x in times_s if x > 0], dtype=float)
+    if t.size == 0:
+        return 0.0
+    top = float(t.max())
+    if jitter == 0 or t.size == 1:
+        return top
+    if np.all(t == top) and t.size <= len(_EXPECTED_MAX_NORMAL):
+        return top * (1.0 + jitter * _EXPECTED_MAX_NORMAL[t.size - 1])
+    from math import erf, sqrt
+
+    sd = jitter * t
+    lo = max(0.0, float(np.min(t - 8 * sd)))
+    hi = float(np.max(t + 8 * sd))
+    x = np.linspace(lo, hi, 4001)
+    z = (x[:, None] - t[None, :]) / (sd[None, :] * sqrt(2.0))
+    cdf = np.prod(0.5 * (1.0 + np.vectorize(erf)(z)), axis=1)
+    tail = 1.0 - cdf
+    return float(lo + np.sum((tail[1:] + tail[:-1]) * np.diff(x)) / 2.0)
+
+
+def update_times_s(
+    prefix: ProfilePrefix,
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+    time_s_per_param_byte: float,
+) -> list[np.ndarray]:
+    """Weight-update time ``u_d = ω θ'_d`` (seconds) of every device of the given active
+    groups, per group, shape ``(K_g,)``: ``θ'_d`` the trainable parameter bytes ``d`` holds
+    (its layers' and the trainable shared tensors', SPEC v3 §3), ``ω`` seconds per byte
+    (:attr:`TrainingConfig.update_time_s_per_param_byte`)."""
+    out = []
+    for _, bounds in groups:
+        b = np.asarray(bounds, dtype=np.int64)
+        starts, ends = b[:-1], b[1:]
+        theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
+        if prefix.has_shared:
+            held = prefix.shared_held(starts, ends)  # (K, S)
+            theta = theta + held.astype(float) @ (prefix.shared_bytes * ~prefix.shared_frozen)
+        out.append(time_s_per_param_byte * theta)
+    return out
+
+
+def refined_iteration_time_s(
+    group_times_s: Sequence[float],
+    sync_charged_s: float,
+    update_times_s: Sequence[np.ndarray],
+    jitter: float,
+) -> float:
+    """Iteration time with the refinement of ``TrainingConfig.update_time_s_per_param_byte``
+    and ``group_time_jitter`` (not in SPEC §3; docs/profiling.md §6), seconds:
+
+    ``T = E[max_g T_g] + T_charged + max_{d used} ω θ'_d``
+
+    * ``E[max_g T_g]`` (:func:`expected_max_normal`): a step waits for the slowest active
+      group, and group times jitter from one iteration to the next (``σ``, measured as the
+      relative spread of a device's compute time per iteration): the expected maximum of
+      ``G'`` jittered times exceeds the largest mean, the more the more groups (the straggler
+      effect of synchronous data parallelism; Chen et al., "Revisiting Distributed
+      Synchronous SGD", 2016; Dutta et al., AISTATS 2018, model step times as random and the
+      step as their maximum).
+    * ``ω θ'_d`` (:func:`update_times_s`): after the sync every device updates the weights it
+      holds (optimizer step, gradient-norm and gradient copies: passes over its ``θ'_d``
+      trainable bytes, memory-bound), before the next iteration starts.
+    * ``T_charged``: SPEC §3's ``T_sync``, or ``T_exposed`` with ``sync_overlap``.
+
+    With ``σ = 0`` and ``ω = 0`` this is SPEC §3's ``max_g T_g + T_charged``.
+    """
+    slowest = expected_max_normal(group_times_s, jitter)
+    update = max((float(np.max(u)) for u in update_times_s if len(u)), default=0.0)
+    return slowest + sync_charged_s + update
+
+
 def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> float:
     """``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d`` seconds (SPEC §3: perfect balance,
     fractional shares, no communication).
@@ -702,6 +817,12 @@ def evaluate_plan(
         exposed += max((float(np.max(t)) for t in shared if len(t)), default=0.0)
     charged = sync_time if exposed is None else exposed
     iteration = (max(group_times) if group_times else 0.0) + charged
+    if config.update_time_s_per_param_byte > 0 or config.group_time_jitter > 0:
+        # refinement (not SPEC §3): straggler of G' groups and the weight update
+        updates = update_times_s(prefix, active, float(config.update_time_s_per_param_byte))
+        iteration = refined_iteration_time_s(
+            group_times, charged, updates, float(config.group_time_jitter)
+        )
     used_arr = np.asarray(used, dtype=np.int64)
     cost = {
         "money": float(iteration * np.sum(state.price_per_s[used_arr])),

@@ -153,7 +153,8 @@ def _measure(
     import yaml
 
     from hetrain.cluster import cluster_from_dict
-    from hetrain.profiler import fit_device, measure_p2p, time_layers
+    from hetrain.profiler import fit_device, fit_stages, measure_p2p, time_layers, time_stages
+    from hetrain.profiler.timing import default_stage_lengths
 
     load_before = os.getloadavg()[0]
     torch.manual_seed(seed)
@@ -168,8 +169,22 @@ def _measure(
         repeats=repeats,
         threads=threads,
     )
+    # chains of 2, L/2 and L layers (the one-layer stages are time_layers' own): λ vs κ
+    num_layers = len(list(model))
+    stage_times = None
+    if num_layers > 1:
+        stage_times = time_stages(
+            model,
+            lambda n: ex.make_input(n, gen),
+            sizes,
+            [n for n in default_stage_lengths(num_layers) if n > 1],
+            warmup=warmup,
+            repeats=repeats,
+            threads=threads,
+        )
     try:
         fit = fit_device(profile, times)
+        stage_fit = fit_stages(profile, stage_times, times) if stage_times is not None else None
     except ValueError as exc:  # e.g. timings too noisy on a busy machine
         print(
             f"hetrain: measurement failed: {exc} (try more --repeats or wider --microbatch-sizes)",
@@ -180,16 +195,21 @@ def _measure(
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nic_gbps = link_fit.bandwidth_bytes_per_s * 8 / 1e9 if link_fit else 10.0
     lat_us = link_fit.latency_s * 1e6 if link_fit else 20.0
+    # SPEC v3: speed, κ and λ from stages of 1, 2, L/2 and L layers (a one-layer chain: the
+    # chain fit, λ = 0)
+    device_fit = stage_fit if stage_fit is not None else fit.chain
+    lam_s = stage_fit.layer_overhead_s if stage_fit is not None else 0.0
     cluster: dict[str, Any] = {
         "links": {"intra_node_gbps": round(nic_gbps, 4), "latency_us": round(lat_us, 3)},
         "devices": [
             {
                 "id": f"w{r}",
                 "node": "local",
-                "tflops": round(fit.chain.speed_flops / 1e12, 6),
+                "tflops": round(device_fit.speed_flops / 1e12, 6),
                 "memory_gib": round(mem_bytes / workers / 2**30, 3),
                 "nic_gbps": round(nic_gbps, 4),
-                "microbatch_overhead_ms": round(fit.chain.kappa_s * 1e3, 4),
+                "microbatch_overhead_ms": round(device_fit.kappa_s * 1e3, 4),
+                "layer_overhead_ms": round(lam_s * 1e3, 4),
             }
             for r in range(workers)
         ],
@@ -200,7 +220,7 @@ def _measure(
     header = (
         f"# measured by `hetrain profile --example {ex.name} --measure` on {platform.node()}\n"
         f"# ({platform.processor() or platform.machine()}, {times.threads} thread(s) per rank);"
-        f" speed/kappa fit rms rel error {fit.chain.rms_rel_error:.3f}\n"
+        f" speed/kappa/lambda fit rms rel error {device_fit.rms_rel_error:.3f}\n"
     )
     cpath.write_text(header + yaml.safe_dump(cluster, sort_keys=False), encoding="utf-8")
     details = {
@@ -216,6 +236,11 @@ def _measure(
         "fwd_s": times.fwd_s.tolist(),
         "bwd_s": times.bwd_s.tolist(),
         "chain_fit": _fit_dict(fit.chain),
+        "stage_fit": None
+        if stage_fit is None
+        else {**_fit_dict(stage_fit), "layer_overhead_s": stage_fit.layer_overhead_s},
+        "stages": None if stage_times is None else [list(st) for st in stage_times.stages],
+        "stage_train_s": None if stage_times is None else stage_times.train_s.tolist(),
         "per_layer_fit": _fit_dict(fit.per_layer),
         "layer_speed_flops_at_largest_microbatch": list(fit.layer_speed_flops),
         "link": None
@@ -231,9 +256,11 @@ def _measure(
     mpath = out.with_name(out.stem + ".measure.json")
     mpath.write_text(json.dumps(details, indent=1) + "\n", encoding="utf-8")
     print(
-        f"speed {fit.chain.speed_flops / 1e9:.4g} GFLOP/s, kappa {fit.chain.kappa_s * 1e3:.3g} ms"
-        f" per micro-batch (fit rms rel error {fit.chain.rms_rel_error:.3f}, max "
-        f"{fit.chain.max_abs_rel_error:.3f}; one-layer fit: {fit.per_layer.speed_flops / 1e9:.4g}"
+        f"speed {device_fit.speed_flops / 1e9:.4g} GFLOP/s, kappa {device_fit.kappa_s * 1e3:.3g}"
+        f" ms per micro-batch and stage, lambda {lam_s * 1e3:.3g} ms per layer (fit rms rel "
+        f"error {device_fit.rms_rel_error:.3f}, max {device_fit.max_abs_rel_error:.3f}; whole-"
+        f"chain fit: {fit.chain.speed_flops / 1e9:.4g} GFLOP/s, kappa "
+        f"{fit.chain.kappa_s * 1e3:.3g} ms; one-layer fit: {fit.per_layer.speed_flops / 1e9:.4g}"
         f" GFLOP/s, kappa {fit.per_layer.kappa_s * 1e3:.3g} ms,"
         f" rms {fit.per_layer.rms_rel_error:.3f})"
     )

@@ -1,5 +1,6 @@
-"""Wall-clock timing of each layer's forward and backward on this device, and a fit of the
-device's speed ``s`` and per-micro-batch cost ``κ`` (SPEC §3) from it."""
+"""Wall-clock timing of each layer's forward and backward on this device, of stages (chains of
+consecutive layers) of several lengths, and fits of the device's speed ``s``, per-micro-batch
+cost ``κ`` and per-layer cost ``λ`` (SPEC v3 §3) from them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetrain.calibration import SpeedFit, fit_speed_kappa
+from hetrain.calibration import SpeedFit, StageOverheadFit, fit_speed_kappa, fit_stage_overheads
 from hetrain.profile import ModelProfile
 
 
@@ -91,7 +92,9 @@ def time_layers(
     return LayerTimes(tuple(int(m) for m in microbatch_sizes), fwd, bwd, used)
 
 
-def _one_pass(children: list[nn.Module], x: torch.Tensor, device: torch.device):
+def _one_pass(children: Sequence[nn.Module], x: torch.Tensor, device: torch.device):
+    """Forward then backward of ``children`` in order, each timed; a child may be an
+    ``nn.Sequential`` of several layers (a stage)."""
     f_s, b_s = [0.0] * len(children), [0.0] * len(children)
     ins, outs = [], []
     for idx, child in enumerate(children):
@@ -156,3 +159,110 @@ def fit_device(profile: ModelProfile, times: LayerTimes) -> DeviceFit:
         float(mus[-1] * f / t) if f > 0 else 0.0 for f, t in zip(flops, last, strict=True)
     )
     return DeviceFit(chain=chain, per_layer=per_layer, layer_speed_flops=layer_speed)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Median forward + backward time of every stage ``[start, end)`` of every tiling,
+    ``train_s`` shape ``(len(microbatch_sizes), len(stages))``, seconds per micro-batch."""
+
+    microbatch_sizes: tuple[int, ...]
+    stages: tuple[tuple[int, int], ...]
+    train_s: np.ndarray
+    threads: int
+
+
+def default_stage_lengths(num_layers: int) -> tuple[int, ...]:
+    """Lengths of the chains :func:`time_stages` times by default: 1, 2, ``⌈L/2⌉`` and ``L``
+    layers (those ``<= L``, distinct)."""
+    return tuple(sorted({n for n in (1, 2, -(-num_layers // 2), num_layers) if n <= num_layers}))
+
+
+def time_stages(
+    model: nn.Sequential,
+    make_input: Callable[[int], torch.Tensor],
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
+    lengths: Sequence[int] | None = None,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    threads: int | None = 1,
+) -> StageTimes:
+    """Time stages (chains of consecutive layers) of several lengths, each stage's forward and
+    backward as one unit as a pipeline stage runs them: for each length ``n`` in ``lengths``
+    (default :func:`default_stage_lengths`) the chain is cut into consecutive stages of ``n``
+    layers (the last one shorter when ``n`` does not divide ``L``) and a pass runs them in
+    order as :func:`time_layers` runs single layers. ``warmup`` untimed rounds, then the median
+    of ``repeats`` (a round = one pass per size and length, interleaved).
+
+    The times feed :func:`fit_device`'s ``stages`` fit of ``t = μ F / s + κ + λ |S|``: the
+    overhead that grows with the layers of a stage (``λ``) is told from the one per stage
+    (``κ``) by the different lengths.
+
+    Raises:
+        ValueError: empty ``microbatch_sizes``, a size < 1, a length outside ``1..L``,
+            ``repeats < 1`` or ``warmup < 0``.
+    """
+    if not microbatch_sizes or min(microbatch_sizes) < 1:
+        raise ValueError("time_stages: expected micro-batch sizes >= 1")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("time_stages: expected repeats >= 1 and warmup >= 0")
+    children = list(model)
+    num_layers = len(children)
+    lengths = tuple(lengths) if lengths is not None else default_stage_lengths(num_layers)
+    if not lengths or min(lengths) < 1 or max(lengths) > num_layers:
+        raise ValueError(f"time_stages: expected stage lengths in 1..{num_layers}, got {lengths}")
+    tilings = [
+        [(a, min(a + n, num_layers)) for a in range(0, num_layers, n)] for n in sorted(set(lengths))
+    ]
+    stages = tuple(st for tiling in tilings for st in tiling)
+    modules = [[nn.Sequential(*children[a:b]) for a, b in tiling] for tiling in tilings]
+    device = next(model.parameters()).device
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        runs = [[[] for _ in stages] for _ in microbatch_sizes]
+        for rep in range(warmup + repeats):
+            for i, mu in enumerate(microbatch_sizes):
+                col = 0
+                for mods in modules:
+                    f_s, b_s = _one_pass(mods, make_input(mu), device)
+                    if rep >= warmup:
+                        for j in range(len(mods)):
+                            runs[i][col + j].append(f_s[j] + b_s[j])
+                    col += len(mods)
+        train = np.array([[statistics.median(r) for r in row] for row in runs])
+        model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(old_threads)
+    used = threads or old_threads
+    return StageTimes(tuple(int(m) for m in microbatch_sizes), stages, train, used)
+
+
+def fit_stages(
+    profile: ModelProfile, times: StageTimes, layer_times: LayerTimes | None = None
+) -> StageOverheadFit:
+    """Fit ``t = μ F / s + κ + λ |S|`` (SPEC v3 §3,
+    :func:`hetrain.calibration.fit_stage_overheads`) to :func:`time_stages`' times, and to
+    :func:`time_layers`' one-layer stages when given (forward + backward, their own sizes):
+    one point per (micro-batch size, stage), ``F = Σ_{l∈S} (f_l + w_l)``.
+
+    Raises:
+        ValueError: as :func:`fit_stage_overheads` (e.g. stages of one length only).
+    """
+    flops = np.concatenate(([0.0], np.cumsum(profile.arrays().train_flops)))
+    mus, fl, n, t = [], [], [], []
+    sources = [(times.microbatch_sizes, times.stages, times.train_s)]
+    if layer_times is not None:
+        num_layers = layer_times.train_s.shape[1]
+        singles = tuple((a, a + 1) for a in range(num_layers))
+        sources.append((layer_times.microbatch_sizes, singles, layer_times.train_s))
+    for sizes, stages, train_s in sources:
+        for i, mu in enumerate(sizes):
+            for j, (a, b) in enumerate(stages):
+                mus.append(mu)
+                fl.append(flops[b] - flops[a])
+                n.append(b - a)
+                t.append(train_s[i, j])
+    return fit_stage_overheads(mus, fl, n, t)

@@ -64,25 +64,39 @@ class SpeedEstimates:
     :class:`_Median3Ewma` per device.
     """
 
-    def __init__(self, ids: Sequence[str], kappa_s: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        ids: Sequence[str],
+        kappa_s: Sequence[float] | None = None,
+        layer_overhead_s: Sequence[float] | None = None,
+    ) -> None:
         self.ids = tuple(ids)
         try:
             from hetrain.calibration import ClusterEstimator
 
             self._cluster = ClusterEstimator(
-                self.ids, kappa_s=kappa_s, alpha=0.3, threshold=4.0, max_consecutive_outliers=3
+                self.ids,
+                kappa_s=kappa_s,
+                layer_overhead_s=layer_overhead_s,
+                alpha=0.3,
+                threshold=4.0,
+                max_consecutive_outliers=3,
             )
             self._fallback = None
         except ImportError:  # the calibration module is not on this branch yet
             self._cluster = None
             self._fallback = {d: _Median3Ewma() for d in self.ids}
 
-    def observe(self, device: str, flops: float, time_s: float, num_microbatches: int) -> None:
-        """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds."""
+    def observe(
+        self, device: str, flops: float, time_s: float, num_microbatches: int, num_layers: int = 0
+    ) -> None:
+        """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (SPEC v3: κ and
+        λ per layer are subtracted)."""
         if flops <= 0 or time_s <= 0 or not math.isfinite(time_s):
             return
         if self._cluster is not None:
-            self._cluster.observe_compute(device, flops, time_s, num_microbatches)
+            self._cluster.observe_compute(device, flops, time_s, num_microbatches, num_layers)
         else:
             self._fallback[device].update(flops / time_s)
 
@@ -333,7 +347,9 @@ class Adapter:
 
     def __post_init__(self) -> None:
         self.estimates = SpeedEstimates(
-            self.base_state.ids, [float(k) for k in self.base_state.kappa_s]
+            self.base_state.ids,
+            [float(k) for k in self.base_state.kappa_s],
+            [float(lam) for lam in self.base_state.layer_overhead_s],
         )
 
     def observe(self, plan: Plan, compute_time_s: Mapping[str, float]) -> None:
@@ -348,7 +364,7 @@ class Adapter:
                 if t is None:
                     continue
                 work = float(flops[start:end].sum()) * group.batch
-                self.estimates.observe(d, work, t, group.num_microbatches)
+                self.estimates.observe(d, work, t, group.num_microbatches, end - start)
         self._observed_steps += 1
 
     def observed_state(self) -> ClusterState:

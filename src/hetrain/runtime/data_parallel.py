@@ -181,12 +181,14 @@ class GradientSync:
         self._bucket_of: dict[int, int] = {}
         self._handles: list[Any] = []
         self._armed_at: float | None = None
+        self._armed_cpu = 0.0
         self.bytes = 0
 
     def arm(self) -> None:
         """Start each bucket's all-reduce as soon as its gradients are final (call right
         before the last backward of the step)."""
         self._armed_at = time.perf_counter()
+        self._armed_cpu = time.thread_time()
         for i in self.order:
             params = self.mine[i][1]
             self._remaining[i] = {id(p) for p in params}
@@ -219,6 +221,10 @@ class GradientSync:
         if in_backward and self._armed_at is not None and self.emulation is not None:
             factor = self.emulation.slowdown_of(self.layout.devices[self.rank])
             ready = self._armed_at + factor * (now - self._armed_at)
+            if self.emulation.compute_clock == "thread_cpu":  # as slow_down: factor x CPU
+                ready = self._armed_at + max(
+                    now - self._armed_at, factor * (time.thread_time() - self._armed_cpu)
+                )
         self._works[i] = (flat, work, ready)
 
     def finish(self) -> tuple[float, int]:

@@ -33,6 +33,12 @@ class Emulation:
         latency_s: latency added to every emulated transfer, seconds.
         microbatch_overhead_s: device id -> fixed cost ``κ_d`` (seconds) slept once per
             micro-batch and stage (after its forward), SPEC §3 ``C_k = μ c_k + κ``.
+        compute_clock: what "measured compute" means for the slow-down: ``"wall"`` (default)
+            the op's wall time, so an op lasts ``factor x wall``; ``"thread_cpu"`` the CPU
+            time of the calling thread (``time.thread_time``), so an op lasts
+            ``max(wall, factor x cpu)``: ranks that share the host's cores (or other jobs on
+            it) no longer stretch each other's emulated compute by the factor. Only for CPU
+            ranks with one torch thread (the op must run on the calling thread).
 
     Raises:
         ValueError: a factor < 1, a bandwidth <= 0, a negative latency, or a non-finite number.
@@ -45,8 +51,14 @@ class Emulation:
     link_bandwidth_bytes_per_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
     latency_s: float = 0.0
     microbatch_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    compute_clock: str = "wall"
 
     def __post_init__(self) -> None:
+        if self.compute_clock not in ("wall", "thread_cpu"):
+            raise ValueError(
+                f"emulation.compute_clock: expected 'wall' or 'thread_cpu', "
+                f"got {self.compute_clock!r}"
+            )
         for d, k in self.microbatch_overhead_s.items():
             if not (math.isfinite(k) and k >= 0):
                 raise ValueError(
@@ -145,14 +157,23 @@ def sleep_s(duration_s: float) -> None:
 
 
 def slow_down(
-    emulation: Emulation | None, device: str, measured_s: float, microbatch: bool = False
+    emulation: Emulation | None,
+    device: str,
+    measured_s: float,
+    microbatch: bool = False,
+    cpu_s: float | None = None,
 ) -> float:
     """Sleep ``(factor - 1) * measured_s`` for ``device``; return the time actually slept (s,
     at least the requested time: ``time.sleep`` never returns early); with ``microbatch``
-    also the device's per-micro-batch overhead ``κ``."""
+    also the device's per-micro-batch overhead ``κ``. With ``compute_clock="thread_cpu"``
+    and the op's thread CPU time ``cpu_s``: sleep ``factor * cpu_s - measured_s`` instead."""
     if emulation is None:
         return 0.0
-    extra = (emulation.slowdown_of(device) - 1.0) * measured_s
+    factor = emulation.slowdown_of(device)
+    if emulation.compute_clock == "thread_cpu" and cpu_s is not None:
+        extra = factor * cpu_s - measured_s
+    else:
+        extra = (factor - 1.0) * measured_s
     if microbatch:
         extra += emulation.overhead_of(device)
     if extra <= 0:

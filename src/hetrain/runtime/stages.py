@@ -213,7 +213,7 @@ def run_stage(
                 if x.is_floating_point() or x.is_complex():
                     x.requires_grad_(True)
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.bfloat16,
@@ -223,8 +223,8 @@ def run_stage(
                 if last:
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
-            dt = time.perf_counter() - t0
-            slept = slow_down(emulation, device_id, dt, microbatch=True)
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            slept = slow_down(emulation, device_id, dt, microbatch=True, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.forward_time_s += dt + slept
             if last:
@@ -240,12 +240,12 @@ def run_stage(
             if n == last_backward and before_last_backward is not None:
                 before_last_backward()
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if y.requires_grad and (last or grad is not None):
                 torch.autograd.backward(y, grad)
             _sync(device)
-            dt = time.perf_counter() - t0
-            slept = slow_down(emulation, device_id, dt)
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            slept = slow_down(emulation, device_id, dt, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.backward_time_s += dt + slept
             if not first and x.requires_grad:

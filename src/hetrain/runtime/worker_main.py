@@ -18,6 +18,7 @@ validation split, exports the plain ``state_dict`` and returns a summary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -306,43 +307,103 @@ def _make_policy(job: TrainJob, profile: ProfileArrays, config):
     )
 
 
+def _measure_update_s_per_byte(model: nn.Module, job: TrainJob) -> float:
+    """``ω`` of ``TrainingConfig.update_time_s_per_param_byte`` (s per trainable parameter
+    byte; docs/profiling.md §6): the second step of the job's optimizer over the whole model
+    with learning rate 0 (same arithmetic, weights unchanged; a temporary optimizer, so no
+    state is kept), divided by the trainable bytes. 0 when the model has no parameters."""
+    from hetrain.runtime.optim import OptimizerSpec
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if not params or nbytes == 0:
+        return 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = OptimizerSpec(
+        name=job.optimizer, lr=0.0, momentum=job.momentum, weight_decay=job.weight_decay
+    ).build(params)
+    opt.step()  # allocates the state
+    t0 = time.perf_counter()
+    opt.step()
+    dt = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return dt / nbytes
+
+
 def _measure_device(
-    task: Task, model: nn.Module, dtype, flops_per_sample: float, batch: int, factor: float
-) -> tuple[float, float]:
-    """Speed ``s`` (FLOP/s) and per-micro-batch overhead ``κ`` (s) of this rank: forward +
-    backward of the whole model on micro-batches of 1, 4 and 16 samples (at most ``batch``;
-    median of 3 each), emulated ``factor`` applied by sleeping ``(factor - 1)`` x the measured time
-    (SPEC §5), fitted to ``t = μ F / s + κ`` (SPEC §3) by ``hetrain.calibration`` when present,
-    else the two-point line."""
+    task: Task, model: nn.Module, dtype, layer_flops: np.ndarray, batch: int, factor: float
+) -> tuple[float, float, float, float]:
+    """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` and per-layer overhead ``λ`` (s)
+    of this rank: forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers
+    (chains of two lengths tell ``λ`` from ``κ``, SPEC v3), on micro-batches of 1, 4 and 16
+    samples (at most ``batch``; median of 3 each), emulated ``factor`` applied by sleeping
+    ``(factor - 1)`` x the measured time (SPEC §5), fitted to ``t = μ F / s + κ + λ |S|`` by
+    :func:`hetrain.calibration.fit_stage_overheads` (``t = μ F / s + κ`` by
+    ``fit_speed_kappa`` when the half chain cannot be timed alone), else the two-point line.
+    The fourth number is the relative jitter ``σ`` of the repeats
+    (:func:`hetrain.calibration.relative_jitter`, ``TrainingConfig.group_time_jitter``)."""
     sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
-    times = []
+    num_layers = len(model) if isinstance(model, nn.Sequential) else 1
+    half = -(-num_layers // 2)
+    flops_per_sample = float(np.sum(layer_flops))
+    times, points = [], []  # whole chain per size; (μ, F, |S|, t) of both lengths
+    series: list[list[float]] = []  # the repeats, for the jitter
+    lengths = (num_layers, half) if 1 <= half < num_layers else (num_layers,)
     for mu in sizes:
         x, y = task.train.batch(np.arange(mu))
         x = cast_inputs(x, dtype)
-        reps = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            task.loss_fn(model(x), y).backward()
-            dt = time.perf_counter() - t0
-            time.sleep((factor - 1.0) * dt)
-            reps.append(dt * factor)
-        times.append(float(np.median(reps)))
+        for n_layers in lengths:
+            reps = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                if n_layers == num_layers:
+                    task.loss_fn(model(x), y).backward()
+                else:
+                    out = model[:n_layers](x)
+                    if not (torch.is_tensor(out) and out.requires_grad):
+                        break  # a half chain without one differentiable output: κ only
+                    out.float().square().mean().backward()
+                dt = time.perf_counter() - t0
+                time.sleep((factor - 1.0) * dt)
+                reps.append(dt * factor)
+            if len(reps) == 3:
+                series.append(reps)
+                flops = float(np.sum(layer_flops[:n_layers]))
+                points.append((mu, flops, n_layers, float(np.median(reps))))
+                if n_layers == num_layers:
+                    times.append(points[-1][3])
     model.zero_grad(set_to_none=True)
-    if len(sizes) == 1:
-        return flops_per_sample / times[0], 0.0
-    # κ must not exceed what the smallest micro-batch took (noise guard)
-    cap = 0.5 * times[0]
-    try:
-        from hetrain.calibration import fit_speed_kappa
+    from hetrain.calibration import relative_jitter
 
-        fit = fit_speed_kappa(sizes, flops_per_sample, times)
-        if fit.kappa_s <= cap:
-            return float(fit.speed_flops), float(fit.kappa_s)
-    except (ImportError, ValueError):
+    jitter = relative_jitter(series)
+    s, k, lam = _fit_device(points, times, sizes, flops_per_sample, num_layers)
+    return s, k, lam, jitter
+
+
+def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[float, float, float]:
+    """Speed, κ and λ of :func:`_measure_device`'s points (see there)."""
+    from hetrain.calibration import fit_speed_kappa, fit_stage_overheads
+
+    cap = 0.5 * times[0]  # κ + λ L must not exceed what the smallest micro-batch took (noise)
+    if len({p[2] for p in points}) > 1 and len(points) >= 3:
+        try:
+            fit = fit_stage_overheads(*zip(*points, strict=True))
+            if fit.kappa_s + fit.layer_overhead_s * num_layers <= cap:
+                return float(fit.speed_flops), float(fit.kappa_s), float(fit.layer_overhead_s)
+        except ValueError:
+            pass
+    if len(sizes) == 1:
+        return flops_per_sample / times[0], 0.0, 0.0
+    try:
+        fit2 = fit_speed_kappa(sizes, flops_per_sample, times)
+        if fit2.kappa_s <= cap:
+            return float(fit2.speed_flops), float(fit2.kappa_s), 0.0
+    except ValueError:
         pass
     # fallback: κ = cap at most, speed from the largest micro-batch
     kappa = min(cap, max(times[0] - (times[-1] - times[0]) / (sizes[-1] - sizes[0]), 0.0))
-    return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa
+    return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa, 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,15 +479,24 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         # first slot applied); also with a given plan when adapting, else the controller would
         # plan with placeholder speeds and κ = 0 (free micro-batches: tiny μ, long pipelines)
         factor = emu.factors(start_step)[device_id]
-        flops_per_sample = float(profile.train_flops.sum())
         mine = _measure_device(
-            job.task, model.to(dtype), dtype, flops_per_sample, job.batch, factor
+            job.task, model.to(dtype), dtype, np.asarray(profile.train_flops), job.batch, factor
         )
-        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+        mine = (*mine, _measure_update_s_per_byte(model, job))
+        gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
         measured = [float(t[0]) for t in gathered]
         kappa = [float(t[1]) for t in gathered]
-        base_state = _base_state(job, measured, kappa)
+        lam = [float(t[2]) for t in gathered]
+        base_state = _base_state(job, measured, kappa, lam)
+        if config is not None:
+            # the refinement of docs/profiling.md §6 with this host's measurements: the
+            # straggler of G' jittered groups and the weight update per parameter byte
+            config = dataclasses.replace(
+                config,
+                group_time_jitter=float(np.median([float(t[3]) for t in gathered])),
+                update_time_s_per_param_byte=float(max(float(t[4]) for t in gathered)),
+            )
     else:
         base_state = _base_state(job, None)
     if plan is None:
@@ -669,10 +739,13 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
 
 
 def _base_state(
-    job: TrainJob, measured_flops: list[float] | None, kappa_s: list[float] | None = None
+    job: TrainJob,
+    measured_flops: list[float] | None,
+    kappa_s: list[float] | None = None,
+    layer_overhead_s: list[float] | None = None,
 ) -> ClusterState:
-    """Cluster state the planner starts from: ``--cluster``'s devices when given (speeds and
-    κ replaced by measurements when there are any), else the local ranks."""
+    """Cluster state the planner starts from: ``--cluster``'s devices when given (speeds, κ
+    and λ replaced by measurements when there are any), else the local ranks."""
     if job.cluster is not None:
         state = cluster_from_dict(job.cluster, "--cluster").state()
     else:
@@ -681,11 +754,14 @@ def _base_state(
         idx = state.index()
         speed = state.speed_flops.copy()
         kap = state.kappa_s.copy()
+        lam = state.layer_overhead_s.copy()
         for i, d in enumerate(job.devices):
             speed[idx[d]] = measured_flops[i]
             if kappa_s is not None:
                 kap[idx[d]] = kappa_s[i]
-        state = state.with_changes(speed_flops=speed, kappa_s=kap)
+            if layer_overhead_s is not None:
+                lam[idx[d]] = layer_overhead_s[i]
+        state = state.with_changes(speed_flops=speed, kappa_s=kap, layer_overhead_s=lam)
     return state
 
 

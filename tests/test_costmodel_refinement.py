@@ -1,0 +1,95 @@
+"""The opt-in update-time and group-jitter refinement of the cost model
+(``TrainingConfig.update_time_s_per_param_byte`` / ``group_time_jitter``) against
+hand-computed numbers and seeded synthetic timings, and its calibration
+(:func:`hetrain.calibration.fit_update_time`, :func:`hetrain.calibration.relative_jitter`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetrain.calibration import fit_update_time, relative_jitter
+from hetrain.cluster import cluster_from_dict
+from hetrain.costmodel import TrainingConfig, evaluate_plan, expected_max_normal
+from hetrain.plan import plan_from_dict
+from hetrain.profile import profile_from_dict
+
+# 4 devices, 1 TFLOP/s, κ = 1 ms, λ = 0.5 ms per layer, one node (800 Gbit/s, no latency)
+STATE = cluster_from_dict(
+    {
+        "links": {"intra_node_gbps": 800, "latency_us": 0},
+        "devices": [
+            {"id": f"w{i}", "node": "n", "tflops": 1.0, "memory_gib": 64, "nic_gbps": 800,
+             "microbatch_overhead_ms": 1.0, "layer_overhead_ms": 0.5}
+            for i in range(4)
+        ],
+    }
+).state()  # fmt: skip
+# 4 layers of f = 1e9, w = 2e9 FLOP/sample and 1e6 parameter bytes each
+PROFILE = profile_from_dict(
+    {"layers": [{"name": f"l{i}", "fwd_flops": 1e9, "activation_bytes": 1e3,
+                 "param_bytes": 1e6} for i in range(4)]}
+).arrays()  # fmt: skip
+DP4 = {"groups": [{"devices": [f"w{i}"], "stages": [[0, 4]], "microbatch_size": 2, "batch": 2}
+                  for i in range(4)]}  # fmt: skip
+PIPE = {"groups": [{"devices": ["w0", "w1"], "stages": [[0, 2], [2, 4]], "microbatch_size": 2,
+                    "batch": 8}]}  # fmt: skip
+
+
+def _eval(plan, **config):
+    return evaluate_plan(plan_from_dict(plan), STATE, PROFILE, TrainingConfig(batch=8, **config))
+
+
+def test_refinement_off_is_spec_and_on_adds_straggler_and_update_by_hand():
+    spec = _eval(DP4)
+    # T_g = μ·12e9/1e12 + κ + 4 λ = 24 + 1 + 2 = 27 ms; T_sync = 2·3/4·4e6 B / 1e11 B/s
+    assert spec.group_times_s == pytest.approx((0.027,) * 4)
+    sync = 1.5 * 4e6 / 1e11
+    assert spec.iteration_time_s == pytest.approx(0.027 + sync)
+    assert _eval(DP4, update_time_s_per_param_byte=0.0, group_time_jitter=0.0) == spec
+    omega, sigma = 1e-9, 0.04  # 1 ms per MB held; 4 % jitter
+    got = _eval(DP4, update_time_s_per_param_byte=omega, group_time_jitter=sigma)
+    # E[max of 4 equal N(T, (σT)²)] = T (1 + 1.0294 σ) (Harter 1961); update ω · 4e6 B = 4 ms
+    want = 0.027 * (1 + 1.0294 * sigma) + sync + omega * 4e6
+    assert got.iteration_time_s == pytest.approx(want, rel=1e-4)
+    # one group: no straggler term; the update of the device with the most bytes (2e6 B each)
+    pipe = _eval(PIPE)
+    refined = _eval(PIPE, update_time_s_per_param_byte=omega, group_time_jitter=sigma)
+    assert refined.iteration_time_s == pytest.approx(pipe.iteration_time_s + omega * 2e6)
+
+
+def test_expected_max_matches_seeded_monte_carlo_for_unequal_groups():
+    rng = np.random.default_rng(12)
+    times = np.array([0.50, 0.45, 0.52, 0.30])
+    sigma = 0.05
+    draws = rng.normal(times, sigma * times, size=(200_000, 4)).max(axis=1)
+    assert expected_max_normal(times, sigma) == pytest.approx(draws.mean(), rel=1e-3)
+    assert expected_max_normal(times, 0.0) == 0.52
+    assert expected_max_normal([0.4, 0.0], sigma) == 0.4  # an idle group does not straggle
+    with pytest.raises(ValueError, match="group_time_jitter"):
+        expected_max_normal(times, -0.1)
+
+
+def test_calibration_recovers_known_update_time_and_jitter_from_seeded_timings():
+    rng = np.random.default_rng(5)
+    omega, sigma = 5e-10, 0.03
+    theta = rng.uniform(1e5, 4e6, size=40)
+    fit = fit_update_time(theta, omega * theta * rng.normal(1, 0.02, size=40))
+    assert fit.time_s_per_param_byte == pytest.approx(omega, rel=0.02)
+    assert 0.01 < fit.rms_rel_error < 0.03 and fit.num_points == 40
+    # 4 devices x 30 iterations of times jittering by σ around their own levels, plus stalls
+    levels = [0.3, 0.35, 0.5, 0.9]
+    series = [lvl * rng.normal(1, sigma, size=30) for lvl in levels]
+    series[2][7] *= 3.0  # a one-off stall must not inflate σ
+    assert relative_jitter(series) == pytest.approx(sigma, rel=0.2)
+    with pytest.raises(ValueError, match="at least 2"):
+        relative_jitter([[0.3]])
+    with pytest.raises(ValueError, match="> 0"):
+        fit_update_time([1e6, 0.0], [1e-3, 1e-3])
+
+
+def test_training_config_rejects_bad_refinement_values():
+    for field in ("update_time_s_per_param_byte", "group_time_jitter"):
+        for bad in (-1e-9, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=field):
+                TrainingConfig(batch=8, **{field: bad})
