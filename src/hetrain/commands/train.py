@@ -71,6 +71,8 @@ def run_train(
     checkpoint_every: int = 0,
     max_restarts: int = 0,
     hang_timeout_s: float | None = None,
+    norm_block: int | None = None,
+    exact: bool = False,
     model: str | None = None,
     data: Path | None = None,
     schedule: str | None = None,
@@ -124,6 +126,8 @@ def run_train(
         checkpoint_every=checkpoint_every,
         out=out,
         hang_timeout_s=hang_timeout_s,
+        norm_block=norm_block,
+        exact=exact,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm
