@@ -133,3 +133,16 @@ def test_cli_norm_block_that_does_not_divide_the_batch_exits_2(capsys):
     assert (
         code == 2 and err == "hetrain: error: --norm-block: 5 does not divide the global batch 32"
     )
+
+
+def test_exact_refuses_multihead_attention_dropout_before_launch():
+    import torch
+    from torch import nn
+
+    import hetrain
+    from hetrain.errors import InputError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.TransformerEncoderLayer(4, 2, 8, dropout=0.1))
+    data = (torch.randn(16, 3, 4), torch.randn(16, 3, 4))
+    with pytest.raises(InputError, match=r"1\.self_attn: nn\.MultiheadAttention\(dropout=0\.1\)"):
+        hetrain.train(model=model, dataset=data, loss_fn=nn.functional.mse_loss, exact=True)

@@ -186,7 +186,8 @@ def run_train(
         )
     except LaunchError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
-        return 1
+        # bad input found by the ranks (e.g. --exact refusing a random op): exit 2
+        return 2 if "failed: InputError: " in str(exc) else 1
     if summary:
         summary["launch_wall_time_s"] = time.perf_counter() - t0
         _print_summary(summary, job, report, json_out)

@@ -332,6 +332,12 @@ def build_job(
         check_exact_layers(chain)
     except ValueError as exc:
         raise InputError(task.name, "model", str(exc)) from None
+    if exact:  # random ops that cannot be made plan-invariant (hetrain.runtime.randomness)
+        from hetrain.runtime.randomness import InvariantRandomness
+
+        static = InvariantRandomness(chain, exact=True).static_problems()
+        if static:
+            raise InputError(task.name, "model", f"{static[0]} (--exact)")
     if checkpoint_dir is not None:
         _check_checkpoint_dir(Path(checkpoint_dir), chain)
     if plan_obj is not None:
