@@ -10,9 +10,11 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,12 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
 from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
+from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
 from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
+from hetrain.runtime.randomness import InvariantRandomness
 from hetrain.runtime.stages import P2P, Timers, run_stage, schedule_ops
 
 
@@ -94,16 +99,13 @@ class MigrationResult:
 
 
 def check_exact_layers(layers: nn.Sequential) -> None:
-    """Refuse layers whose training result depends on how the batch is split or on random
-    numbers: BatchNorm (batch statistics), dropout with ``p > 0``, attention dropout, RReLU;
-    and parameters shared by two layers (tied weights cannot live on two stages).
+    """Refuse parameters shared by two layers (tied weights cannot live on two stages).
+    Dropout and BatchNorm are accepted: :mod:`hetrain.runtime.randomness` makes random draws
+    plan-invariant and :mod:`hetrain.runtime.norm` handles BatchNorm (docs/runtime.md).
 
     Raises:
-        ValueError: naming the layer index, the sub-module path and the class.
+        ValueError: naming the layer index and the tensor's name.
     """
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.dropout import _DropoutNd
-
     owner: dict[int, int] = {}
     for index, layer in enumerate(layers):
         for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
@@ -112,26 +114,6 @@ def check_exact_layers(layers: nn.Sequential) -> None:
                 raise ValueError(
                     f"layer {index} ({name}) shares a tensor with layer {first}: tied weights "
                     "across layers cannot be split into stages; untie them"
-                )
-
-    for index, layer in enumerate(layers):
-        for name, module in layer.named_modules():
-            if not module.training:
-                continue
-            where = f"layer {index} ({name or type(layer).__name__}: {type(module).__name__})"
-            if isinstance(module, _BatchNorm):
-                raise ValueError(
-                    f"{where}: BatchNorm depends on the micro-batch, so hybrid/pipeline training "
-                    "could not equal single-device training; use GroupNorm/LayerNorm or eval()"
-                )
-            if (
-                (isinstance(module, _DropoutNd) and module.p > 0)
-                or (isinstance(module, nn.MultiheadAttention) and module.dropout > 0)
-                or isinstance(module, nn.RReLU)
-            ):
-                raise ValueError(
-                    f"{where}: random numbers in training (dropout) differ between plans; "
-                    "set p=0 or call eval() on it"
                 )
 
 
@@ -196,12 +178,19 @@ class Worker:
             consecutive layers with the same owners is split at layer boundaries above it).
         overlap_grad_sync: start a bucket's all-reduce during the stage's last backward as
             soon as its gradients are final (same arithmetic; False = after the backward).
+        seed: key of the plan-invariant random draws (:mod:`hetrain.runtime.randomness`).
+        norm_block: BatchNorm norm block ``G`` (ghost batch norm, :mod:`hetrain.runtime.norm`);
+            None = statistics per micro-batch (results depend on the plan).
+        exact: refuse (``InputError``) random ops that cannot be made plan-invariant instead
+            of warning once.
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
         InputError: the plan names unknown devices, does not cover the layers, or its device
             count differs from the world size (raised on every rank, no hang).
-        ValueError: BatchNorm/dropout layers (:func:`check_exact_layers`), bad options.
+        InputError: a share or micro-batch size not a multiple of ``norm_block``; with
+            ``exact``, a random op that cannot be made plan-invariant.
+        ValueError: tied layers (:func:`check_exact_layers`), bad options.
     """
 
     def __init__(
@@ -221,6 +210,9 @@ class Worker:
         allow_unused_ranks: bool = False,
         bucket_cap_bytes: int = 64 * 2**20,
         overlap_grad_sync: bool = True,
+        seed: int = 0,
+        norm_block: int | None = None,
+        exact: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -249,6 +241,20 @@ class Worker:
         self.layout: Layout = build_layout(
             plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
         )
+        # --- plan-invariant randomness and BatchNorm (randomness.py, norm.py) ---
+        self.exact = bool(exact)
+        self.randomness = InvariantRandomness(layers, seed=seed, exact=exact)
+        self.norm = NormBlocks(layers, norm_block)
+        self._norm_layers = [i for i, layer in enumerate(layers) if batchnorm_modules(layer)]
+        self._random_reported = False
+        _check_norm_plan(self.layout, norm_block)
+        static = self.randomness.static_problems()
+        if static and self.exact:
+            raise InputError("model", "random op", f"{static[0]} (--exact)")
+        if self.rank == 0:
+            for line in static[:1] + [self.norm.startup_message() or ""]:
+                if line:
+                    print(f"hetrain: warning: {line}", file=sys.stderr, flush=True)
         self.layers = layers.to(dtype=dtype)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -272,6 +278,43 @@ class Worker:
         self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
+        self._norm_sets = self._norm_owner_sets()
+
+    def _norm_owner_sets(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """BatchNorm layers grouped by their owners (all groups, idle included), in layer
+        order; their process groups are created here, in the same order on every rank."""
+        sets: dict[tuple[int, ...], list[int]] = {}
+        for index in self._norm_layers:
+            sets.setdefault(tuple(sorted(self.layout.owners[index])), []).append(index)
+        for ranks in sets:
+            if len(ranks) > 1:
+                self._groups.get(ranks, "norm")
+        return list(sets.items())
+
+    def _sync_norm_stats(self, active: bool) -> None:
+        """Update BatchNorm running statistics once per step from the statistics of all
+        groups (:meth:`NormBlocks.step_tensor` summed among each layer's owners)."""
+        for ranks, indices in self._norm_sets:
+            if self.rank not in ranks:
+                continue
+            modules = [self.layers[i] for i in indices]
+            flat = self.norm.step_tensor(modules, active=active).to(self.device)
+            if len(ranks) > 1:
+                dist.all_reduce(flat, group=self._groups.get(ranks, "norm"))
+            self.norm.apply_step(modules, flat)
+
+    def _forward_context(self, offset: int, step: int) -> Callable[[int, int], Any]:
+        """Per micro-batch forward context: rows ``[offset + start, offset + end)`` of the
+        global batch at iteration ``step`` (plan-invariant randomness, ghost BatchNorm)."""
+
+        def enter(start: int, end: int) -> contextlib.ExitStack:
+            rows = torch.arange(offset + start, offset + end, dtype=torch.int64)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.randomness.forward(step=step, sample_index=rows))
+            stack.enter_context(self.norm.forward())
+            return stack
+
+        return enter
 
     def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
         """The layer's own optimizer (None for a layer without parameters)."""
@@ -365,12 +408,14 @@ class Worker:
                         emulation=self.emulation,
                         autocast_dtype=self.autocast_dtype,
                         before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
+                        forward_context=self._forward_context(group.offset, step),
                     )
                 except BaseException:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
         sync_time_s, sync_bytes = grad_sync.finish()
+        self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for index in self.owned_layers:
@@ -378,9 +423,13 @@ class Worker:
                 for p in self.layers[index].parameters():
                     if p.grad is not None:
                         sq += p.grad.detach().to(torch.float64).pow(2).sum()
-        reduced = torch.stack([loss_part, sq])
+        random_problem = float(bool(self.randomness.problems) and not self._random_reported)
+        flag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
+        reduced = torch.stack([loss_part, sq, flag])
         dist.all_reduce(reduced)
-        loss, sqnorm = reduced.tolist()
+        loss, sqnorm, random_problems = reduced.tolist()
+        if random_problems > 0:
+            self._report_random_problems()
         grad_norm = math.sqrt(sqnorm)
         coef = clip_coefficient(grad_norm, self.grad_clip_norm)
         lr = self.optimizer_spec.lr_at(step)
@@ -421,6 +470,17 @@ class Worker:
             link_time_s=dict(timers.link_time_s),
         )
 
+    def _report_random_problems(self) -> None:
+        """A random op that is not plan-invariant ran on some rank this step: warn once (each
+        rank that saw it), or with ``exact`` raise the same InputError on every rank."""
+        self._random_reported = True
+        mine = self.randomness.problems
+        if self.exact:
+            what = mine[0] if mine else "another rank ran a random op hetrain cannot make invariant"
+            raise InputError("model", "random op", f"{what} (--exact)")
+        if mine:
+            print(f"hetrain: warning: {mine[0]}; results depend on the plan", file=sys.stderr)
+
     # ----------------------------------------------------------------------------- plan change
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Switch to ``plan`` between steps (collective: call on every rank with the same plan).
@@ -437,6 +497,7 @@ class Worker:
         dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
         _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
+        _check_norm_plan(new, self.norm.norm_block)
         old = self.layout
         transfers = plan_transfers(old, new)
         sent = received = 0
@@ -475,6 +536,7 @@ class Worker:
         self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(new)
+        self._norm_sets = self._norm_owner_sets()
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------- state
@@ -554,6 +616,13 @@ class Worker:
                 groups = opt.state_dict()["param_groups"]
                 opt.load_state_dict({"state": ostate, "param_groups": groups})
             self.optimizers[index] = opt
+
+
+def _check_norm_plan(layout: Layout, norm_block: int | None) -> None:
+    """InputError (every rank) if a group's share or micro-batch size is not a multiple of the
+    norm block (:func:`hetrain.runtime.norm.check_plan_norm_block`)."""
+    groups = [(g.index, g.batch, g.microbatch_size) for g in layout.groups]
+    check_plan_norm_block(groups, norm_block)
 
 
 def gather_measurements(result: StepResult) -> list[dict[str, Any]]:

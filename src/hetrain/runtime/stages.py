@@ -13,6 +13,7 @@ queued activation send never blocks the gradient receive coming the other way.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,6 +189,7 @@ def run_stage(
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
     before_last_backward: Callable[[], None] | None = None,
+    forward_context: Callable[[int, int], Any] | None = None,
 ) -> torch.Tensor:
     """Run one stage's forward/backward operations of one step; return the sum of the scaled
     micro-batch losses (a 0-dim float64 tensor, 0 except on the last stage).
@@ -196,7 +198,9 @@ def run_stage(
     over the micro-batch's samples, gradients accumulate to the gradient of the mean over the
     whole global batch ``B`` (the group contributes its rows; groups are summed afterwards).
     Gradients accumulate into ``.grad`` of the stage's parameters; ``before_last_backward``
-    is called right before the last backward (to start gradient all-reduces during it).
+    is called right before the last backward (to start gradient all-reduces during it);
+    ``forward_context(start, end)`` (a context manager, rows relative to the group) wraps each
+    micro-batch's forward (plan-invariant randomness and ghost BatchNorm, engine.py).
     """
     first = prev_rank is None
     last = next_rank is None
@@ -219,7 +223,8 @@ def run_stage(
                 dtype=autocast_dtype or torch.bfloat16,
                 enabled=autocast_dtype is not None,
             ):
-                y = stage_module(x)
+                with forward_context(start, end) if forward_context else contextlib.nullcontext():
+                    y = stage_module(x)
                 if last:
                     y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
             _sync(device)
