@@ -153,9 +153,10 @@ class LyapunovController:
             that triggers a new search.
         replan_every: search at least this often (slots).
         search_time_budget_s: passed to the planner as ``time_budget_s`` (soft, seconds).
-            ``None`` (default): no wall-clock limit, so that decisions are reproducible from
-            the same measurements (a budget makes the search depend on the machine's load);
-            above ``incremental_above`` devices 1 s is used when it is ``None``.
+            ``None`` (default): no wall-clock limit up to ``exact_search_devices`` available
+            devices, so that decisions are reproducible from the same measurements (a budget
+            makes the search depend on the machine's load), and 1 s above.
+        exact_search_devices: see ``search_time_budget_s`` (default 8).
         incremental_above: with more available devices than this, searches are rationed (one
             per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
             replaced by an interchangeable spare (else its group is dropped) and unused devices
@@ -188,6 +189,7 @@ class LyapunovController:
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
         search_time_budget_s: float | None = None,
+        exact_search_devices: int = 8,
         incremental_above: int = 128,
         search_devices_per_slot: float = 4.0,
         persistence_threshold: float = 0.1,
@@ -225,6 +227,7 @@ class LyapunovController:
         self.queue_tolerance = float(queue_tolerance)
         self.replan_every = int(replan_every)
         self.search_time_budget_s = search_time_budget_s
+        self.exact_search_devices = int(exact_search_devices)
         if int(incremental_above) < 0 or not (search_devices_per_slot > 0):
             raise ValueError("incremental_above >= 0 and search_devices_per_slot > 0 expected")
         self.incremental_above = int(incremental_above)
@@ -711,10 +714,10 @@ class LyapunovController:
         return choice
 
     def _search_budget(self, observed: ClusterState) -> float | None:
-        """The planner's soft time budget: ``search_time_budget_s``; 1 s when that is None and
-        more than ``incremental_above`` devices are available."""
+        """The planner's soft time budget: ``search_time_budget_s``; when that is None, none
+        up to ``exact_search_devices`` available devices and 1 s above."""
         if self.search_time_budget_s is None and int(np.sum(observed.available)) > (
-            self.incremental_above
+            self.exact_search_devices
         ):
             return 1.0
         return self.search_time_budget_s

@@ -15,7 +15,8 @@
 state (:func:`hetrain.control.incremental.rebalance_shares`): the planner's
 :func:`hetrain.planner.best_plan` every ``search_every`` slots on the slot's true and measured
 states at each multiplier of a grid, plus any plans the caller adds (e.g. those the policies
-ran). The bound is therefore as tight as that search (the planner is exact only up to a few
+ran); the stale reference uses only the structures found on measured states and the added
+ones. The bound is therefore as tight as that search (the planner is exact only up to a few
 devices). Multipliers are named ``η`` (SPEC's ``λ`` is the per-layer overhead).
 
 The measured states and time noise are drawn exactly as :func:`hetrain.sim.simulator.simulate`
@@ -195,10 +196,14 @@ def compute_references(
         time_noise=time_noise,
         seed=seed,
     )
+    # hindsight may use structures found on true states; the stale reference only those found
+    # on measured states (and the policies' own plans, which were found on measured states)
     pool = _Pool(timeline.base.ids, profile, config)
+    stale_pool = _Pool(timeline.base.ids, profile, config)
     for plan in extra_plans:
         if plan is not None:
             pool.add(plan)
+            stale_pool.add(plan)
     t_ref = None
     warm: dict[tuple, Plan | None] = {}
     every = max(int(search_every), 1)
@@ -206,14 +211,14 @@ def compute_references(
         moved = t > 0 and not np.array_equal(actual[t].available, actual[t - 1].available)
         if t % every and not moved:
             continue
-        for state in (actual[t], observed[t]):
+        for which, state in (("true", actual[t]), ("measured", observed[t])):
             if not np.asarray(state.available).any():
                 continue
             etas: list[dict[str, float]] = [{}]
             if budgets and t_ref is not None:
                 etas += [{j: u * t_ref / b for j, b in budgets.items()} for u in eta_grid]
             for eta in etas:
-                key = tuple(sorted(eta.items()))
+                key = (which, *sorted(eta.items()))
                 try:
                     found = best_plan(
                         state,
@@ -227,14 +232,17 @@ def compute_references(
                     continue
                 warm[key] = found
                 pool.add(found)
+                if which == "measured":
+                    stale_pool.add(found)
                 if t_ref is None and found.iteration_time_s:
                     t_ref = float(found.iteration_time_s)
     if not pool.plans:
         raise NoFeasiblePlanError("no slot of the trace has a feasible plan")
     live = [t for t in range(slots) if np.asarray(actual[t].available).any()]
     true_f = np.array([np.stack(pool.figures(actual[t])) for t in live])  # (S, 3, K)
-    stale_f = np.array([np.stack(pool.figures(observed[t])) for t in live])  # chosen on observed
-    judged = np.array([np.stack(pool.figures(observed[t], actual[t])) for t in live])
+    # chosen on the measured state, judged on the true one
+    stale_f = np.array([np.stack(stale_pool.figures(observed[t])) for t in live])
+    judged = np.array([np.stack(stale_pool.figures(observed[t], actual[t])) for t in live])
     scale = eps[live][:, None]
     for f in (true_f, judged):
         f *= scale[:, :, None]
