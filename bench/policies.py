@@ -54,7 +54,7 @@ DATA = Path(os.environ.get("HETRAIN_SHARED_DATA", "/work/shared/data"))
 POLICIES = ("lyapunov", "greedy", *BASELINE_NAMES)
 V_GRID = (0.3, 1.0, 3.0, 10.0)
 """The stated grid of ``V`` (issue 12): the budgeted scenarios are run at every value."""
-CHOSEN_V = 1.0
+CHOSEN_V = 10.0
 """The one ``V`` of :data:`V_GRID` used for every scenario's ``lyapunov`` row and targets."""
 HORIZON_FROM_SLOT = 200
 """Budget kept at every horizon: running mean spend checked for every ``t >= 200``."""
