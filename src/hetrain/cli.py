@@ -169,6 +169,14 @@ def simulate(
         typer.Option("--plan", help="simulate this fixed plan every slot (policy 'fixed')"),
     ] = None,
     norm_block: NormBlockOpt = None,
+    decision_delay: Annotated[
+        int,
+        typer.Option(
+            "--decision-delay",
+            help="slots between the last measurement a decision uses and the slot after which "
+            "it runs (1: the runtime's asynchronous controller; 0: applied at once)",
+        ),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -189,6 +197,7 @@ def simulate(
             json_out=json_out,
             plan=plan,
             norm_block=norm_block,
+            decision_delay=decision_delay,
         )
     )
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.control import plan_of
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
 
@@ -271,7 +272,7 @@ def propose_plan(
     """The one place where the next plan is chosen. Returns ``(plan, source)`` with source
     ``"policy"``, ``"planner"`` or ``"rebalance"``; see the module docstring for the order."""
     if policy is not None:
-        return policy.decide(slot, observed), "policy"
+        return plan_of(policy.decide(slot, observed)), "policy"
     if config is not None:
         try:
             from hetrain.planner import best_plan
@@ -537,7 +538,7 @@ def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
 def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str, Any]:
     """``policy.decide`` returning the policy too (it is stateful and, in the planner process,
     a copy: the caller keeps the returned one)."""
-    return policy.decide(slot, observed), "policy", policy
+    return plan_of(policy.decide(slot, observed)), "policy", policy
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
