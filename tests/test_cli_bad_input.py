@@ -107,6 +107,21 @@ FILES: dict[str, object] = {
         ]
     },
     "t_bom.csv": "\ufeff" + TRACE_HEADER + "0,a,0.5,,,\n",
+    # issue 11 case 6: a typo in a required field, in every file kind read through pydantic
+    "typo.yaml": {"devices": [{"id": "a", "tflop": 10, "memory_gib": 16, "nic_gbps": 10}]},
+    "typo_opt.yaml": _cluster(power_watt=3),
+    "typo_model.json": {"layers": [{"fwd_flop": 1e9, "activation_bytes": 1e6}]},
+    "typo_shared.json": {**PROFILE, "shared": [{"name": "t", "byte": 1, "layers": [0]}]},
+    "p_typo.json": {
+        "groups": [{"devices": ["a", "b"], "stages": [[0, 2], [2, 4]], "microbatch": 2, "batch": 8}]
+    },  # fmt: skip
+    # issue 11 case 5: one layer (4e10 bytes with Adam) larger than any device (16 GiB)
+    "big_layer.json": {
+        "layers": [
+            {**ly, "param_bytes": 1e10 if i == 2 else ly["param_bytes"]}
+            for i, ly in enumerate(PROFILE["layers"])
+        ]
+    },
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
 }
 
@@ -184,7 +199,26 @@ CASES = [
      "--queue money=1e30 --V 1e-30", 0, ()),
     (SIM_ARGS + " --trace {d}/t_tiny.csv", 2, ("t_tiny.csv", "row 2.speed_factor", ">= 1e-30")),
     ("plan --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
-     ("huge_model.json", "layers", "fits")),
+     ("huge_model.json", "layers[0]", "fits", "alone needs 4e+15 bytes", "has 1.71799e+10 bytes")),
+    # one layer too large for every device: the message names it and its bytes (case 5)
+    ("plan --cluster {d}/c.yaml --model {d}/big_layer.json --batch 8", 2,
+     ("big_layer.json", "layers[2]", "layer 2 ('l2') alone needs 4.0001e+10 bytes",
+      "largest available device, 'a', has 1.71799e+10 bytes (16 GiB)")),
+    ("simulate --cluster {d}/c.yaml --model {d}/big_layer.json --batch 8 --slots 2", 2,
+     ("big_layer.json", "layers[2]", "layer 2 ('l2') alone needs")),
+    ("simulate --cluster {d}/c.yaml --model {d}/big_layer.json --batch 8 --slots 2 "
+     "--budget money=1", 2, ("big_layer.json", "layers[2]", "alone needs")),
+    # a typo in a field: the missing field and the unknown key that is probably it (case 6)
+    ("plan --cluster {d}/typo.yaml --model {d}/m.json --batch 8", 2,
+     ("typo.yaml", "devices[0].tflops", "missing", "unknown key 'tflop' is probably a typo")),
+    ("plan --cluster {d}/typo_opt.yaml --model {d}/m.json --batch 8", 2,
+     ("typo_opt.yaml", "devices[0].power_watt", "unknown key", "did you mean 'power_w'")),
+    ("plan --cluster {d}/c.yaml --model {d}/typo_model.json --batch 8", 2,
+     ("typo_model.json", "layers[0].fwd_flops", "'fwd_flop' is probably a typo")),
+    ("plan --cluster {d}/c.yaml --model {d}/typo_shared.json --batch 8", 2,
+     ("typo_shared.json", "shared[0].bytes", "'byte' is probably a typo")),
+    (EVAL_ARGS + " {d}/p_typo.json", 2,
+     ("p_typo.json", "groups[0].microbatch_size", "'microbatch' is probably a typo")),
     ("plan --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8", 0, ()),
     ("plan --cluster {d}/big2048.json --model examples/profiles/resnet50.json --batch 512", 0,
      ()),

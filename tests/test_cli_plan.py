@@ -162,7 +162,18 @@ def test_model_too_large_for_every_arrangement_exit_2(tmp_path, capsys) -> None:
     mpath = _write(tmp_path, "big.json", big)
     code, _, err = _run(["plan", "--cluster", cpath, "--model", mpath, "--batch", "4"], capsys)
     assert code == 2
+    # layer 0 alone (8e9 B + 2 MB of activations) is larger than the largest device (2 GiB)
+    assert f"{mpath}: layers[0]: expected a model that fits some arrangement" in err
+    assert "layer 0 ('l0') alone needs 8.002e+09 bytes" in err
+    # every layer fits a 2 GiB device (1.2e9 B with Adam), but only one per device: the
+    # model does not fit, and no single layer is to blame
+    for layer in big["layers"]:
+        layer["param_bytes"] = 3e8
+    mpath = _write(tmp_path, "big.json", big)
+    code, _, err = _run(["plan", "--cluster", cpath, "--model", mpath, "--batch", "4"], capsys)
+    assert code == 2
     assert f"{mpath}: layers: expected a model that fits some arrangement" in err
+    assert "alone needs" not in err
 
 
 def test_batch_zero_exit_2(files, capsys) -> None:

@@ -187,4 +187,4 @@ def cluster_from_dict(raw: Any, source: str = "<cluster>") -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(raw)
     except ValidationError as exc:
-        raise from_validation_error(source, exc) from None
+        raise from_validation_error(source, exc, ClusterSpec) from None

@@ -189,9 +189,9 @@ class ProfilePrefix:
         starts = np.asarray(starts, dtype=np.int64)
         ends = np.asarray(ends, dtype=np.int64)
         factor = 2.0 + float(optimizer_state_factor)
-        out = (self.param_bytes[ends] - self.param_bytes[starts]) * factor + (
-            self.frozen_bytes[ends] - self.frozen_bytes[starts]
-        )
+        out = (self.param_bytes[ends] - self.param_bytes[starts]) * factor
+        if self.frozen_bytes[-1] > 0:
+            out = out + (self.frozen_bytes[ends] - self.frozen_bytes[starts])
         if self.has_shared:
             per = np.where(self.shared_frozen, 1.0, factor) * self.shared_bytes
             out = out + self.shared_held(starts, ends).astype(float) @ per

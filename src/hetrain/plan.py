@@ -192,7 +192,7 @@ def plan_from_dict(raw: Any, source: str = "<plan>") -> Plan:
     try:
         return Plan.model_validate(raw)
     except ValidationError as exc:
-        raise from_validation_error(source, exc) from None
+        raise from_validation_error(source, exc, Plan) from None
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -177,4 +177,4 @@ def profile_from_dict(raw: Any, source: str = "<profile>") -> ModelProfile:
     try:
         return ModelProfile.model_validate(raw)
     except ValidationError as exc:
-        raise from_validation_error(source, exc) from None
+        raise from_validation_error(source, exc, ModelProfile) from None

@@ -3,10 +3,21 @@
 Enumerates every plan: every non-empty subset of devices, every way to cut it into groups
 (restricted-growth labels), every order inside each group, every split of the layers per group,
 every micro-batch size 1..B per group and every share vector (b_g >= 1; a plan with an idle
-group has the same objective as the plan without it). It shares no code with hetrain's cost
-model or planner: SPEC §3 is re-implemented here from the text, on plain dicts and floats.
+group has the same objective as the plan without it). With a norm block G only multiples of G
+are allowed for shares and micro-batch sizes. It shares no code with hetrain's cost model or
+planner: SPEC §3 (v3: per-layer overhead λ, frozen parameters, shared tensors) is
+re-implemented here from the text, on plain dicts, floats and Python sets.
+
 The min over shares uses the exact decomposition min_b max_g T_g(b_g) (each T_g depends only
 on its own b_g), computed over all compositions by a min-max convolution.
+
+Two prunings, both exact (they skip only plans that cannot beat the best found so far):
+* a subset of devices is skipped when ``w · B Σ_l (f_l + w_l) / Σ_{d in subset} s_d`` already
+  reaches the best objective (``w = V + Σ_j Q_j rate_j``): every group needs at least
+  ``n μ max_k c_k ≥ b_g F / Σ_{k in g} s_k`` (``max_k F_k/s_k ≥ Σ F_k / Σ s_k``), so
+  ``max_g T_g ≥ B F / Σ s``;
+* a plan's sync time is computed only when its group time alone does not reach the best
+  (sync ≥ 0).
 """
 
 from __future__ import annotations
@@ -69,12 +80,13 @@ def _fixed_memory(stage, layers, shared, o) -> float:
     return mem
 
 
-def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule) -> np.ndarray:
-    """T_g(b) for b = 0..B (inf where nothing fits), min over mu = 1..B."""
+def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule, block):
+    """T_g(b) for b = 0..B (inf where nothing fits or b is not a multiple of the norm block),
+    min over mu = block, 2 block, ..., B."""
     k_count = len(order)
     stages = [range(cuts[k], cuts[k + 1]) for k in range(k_count)]
     best = np.full(batch + 1, np.inf)
-    for mu in range(1, batch + 1):
+    for mu in range(block, batch + 1, block):
         c = []
         for k, st in enumerate(stages):
             d = devs[order[k]]
@@ -90,7 +102,7 @@ def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule) -
             e.append(mu * 2 * layers[last]["a"] / bw + 2 * links["lat"])
         fill = sum(c) + sum(e)
         worst = max(c + e)
-        for b in range(1, batch + 1):
+        for b in range(block, batch + 1, block):
             n = math.ceil(b / mu)
             ok = True
             for k, st in enumerate(stages):
@@ -104,57 +116,55 @@ def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule) -
     return best
 
 
-def _min_max_shares(tables: list[np.ndarray], batch: int) -> float:
-    """min over b_g >= 1 with sum B of max_g T_g(b_g)."""
-    cur = tables[0].copy()
-    cur[0] = np.inf
-    for t in tables[1:]:
-        nxt = np.full(batch + 1, np.inf)
-        for total in range(batch + 1):
-            for x in range(1, total):
-                nxt[total] = min(nxt[total], max(cur[total - x], t[x]))
-        cur = nxt
-    return float(cur[batch])
+class _MinMax:
+    """min over b_g >= 1 with sum B of max_g T_g(b_g), by a min-max convolution."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        total = np.arange(batch + 1)[:, None]
+        x = np.arange(batch + 1)[None, :]
+        self.valid = (x >= 1) & (x <= total - 1)  # the new group gets x, the others total - x
+        self.rest = np.clip(total - x, 0, batch)
+        self.x = np.broadcast_to(x, self.rest.shape)
+
+    def __call__(self, tables: list[np.ndarray]) -> float:
+        cur = tables[0].copy()
+        cur[0] = np.inf
+        for t in tables[1:]:
+            pair = np.maximum(cur[self.rest], t[self.x])
+            cur = np.where(self.valid, pair, np.inf).min(axis=1)
+        return float(cur[self.batch])
 
 
-def _sync(devs, groups, layers, shared, links) -> float:
-    """groups: list of (order, cuts); T_sync of SPEC §3 (v3) with all groups active: per
-    device the ring all-reduce of its layers' trainable bytes among the G' groups, plus per
-    trainable shared tensor it holds the ring all-reduce among all n_s holders."""
-    g_count = len(groups)
-    holders = []  # (device, set of layers)
-    for order, cuts in groups:
-        for k, dev in enumerate(order):
-            holders.append((dev, set(range(cuts[k], cuts[k + 1]))))
+def _sync(devs, holders, g_count, layers, shared, links) -> float:
+    """T_sync of SPEC §3 (v3) with all groups active. ``holders``: per device of the plan
+    (group index, device index, set of its layers). Per device: the ring all-reduce of its
+    layers' trainable bytes among the G' groups (intra-node bandwidth iff every device of
+    another group holding one of its layers is on its node, else its NIC), plus per trainable
+    shared tensor it holds the ring all-reduce among all n_s holders (same rule over them)."""
+    lat = links["lat"]
     worst = 0.0
-    for gi, (order, cuts) in enumerate(groups):
-        for k, dev in enumerate(order):
-            mine = set(range(cuts[k], cuts[k + 1]))
-            t = 0.0
-            if g_count > 1:
-                local = True
-                for gj, (order2, cuts2) in enumerate(groups):
-                    if gj == gi:
-                        continue
-                    for k2, dev2 in enumerate(order2):
-                        if mine & set(range(cuts2[k2], cuts2[k2 + 1])) and (
-                            devs[dev2]["node"] != devs[dev]["node"]
-                        ):
-                            local = False
-                beta = links["intra"] if local else devs[dev]["nic"]
-                theta = sum(layers[i]["p"] for i in mine)
-                t += 2 * (g_count - 1) * links["lat"] + 2 * (g_count - 1) / g_count * theta / beta
-            for tensor in shared:
-                if tensor["frozen"] or not tensor["layers"] & mine:
-                    continue
-                others = [d2 for d2, ls in holders if d2 != dev and tensor["layers"] & ls]
-                n_s = len(others) + 1
-                if n_s < 2:
-                    continue
-                local = all(devs[d2]["node"] == devs[dev]["node"] for d2 in others)
-                beta = links["intra"] if local else devs[dev]["nic"]
-                t += 2 * (n_s - 1) * links["lat"] + 2 * (n_s - 1) / n_s * tensor["bytes"] / beta
-            worst = max(worst, t)
+    for gi, dev, mine in holders:
+        node = devs[dev]["node"]
+        t = 0.0
+        if g_count > 1:
+            local = all(
+                devs[d2]["node"] == node for gj, d2, theirs in holders if gj != gi and mine & theirs
+            )
+            beta = links["intra"] if local else devs[dev]["nic"]
+            theta = sum(layers[i]["p"] for i in mine)
+            t += 2 * (g_count - 1) * lat + 2 * (g_count - 1) / g_count * theta / beta
+        for tensor in shared:
+            if tensor["frozen"] or not tensor["layers"] & mine:
+                continue
+            others = [d2 for _, d2, theirs in holders if d2 != dev and tensor["layers"] & theirs]
+            n_s = len(others) + 1
+            if n_s < 2:
+                continue
+            local = all(devs[d2]["node"] == node for d2 in others)
+            beta = links["intra"] if local else devs[dev]["nic"]
+            t += 2 * (n_s - 1) * lat + 2 * (n_s - 1) / n_s * tensor["bytes"] / beta
+        worst = max(worst, t)
     return worst
 
 
@@ -178,51 +188,68 @@ def brute_force_objective(
     *,
     v: float = 1.0,
     queue_money: float = 0.0,
+    queue_energy: float = 0.0,
     o: float = 2.0,
     schedule: str = "1f1b",
+    norm_block: int | None = None,
 ) -> float:
-    """Least V*T + Q_money * y_money over every plan (inf if nothing fits)."""
+    """Least V*T + Q_money * y_money + Q_energy * y_energy over every plan (inf if nothing
+    fits)."""
     devs = _devices(cluster)
     layers = _layers(profile)
+    shared = _shared(profile)
     num_layers = len(layers)
+    block = norm_block or 1
     links = {
         "intra": cluster.get("links", {}).get("intra_node_gbps", 800.0) * 1e9 / 8,
         "lat": cluster.get("links", {}).get("latency_us", 20.0) * 1e-6,
     }
-    shared = _shared(profile)
-    table_cache: dict = {}
+    total_flops = sum(ly["fw"] for ly in layers)
+    minmax = _MinMax(batch)
+    cands_cache: dict = {}
+
+    def candidates(block_devs: tuple[int, ...]) -> list:
+        """Every (order, cuts) of a group of these devices: its T_g table and its holders."""
+        if block_devs not in cands_cache:
+            out = []
+            if len(block_devs) <= num_layers:
+                for order in itertools.permutations(block_devs):
+                    for c in itertools.combinations(range(1, num_layers), len(order) - 1):
+                        cuts = (0, *c, num_layers)
+                        table = _group_table(devs, order, cuts, layers, shared, links, batch,
+                                             o, schedule, block)  # fmt: skip
+                        if np.isfinite(table[1:]).any():
+                            stages = [set(range(cuts[k], cuts[k + 1])) for k in range(len(order))]
+                            out.append((table, list(zip(order, stages, strict=True))))
+            cands_cache[block_devs] = out
+        return cands_cache[block_devs]
+
     best = math.inf
-    for size in range(1, len(devs) + 1):
+    for size in range(len(devs), 0, -1):
         for subset in itertools.combinations(range(len(devs)), size):
-            price = sum(devs[d]["price"] for d in subset)
+            w = v + sum(
+                queue_money * devs[d]["price"] + queue_energy * devs[d]["watts"] for d in subset
+            )
+            speed = sum(devs[d]["speed"] for d in subset)
+            if w * batch * total_flops / speed >= best:
+                continue
             for labels in _labelings(size):
                 blocks = [
-                    [subset[i] for i in range(size) if labels[i] == lab]
+                    tuple(subset[i] for i in range(size) if labels[i] == lab)
                     for lab in range(max(labels) + 1)
                 ]
-                if len(blocks) > batch:
+                if len(blocks) * block > batch:
                     continue
-                for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
-                    split_lists = [
-                        [
-                            (0, *c, num_layers)
-                            for c in itertools.combinations(range(1, num_layers), len(o_) - 1)
-                        ]
-                        for o_ in orders
+                per_block = [candidates(b) for b in blocks]
+                for combo in itertools.product(*per_block):
+                    t_groups = minmax([table for table, _ in combo])
+                    if not math.isfinite(t_groups) or w * t_groups >= best:
+                        continue
+                    holders = [
+                        (gi, dev, stage)
+                        for gi, (_, devices) in enumerate(combo)
+                        for dev, stage in devices
                     ]
-                    for cuts in itertools.product(*split_lists):
-                        tables = []
-                        for order, cut in zip(orders, cuts, strict=True):
-                            key = (order, cut)
-                            if key not in table_cache:
-                                table_cache[key] = _group_table(
-                                    devs, order, cut, layers, shared, links, batch, o, schedule
-                                )
-                            tables.append(table_cache[key])
-                        t_groups = _min_max_shares(tables, batch)
-                        if not math.isfinite(t_groups):
-                            continue
-                        groups = list(zip(orders, cuts, strict=True))
-                        t = t_groups + _sync(devs, groups, layers, shared, links)
-                        best = min(best, v * t + queue_money * t * price)
+                    t = t_groups + _sync(devs, holders, len(combo), layers, shared, links)
+                    best = min(best, w * t)
     return best

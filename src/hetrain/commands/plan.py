@@ -11,7 +11,7 @@ from pathlib import Path
 from hetrain._io import MAX_BATCH, MAX_NUMBER
 from hetrain.cluster import ClusterState, load_cluster
 from hetrain.costmodel import SCHEDULES, PlanEvaluation, TrainingConfig, evaluate_plan
-from hetrain.errors import InputError, NoFeasiblePlanError
+from hetrain.errors import InputError, NoFeasiblePlanError, no_fit_input_error
 from hetrain.plan import Plan, check_norm_block, load_plan
 from hetrain.profile import ProfileArrays, load_profile
 
@@ -120,11 +120,7 @@ def run_plan(
             time_budget_s=PLAN_TIME_BUDGET_S,
         )
     except NoFeasiblePlanError as exc:
-        raise InputError(
-            str(model),
-            "layers",
-            f"expected a model that fits some arrangement of the devices ({exc})",
-        ) from None
+        raise no_fit_input_error(str(model), exc) from None
     if json_out:
         print(plan.to_json())
         return 0

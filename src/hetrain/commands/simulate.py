@@ -20,7 +20,7 @@ import numpy as np
 
 from hetrain._io import MIN_POSITIVE, check_output_path
 from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
-from hetrain.errors import InputError, NoFeasiblePlanError
+from hetrain.errors import InputError, NoFeasiblePlanError, no_fit_input_error
 from hetrain.profile import ProfileArrays, load_profile
 from hetrain.trace import Trace, TraceTimeline, load_trace
 
@@ -145,10 +145,7 @@ def run_simulate(
         try:
             least = minimum_budget(timeline, profile, config, name, slots)
         except NoFeasiblePlanError as exc:
-            raise InputError(
-                str(model), "layers",
-                f"expected a model that fits some arrangement of the devices ({exc})",
-            ) from None  # fmt: skip
+            raise no_fit_input_error(str(model), exc) from None
         if value < least * (1.0 - 1e-9):
             raise InputError(
                 "--budget",
@@ -203,11 +200,7 @@ def _check_model_fits(
     try:
         best_plan(state, profile, config)
     except NoFeasiblePlanError as exc:
-        raise InputError(
-            model_source,
-            "layers",
-            f"expected a model that fits some arrangement of the devices ({exc})",
-        ) from None
+        raise no_fit_input_error(model_source, exc) from None
 
 
 def _print_report(summary: dict, batch: int) -> None:

@@ -29,6 +29,7 @@ from hetrain.planner.search import (
     exhaustive_search,
     local_search,
     plan_objective,
+    polish_splits,
     pruned_search,
     solve_structure,
     structure_count,
@@ -39,7 +40,8 @@ from hetrain.profile import ProfileArrays
 
 __all__ = ["best_plan", "warm_structure"]
 
-STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices)
+STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices;
+# exact over structures, not over split combinations and μ: see exhaustive_is_small)
 # local-search polish (more than STRUCTURES_EXACT_MAX structures): at most this many
 # structure solves per device, within this fraction of the candidate family's CPU time, or
 # POLISH_SMALL_CPU_S on clusters of at most POLISH_SMALL_DEVICES devices
@@ -47,6 +49,28 @@ POLISH_MAX_SOLVES_PER_DEVICE = 40
 POLISH_TIME_FRACTION = 0.25
 POLISH_SMALL_DEVICES = 12
 POLISH_SMALL_CPU_S = 1.0
+
+
+def oversized_layer(ctx: SearchContext) -> tuple[int, float, int, float] | None:
+    """The first layer that fits on no available device by itself, as ``(layer, bytes it
+    needs, device with the most memory, that memory in bytes)``, or None. A layer's least
+    need is SPEC §3's memory of a one-layer stage with one micro-batch of the smallest size
+    alive: ``θ'_l (2 + o) + φ_l + m_l`` (bytes; shared tensors it uses included; with a norm
+    block the caller's profile is per block). Any stage holding the layer needs at least
+    that, so the model then fits on no arrangement."""
+    pre = ctx.prefix
+    idx = np.arange(pre.num_layers)
+    need = pre.fixed_memory_bytes(idx, idx + 1, ctx.config.optimizer_state_factor) + (
+        pre.act_mem_bytes[idx + 1] - pre.act_mem_bytes[idx]
+    )
+    memory = ctx.state.memory_bytes[ctx.available]
+    device = int(ctx.available[int(np.argmax(memory))])
+    limit = float(ctx.state.memory_bytes[device])
+    over = np.flatnonzero(need > limit)
+    if not len(over):
+        return None
+    layer = int(over[0])
+    return layer, float(need[layer]), device, limit
 
 
 def warm_structure(
@@ -87,7 +111,10 @@ def best_plan(
 
     Search: the structure family (and the warm start); then every structure when there are at
     most :data:`STRUCTURES_EXACT_MAX` (≤ 5 devices, any number of layers), else a local-search
-    polish; the brute force on tiny instances; the SPEC §6 baselines (docs/planner.md).
+    polish (skipped where the exhaustive search runs); the exhaustive search (exact) at ≤ 4
+    devices with ≤ 8 layers and ``B ≤ 64`` or 5-6 devices with ≤ 6 layers and ``B ≤ 16``;
+    a final re-choice of each group's stages by the iteration time (:func:`polish_splits`);
+    the SPEC §6 baselines (docs/planner.md).
 
     Args:
         v: weight ``V > 0`` of the iteration time.
@@ -143,7 +170,10 @@ def best_plan(
     best = pruned_search(ctx, best, deadline=deadline)
     family_cpu = time.process_time() - family_cpu
     num_structures = structure_count(len(ctx.available), profile.num_layers, config.batch)
-    if deadline is None or time.perf_counter() < deadline:
+    exhaustive = exhaustive_is_small(ctx)
+    if (deadline is None or time.perf_counter() < deadline) and not (
+        exhaustive and num_structures > STRUCTURES_EXACT_MAX
+    ):  # (the exhaustive search below covers what the polish would try)
         if num_structures <= STRUCTURES_EXACT_MAX:
             best = structure_search(ctx, best, deadline=deadline)
         else:
@@ -164,8 +194,12 @@ def best_plan(
                 ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
                 deadline=deadline, cpu_budget_s=budget, starts=starts,
             )  # fmt: skip
-    if exhaustive_is_small(ctx) and (deadline is None or time.perf_counter() < deadline):
-        best = exhaustive_search(ctx, best)
+    if exhaustive and (deadline is None or time.perf_counter() < deadline):
+        best = exhaustive_search(ctx, best, deadline=deadline)
+    # stages re-chosen by the iteration time, sync included (one bounded pass; skipped on
+    # large structures and once the time budget is spent)
+    if deadline is None or time.perf_counter() < deadline:
+        best = polish_splits(ctx, best)
     plan = candidate_to_plan(ctx, best) if best is not None else None
     objective = np.inf
     if plan is not None:
@@ -192,6 +226,16 @@ def best_plan(
             if fits and obj < objective * (1 - 1e-12):
                 plan, objective = other, obj
     if plan is None:
+        too_big = oversized_layer(ctx)
+        if too_big is not None:
+            layer, need, device, limit = too_big
+            raise NoFeasiblePlanError(
+                f"layer {layer} ({profile.names[layer][:60]!r}) alone needs {need:.6g} bytes "
+                f"({need / 2**30:.4g} GiB: weights with gradients and optimizer state, and one "
+                f"micro-batch's activations) but the largest available device, "
+                f"{state.ids[device][:60]!r}, has {limit:.6g} bytes ({limit / 2**30:.4g} GiB)",
+                layer=layer,
+            )
         raise NoFeasiblePlanError(
             f"no arrangement of the {len(ctx.available)} available devices holds the "
             f"{profile.num_layers}-layer model's parameters, gradients, optimizer state and "

@@ -90,11 +90,10 @@ def split_table(
     mu = int(microbatch_size)
     k_stages = len(devices)
     flops = prefix.train_flops[bounds[:, 1:]] - prefix.train_flops[bounds[:, :-1]]
-    compute = (
-        mu * flops / state.speed_flops[devices]
-        + state.kappa_s[devices]
-        + state.layer_overhead_s[devices] * np.diff(bounds, axis=1)
-    )
+    compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
+    lam = state.layer_overhead_s[devices]
+    if np.any(lam):
+        compute = compute + lam * np.diff(bounds, axis=1)
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
     if k_stages > 1:
@@ -202,8 +201,10 @@ def _stage_matrices(
     act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    per_layer = state.layer_overhead_s[devices][:, None, None]
-    compute = mu * flops / speed + kappa + per_layer * (j - i)
+    compute = mu * flops / speed + kappa
+    lam = state.layer_overhead_s[devices]
+    if np.any(lam):
+        compute = compute + lam[:, None, None] * (j - i)
     ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
     ok &= (kk != k_stages - 1) | (j == num_layers)
     if k_stages > 1:

@@ -5,7 +5,8 @@ Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
 ``y_energy = T Σ_{used} W_d``, it equals ``T · (V + Σ_{d used} c_d)`` with the per-device
 weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of iteration).
 
-* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``): every subset,
+* **Exhaustive** (at most 4 available devices, 8 layers, ``B ≤ 64``; or 5-6 devices, 6
+  layers, ``B ≤ 16``; :func:`exhaustive_is_small`): every subset,
   every split of it into groups, every order inside each group; per group every split of the
   layers (or the exact envelope when there are too many), every ``μ ≤ B`` when ``B`` is small;
   for several groups every combination of splits (sync depends on them), each with exact
@@ -69,7 +70,13 @@ from hetrain.profile import ProfileArrays
 EXHAUSTIVE_MAX_DEVICES = 4
 EXHAUSTIVE_MAX_LAYERS = 8
 EXHAUSTIVE_MAX_BATCH = 64
+EXHAUSTIVE_WIDE_MAX_DEVICES = 6
+EXHAUSTIVE_WIDE_MAX_LAYERS = 6
+EXHAUSTIVE_WIDE_MAX_BATCH = 16
 ALL_SPLITS_MAX = 64  # enumerate every split of a group when there are at most this many
+MU_EVERY_MAX_BATCH = 16  # solve_structure tries every μ <= B (shares and μ jointly) up to this B
+NEIGHBOUR_MU_MAX_SHARE = 32  # beyond, μ is refined for shares b ± 1 up to this share
+POLISH_SPLITS_MAX_GROUPS = 16  # polish_splits re-chooses stages on plans of at most this many
 COMBOS_MAX = 4096  # joint split combinations per structure in the exhaustive search
 MIXED_DEPTH_MIN_DEVICES = 128  # per-kind pipeline depths are searched from this size on
 
@@ -134,11 +141,7 @@ class SearchContext:
     def signature(self, devices: np.ndarray) -> tuple:
         """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
         s = self.state
-        per = tuple(
-            (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
-             float(s.layer_overhead_s[d]))
-            for d in devices
-        )  # fmt: skip
+        per = tuple(self._device_key(int(d), False) for d in devices)
         links = (
             tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
             if len(devices) > 1
@@ -151,21 +154,33 @@ class SearchContext:
         significant digits: groups that differ by measurement noise share their *splits*
         (their times are still computed exactly)."""
         s = self.state
-        per = tuple(
-            (
-                int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
-                float(f"{s.kappa_s[d]:.3g}"),
-                float(f"{s.memory_bytes[d]:.3g}"),
-                float(f"{s.layer_overhead_s[d]:.3g}"),
-            )
-            for d in devices
-        )
+        per = tuple(self._device_key(int(d), True) for d in devices)
         links = (
             tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
             if len(devices) > 1
             else ()
         )
         return per, links
+
+    def _device_key(self, d: int, approx: bool) -> tuple:
+        """One device's part of :meth:`signature` (``approx``: of :meth:`approx_signature`),
+        cached per device."""
+        key = ("device", d, approx)
+        out = self.option_cache.get(key)
+        if out is None:
+            s = self.state
+            if approx:
+                out = (
+                    int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
+                    float(f"{s.kappa_s[d]:.3g}"),
+                    float(f"{s.memory_bytes[d]:.3g}"),
+                    float(f"{s.layer_overhead_s[d]:.3g}"),
+                )
+            else:
+                out = (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
+                       float(s.layer_overhead_s[d]))  # fmt: skip
+            self.option_cache[key] = out
+        return out
 
     def rate_bound(self, devices: tuple[int, ...]) -> float:
         """An upper bound on the samples per second of the ordered group ``devices`` over
@@ -238,12 +253,27 @@ class SearchContext:
         cfg = self.config
         table = split_table(self.state, self.prefix, devices, bounds, mu,
                             cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
-        keep = table.max_microbatches >= 1
+        keep = self._sync_order(devices, table.bounds)
+        keep = keep[table.max_microbatches[keep] >= 1]
         n_cap = -(-self.batch // mu)
         return pareto(
             SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
                        np.minimum(table.max_microbatches[keep], n_cap), mu)
         )  # fmt: skip
+
+    def _sync_order(self, devices: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """Indices of the splits ``bounds`` (shape ``(P, K + 1)``) in increasing order of
+        ``max_k θ'_k / nic_{d_k}`` (trainable bytes a stage all-reduces over its NIC; stable),
+        so that among splits with equal ``A``, ``M`` and memory — which :func:`pareto` keeps
+        only the first of — the one with the least all-reduce survives (issue 12)."""
+        pre = self.prefix
+        bounds = np.asarray(bounds, dtype=np.int64)
+        theta = pre.param_bytes[bounds[:, 1:]] - pre.param_bytes[bounds[:, :-1]]
+        if pre.has_shared:
+            trainable = np.where(pre.shared_frozen, 0.0, pre.shared_bytes)
+            theta = theta + pre.shared_held(bounds[:, :-1], bounds[:, 1:]).astype(float) @ trainable
+        key = np.max(theta / self.state.nic_bytes_per_s[np.asarray(devices)], axis=1)
+        return np.argsort(key, kind="stable")
 
     def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
         cfg = self.config
@@ -255,7 +285,8 @@ class SearchContext:
                 enumerate_splits(self.prefix.num_layers, k), mu,
                 cfg.optimizer_state_factor, cfg.schedule,
             )  # fmt: skip
-            keep = table.max_microbatches >= 1
+            keep = self._sync_order(devices, table.bounds)
+            keep = keep[table.max_microbatches[keep] >= 1]
             return pareto(
                 SplitTable(
                     table.bounds[keep],
@@ -345,22 +376,14 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
             for b in env.bounds:
                 found[tuple(int(x) for x in b)] = None
         bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k + 1)
-    per_split: list[GroupOptions] = []
-    tables = [
-        split_table(ctx.state, ctx.prefix, devs, bounds, mu, ctx.config.optimizer_state_factor,
-                    ctx.config.schedule)
-        for mu in mus
-    ]  # fmt: skip
-    for p in range(len(bounds)):
-        rows = [
-            SplitTable(t.bounds[p : p + 1], t.fill_s[p : p + 1], t.bottleneck_s[p : p + 1],
-                       t.max_microbatches[p : p + 1], t.microbatch_size)
-            for t in tables
-            if t.max_microbatches[p] >= 1
-        ]  # fmt: skip
-        opts = GroupOptions.from_tables(rows, k)
-        if len(opts):
-            per_split.append(opts)
+    # every split × every μ at once ((P, U, K) arrays of SPEC §3's stage times and memory)
+    per_split = [
+        opts
+        for opts in fixed_split_options(
+            ctx, [devs] * len(bounds), list(bounds), [mus] * len(bounds)
+        )  # fmt: skip
+        if len(opts)
+    ]
     ctx.option_cache[key] = per_split
     return per_split
 
@@ -368,31 +391,55 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
 def exhaustive_is_small(ctx: SearchContext) -> bool:
     """Whether the exact search runs: at most :data:`EXHAUSTIVE_MAX_DEVICES` available
     devices, :data:`EXHAUSTIVE_MAX_LAYERS` layers and a batch of at most
-    :data:`EXHAUSTIVE_MAX_BATCH`."""
+    :data:`EXHAUSTIVE_MAX_BATCH`; or at most :data:`EXHAUSTIVE_WIDE_MAX_DEVICES` devices with
+    at most :data:`EXHAUSTIVE_WIDE_MAX_LAYERS` layers and ``B ≤``
+    :data:`EXHAUSTIVE_WIDE_MAX_BATCH` (in norm blocks)."""
+    devices = len(ctx.available)
+    layers = ctx.prefix.num_layers
+    if devices <= EXHAUSTIVE_MAX_DEVICES:
+        return layers <= EXHAUSTIVE_MAX_LAYERS and ctx.batch <= EXHAUSTIVE_MAX_BATCH
     return (
-        len(ctx.available) <= EXHAUSTIVE_MAX_DEVICES
-        and ctx.prefix.num_layers <= EXHAUSTIVE_MAX_LAYERS
-        and ctx.batch <= EXHAUSTIVE_MAX_BATCH
+        devices <= EXHAUSTIVE_WIDE_MAX_DEVICES
+        and layers <= EXHAUSTIVE_WIDE_MAX_LAYERS
+        and ctx.batch <= EXHAUSTIVE_WIDE_MAX_BATCH
     )
 
 
-def exhaustive_search(ctx: SearchContext, incumbent: Candidate | None = None) -> Candidate | None:
-    """Exact search over every structure of the available devices (see module docstring)."""
+def exhaustive_search(
+    ctx: SearchContext, incumbent: Candidate | None = None, *, deadline: float | None = None
+) -> Candidate | None:
+    """Exact search over every structure of the available devices (see module docstring);
+    stops early at ``deadline`` (``time.perf_counter()`` value; then it is not exact).
+
+    Subsets are visited by their lower bound ``(B Σ(f+w) / Σ s_d) · weight`` and skipped once
+    it reaches the incumbent; a structure is skipped when :func:`structure_bound` (a valid
+    lower bound with all its groups active; a structure with an idle group is the smaller
+    structure without it, enumerated too) reaches the incumbent."""
     best = incumbent
     avail = [int(d) for d in ctx.available]
     batch = ctx.batch
+    num_layers = ctx.prefix.num_layers
+    speeds = ctx.state.speed_flops
+    subsets = []
     for size in range(len(avail), 0, -1):
         for subset in itertools.combinations(avail, size):
             sub = np.asarray(subset, dtype=np.int64)
             weight = ctx.weight(sub)
-            t_floor = batch * ctx.total_flops / float(np.sum(ctx.state.speed_flops[sub]))
-            if best is not None and t_floor * weight >= best.objective:
+            t_floor = batch * ctx.total_flops / float(np.sum(speeds[sub]))
+            subsets.append((t_floor * weight, -size, subset, weight, t_floor))
+    subsets.sort()
+    for floor, _, subset, weight, t_floor in subsets:
+        if best is not None and floor >= best.objective:
+            break
+        for blocks in set_partitions(subset):
+            if len(blocks) > batch or max(len(b) for b in blocks) > num_layers:
                 continue
-            for blocks in set_partitions(subset):
-                if len(blocks) > batch:
+            for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                if deadline is not None and best is not None and time.perf_counter() > deadline:
+                    return best
+                if best is not None and structure_bound(ctx, orders, weight) >= best.objective:
                     continue
-                for orders in itertools.product(*(itertools.permutations(b) for b in blocks)):
-                    best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
+                best = _solve_exhaustive_structure(ctx, orders, weight, t_floor, best)
     return best
 
 
@@ -506,11 +553,43 @@ def _solve_exhaustive_structure(
         # too many joint split combinations: let each group pick its split freely
         merged = [_merge(opts) for opts in per_group]
         return _solve_with_options(ctx, groups, merged, weight, best)
+    # lower bounds per combination, without solving it: the group time of the shares when
+    # every group may pick any of its splits (a relaxation), and the layer all-reduce with
+    # β_d = nic_d wherever some other group has no device on d's node (then some holder of
+    # d's layers is off-node: every group holds every layer), the intra-node bandwidth else
+    free = ShareProblem([_merge(opts) for opts in per_group], ctx.batch).solve()
+    if free is None:
+        return best
+    t_free = max(free.max_group_time_s, t_floor)
+    st = ctx.state
+    node_sets = [{int(st.node[d]) for d in o} for o in orders]
+    count = len(groups)
+    scale = 2.0 * (count - 1) / count
+    lat_s = 2.0 * (count - 1) * st.latency_s
+    sync_floor = []
+    for g, opts_g in enumerate(per_group):
+        devs = groups[g]
+        beta = np.array([
+            st.intra_node_bytes_per_s
+            if all(int(st.node[d]) in ns for h, ns in enumerate(node_sets) if h != g)
+            else float(st.nic_bytes_per_s[d])
+            for d in devs
+        ])  # fmt: skip
+        floors = []
+        for o in opts_g:
+            b = o.bounds[0]
+            theta = ctx.prefix.param_bytes[b[1:]] - ctx.prefix.param_bytes[b[:-1]]
+            floors.append(lat_s + scale * float(np.max(theta / beta)))
+        sync_floor.append(floors)
     for combo in itertools.product(*(range(s) for s in sizes)):
+        if best is not None:
+            floor = t_free + max(sync_floor[g][p] for g, p in enumerate(combo))
+            if floor * weight >= best.objective:
+                continue
         opts = [per_group[g][p] for g, p in enumerate(combo)]
         bounds = [o.bounds[0] for o in opts]
         sync = ctx.sync_time_s(groups, bounds)
-        if best is not None and (t_floor + sync) * weight >= best.objective:
+        if best is not None and (t_free + sync) * weight >= best.objective:
             continue
         sol = ShareProblem(opts, ctx.batch).solve()
         if sol is None:
@@ -753,6 +832,10 @@ def solve_structure(
                 m for o in old_mus for m in (max(1, o // 2), o - 1, o, o + 1, 2 * o)
                 if 1 <= m <= ctx.batch
             }  # fmt: skip
+        elif ctx.batch <= MU_EVERY_MAX_BATCH:
+            # small batches: every μ, so that shares and μ are solved jointly (a group's
+            # options span every μ and the share solver picks, per share, the best)
+            mus = set(ctx.mu_candidates(every=True))
         else:
             mus = set(ctx.mu_candidates(cap)) | old_mus
         mu_lists.append(sorted(mus))
@@ -784,6 +867,12 @@ def solve_structure(
             ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
+            # small shares: the neighbouring shares in one micro-batch or in n (the shares
+            # were solved with the first μ candidates, and a share one sample larger may want
+            # its own μ; for large shares one sample matters little). Pipelines only when
+            # B <= 64: each μ costs them an envelope DP (planning time at 16 devices)
+            if b <= NEIGHBOUR_MU_MAX_SHARE and (len(devs) == 1 or ctx.batch <= 64):
+                extra[i].update(m for b2 in (b - 1, b + 1) if b2 >= 1 for m in (b2, -(-b2 // n)))
         new_opts = list(opts)
         for i, more in extra.items():
             have = set(opts[i].microbatch_size.tolist())
@@ -822,7 +911,8 @@ def fixed_split_options(
         flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
         compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
         compute = compute + st.kappa_s[devs][:, None, :]
-        compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
+        if np.any(st.layer_overhead_s[devs]):
+            compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
         fill = compute.sum(axis=2)
         worst = compute.max(axis=2)
         if k > 1:
@@ -1167,6 +1257,71 @@ def mixed_depth_search(
     if best is None or current.objective < best.objective:
         return current
     return best
+
+
+def polish_splits(
+    ctx: SearchContext, cand: Candidate | None, *, max_evals: int = 256
+) -> Candidate | None:
+    """Re-choose each active group's stages by the **iteration time**, sync included, with
+    its devices, ``μ`` and share fixed (issue 12: splits with the same group time can differ
+    in the parameter bytes each device all-reduces; a split with a slightly longer group time
+    can save more sync than it costs).
+
+    One pass of coordinate descent over the groups: for group g every split (all of them
+    when there are at most :data:`ALL_SPLITS_MAX`, else the envelope splits of its ``μ``)
+    that fits its micro-batches, in increasing group time ``T_g``, is scored as
+    ``max(max_{h≠g} T_h, T_g) + T_sync`` (SPEC §3, :func:`sync_times_s`) until that group
+    time alone reaches the current iteration time (``T_sync ≥ 0``) or ``max_evals`` sync
+    evaluations in all. Returns ``cand`` unchanged when nothing is better, and on structures
+    of more than :data:`POLISH_SPLITS_MAX_GROUPS` groups (each sync evaluation costs
+    ``O(L G')``); the objective is rescaled (the devices, hence the weight, are unchanged)."""
+    if (
+        cand is None
+        or (len(cand.groups) < 2 and not ctx.prefix.has_shared)
+        or len(cand.groups) > POLISH_SPLITS_MAX_GROUPS
+    ):
+        return cand
+    st, pre, cfg = ctx.state, ctx.prefix, ctx.config
+    groups = [np.asarray(g, dtype=np.int64) for g in cand.groups]
+    bounds = [np.asarray(b, dtype=np.int64) for b in cand.bounds]
+    times = []
+    for devs, b, mu, share in zip(groups, bounds, cand.microbatch_sizes, cand.shares,
+                                  strict=True):  # fmt: skip
+        t = split_table(st, pre, devs, b[None, :], mu, cfg.optimizer_state_factor, cfg.schedule)
+        times.append(float(t.fill_s[0] + (-(-share // mu) - 1) * t.bottleneck_s[0]))
+    current = max(times) + ctx.sync_time_s(groups, bounds)
+    evals = 0
+    for g, devs in enumerate(groups):
+        k = len(devs)
+        mu, share = int(cand.microbatch_sizes[g]), int(cand.shares[g])
+        n = -(-share // mu)
+        if count_splits(pre.num_layers, k) <= ALL_SPLITS_MAX:
+            options = enumerate_splits(pre.num_layers, k)
+        else:
+            options = ctx.envelope_options(devs, [mu]).bounds
+        if len(options) <= 1:
+            continue
+        table = split_table(st, pre, devs, options, mu, cfg.optimizer_state_factor, cfg.schedule)
+        t_g = np.where(table.max_microbatches >= n,
+                       table.fill_s + (n - 1) * table.bottleneck_s, np.inf)  # fmt: skip
+        others = max((times[h] for h in range(len(groups)) if h != g), default=0.0)
+        for p in np.argsort(t_g, kind="stable"):
+            t_groups = max(others, float(t_g[p]))
+            if not np.isfinite(t_g[p]) or t_groups >= current or evals >= max_evals:
+                break
+            if np.array_equal(options[p], bounds[g]):
+                continue
+            evals += 1
+            trial = [*bounds[:g], options[p], *bounds[g + 1 :]]
+            total = t_groups + ctx.sync_time_s(groups, trial)
+            if total < current * (1 - 1e-12):
+                current, bounds, times[g] = total, trial, float(t_g[p])
+    if current >= cand.iteration_time_s * (1 - 1e-12):
+        return cand
+    return Candidate(
+        cand.objective * current / cand.iteration_time_s, current, list(groups), bounds,
+        list(cand.microbatch_sizes), list(cand.shares),
+    )  # fmt: skip
 
 
 def candidate_to_plan(ctx: SearchContext, cand: Candidate) -> Plan:
