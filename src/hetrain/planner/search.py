@@ -141,11 +141,7 @@ class SearchContext:
     def signature(self, devices: np.ndarray) -> tuple:
         """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
         s = self.state
-        per = tuple(
-            (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
-             float(s.layer_overhead_s[d]))
-            for d in devices
-        )  # fmt: skip
+        per = tuple(self._device_key(int(d), False) for d in devices)
         links = (
             tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
             if len(devices) > 1
@@ -158,21 +154,33 @@ class SearchContext:
         significant digits: groups that differ by measurement noise share their *splits*
         (their times are still computed exactly)."""
         s = self.state
-        per = tuple(
-            (
-                int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
-                float(f"{s.kappa_s[d]:.3g}"),
-                float(f"{s.memory_bytes[d]:.3g}"),
-                float(f"{s.layer_overhead_s[d]:.3g}"),
-            )
-            for d in devices
-        )
+        per = tuple(self._device_key(int(d), True) for d in devices)
         links = (
             tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
             if len(devices) > 1
             else ()
         )
         return per, links
+
+    def _device_key(self, d: int, approx: bool) -> tuple:
+        """One device's part of :meth:`signature` (``approx``: of :meth:`approx_signature`),
+        cached per device."""
+        key = ("device", d, approx)
+        out = self.option_cache.get(key)
+        if out is None:
+            s = self.state
+            if approx:
+                out = (
+                    int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
+                    float(f"{s.kappa_s[d]:.3g}"),
+                    float(f"{s.memory_bytes[d]:.3g}"),
+                    float(f"{s.layer_overhead_s[d]:.3g}"),
+                )
+            else:
+                out = (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
+                       float(s.layer_overhead_s[d]))  # fmt: skip
+            self.option_cache[key] = out
+        return out
 
     def rate_bound(self, devices: tuple[int, ...]) -> float:
         """An upper bound on the samples per second of the ordered group ``devices`` over
@@ -861,8 +869,9 @@ def solve_structure(
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
             # small shares: the neighbouring shares in one micro-batch or in n (the shares
             # were solved with the first μ candidates, and a share one sample larger may want
-            # its own μ; for large shares one sample matters little)
-            if b <= NEIGHBOUR_MU_MAX_SHARE:
+            # its own μ; for large shares one sample matters little). Pipelines only when
+            # B <= 64: each μ costs them an envelope DP (planning time at 16 devices)
+            if b <= NEIGHBOUR_MU_MAX_SHARE and (len(devs) == 1 or ctx.batch <= 64):
                 extra[i].update(m for b2 in (b - 1, b + 1) if b2 >= 1 for m in (b2, -(-b2 // n)))
         new_opts = list(opts)
         for i, more in extra.items():
