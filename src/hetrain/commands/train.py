@@ -194,8 +194,10 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
     if report and job.metrics_out and job.run_dir:
         from hetrain.report.run_report import write_report
 
-        files = write_report(job.metrics_out, job.run_dir)["files"]
+        written = write_report(job.metrics_out, job.run_dir)
+        files = written["files"]
         summary["report_files"] = files
+        summary["dp_even"] = written.get("dp_even")
     if json_out:
         print(json.dumps(summary, default=str))
         return
@@ -204,6 +206,10 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
         f"trained {summary['steps']} steps on {len(job.devices)} ranks in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
     )
+    if summary.get("dp_even"):
+        from hetrain.report.run_report import comparison_line
+
+        print(comparison_line(summary["dp_even"]))
     print(f"quality: {summary['quality']}")
     print(f"metrics: {job.metrics_out}; model state_dict: {summary.get('model_path')}")
     if files:

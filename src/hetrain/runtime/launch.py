@@ -16,6 +16,7 @@ Gloo on CPU, NCCL when CUDA is present (each local rank takes GPU ``LOCAL_RANK``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -64,6 +65,24 @@ def launch(
     """
     if nnodes == 1 and nproc_per_node == 1:
         return _run_in_process(job)
+    controller = None
+    if job.adaptive and job.controller_endpoint is None:
+        # the controller runs here, in the launching process, beside the store it hosts;
+        # rank 0 posts each step's measurements and reads its decisions (hetrain.runtime.adapt)
+        from hetrain.runtime.adapt import ControllerThread
+
+        controller = ControllerThread().start()
+        job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
+    try:
+        return _launch(
+            job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s
+        )
+    finally:
+        if controller is not None:
+            controller.close()
+
+
+def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,22 +34,18 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.cluster import ClusterSpec, ClusterState, cluster_from_dict
+from hetrain.costmodel import TrainingConfig
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.profile import ProfileArrays
+from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.adapt import (
-    Adapter,
-    complete_plan,
-    even_dp_plan,
-    predict_iteration_time_s,
-    propose_plan,
-)
+from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
 from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-FIRST_PLAN_MIN_GAIN = 0.3  # relative predicted gain over even shares needed for the first plan
+CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
 
 
 @dataclass
@@ -75,6 +72,9 @@ class TrainJob:
         progress: show a rich progress bar on rank 0.
         hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
             :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
+        controller_endpoint: ``host:port`` of the controller's store
+            (:class:`~hetrain.runtime.adapt.ControllerThread` of the launching process); None
+            under ``torchrun``: rank 0 then starts the controller process itself.
     """
 
     task: Task
@@ -108,6 +108,7 @@ class TrainJob:
     timeline_steps: int = 1
     example: str | None = None
     hang_timeout_s: float | None = None
+    controller_endpoint: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,45 +133,9 @@ def lr_multiplier(job: TrainJob):
     return factor
 
 
-def profile_chain(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
-    """SPEC §2 per-sample profile of a chain: forward FLOPs ``f_l`` of each child counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on ``sample`` (divided by its rows), ``w_l =
-    2 f_l``, output bytes ``a_l``, parameter bytes ``p_l``. Layers without matmuls (embeddings,
-    norms) count as 1% of the mean layer so that no stage is free."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    n = sample.shape[0]
-    fwd, act, params = [], [], []
-    x = sample
-    with torch.no_grad():
-        for layer in model:
-            counter = FlopCounterMode(display=False)
-            with counter:
-                y = layer(x)
-            fwd.append(counter.get_total_flops() / n)
-            act.append(y.numel() * y.element_size() / n)
-            params.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
-            x = y
-    f = np.array(fwd, dtype=float)
-    f = np.maximum(f, 0.01 * max(f.mean(), 1.0))
-    a = np.array(act, dtype=float)
-    return ProfileArrays(
-        names=tuple(f"layer{i}" for i in range(len(f))),
-        fwd_flops=f,
-        bwd_flops=2 * f,
-        activation_bytes=a,
-        activation_memory_bytes=a,
-        param_bytes=np.array(params, dtype=float),
-    )
-
-
 def _profile(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
-    """The model profile from ``hetrain.profiler.profile_chain`` (FLOPs, saved-activation
-    bytes), or :func:`profile_chain` here when the profiler is not available."""
-    try:
-        from hetrain.profiler import profile_chain as measured_profile
-    except ImportError:
-        return profile_chain(model, sample)
+    """The model profile from :func:`hetrain.profiler.profile_chain` (FLOPs, saved-activation
+    bytes)."""
     return measured_profile(model, sample).arrays()
 
 
@@ -266,11 +231,7 @@ def local_cluster_spec(devices: list[str]) -> ClusterSpec:
     )
 
 
-def _training_config(job: TrainJob):
-    try:
-        from hetrain.costmodel import TrainingConfig
-    except ImportError:
-        return None
+def _training_config(job: TrainJob) -> TrainingConfig:
     o = 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
     # this engine overlaps each gradient bucket's all-reduce with the last backward
     # (GradientSync; Worker's default bucket cap is TrainingConfig's default, 64 MiB): the
@@ -283,64 +244,56 @@ def _training_config(job: TrainJob):
     )
 
 
-def _make_policy(job: TrainJob, profile: ProfileArrays, config):
-    """The Lyapunov controller when ``hetrain.control.make_policy`` exists, else None."""
-    if config is None:
-        return None
-    try:
-        from hetrain.control import make_policy
-    except ImportError:
-        return None
-    # measured speeds are noisy (shared CPUs, ±20 % from step to step): a switch must win by
-    # 20 % over 20 steps, and a new structure search (0.3-0.6 s of Python in rank 0's planner
-    # thread, which holds the GIL against rank 0's training loop) runs only when the current
-    # plan's predicted T/T_LB drifted by 25 % (shares are re-balanced every step regardless)
-    return make_policy(
-        "lyapunov",
-        profile,
-        config,
-        switch_margin=0.2,
-        horizon_slots=20.0,
-        replan_every=100,
-        drift_tolerance=0.25,
-    )
-
-
 def _measure_device(
-    task: Task, model: nn.Module, dtype, flops_per_sample: float, batch: int, factor: float
+    task: Task,
+    model: nn.Module,
+    dtype,
+    flops_per_sample: float,
+    indices: np.ndarray,
+    factor: float,
+    repeats: int = CALIBRATION_REPEATS,
 ) -> tuple[float, float]:
-    """Speed ``s`` (FLOP/s) and per-micro-batch overhead ``κ`` (s) of this rank: forward +
-    backward of the whole model on micro-batches of 1, 4 and 16 samples (at most ``batch``;
-    median of 3 each), emulated ``factor`` applied by sleeping ``(factor - 1)`` x the measured time
-    (SPEC §5), fitted to ``t = μ F / s + κ`` (SPEC §3) by ``hetrain.calibration`` when present,
-    else the two-point line."""
+    """Speed ``s`` (FLOP/s) and per-micro-batch overhead ``κ`` (s) of this rank (collective:
+    every rank calls it).
+
+    Forward + backward of the whole model on micro-batches of 1, 4 and 16 samples (at most the
+    global batch), taken from ``indices`` (the sampler's first global batch, so a data set
+    smaller than the batch wraps as in training). Every measurement starts after a barrier, so
+    all ranks compute at once, as they do in training (a rank measured while the others wait
+    would see the machine to itself); each size is measured ``repeats`` times and summarised by
+    the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the measured
+    time (SPEC §5). Fitted to ``t = μ F / s + κ`` (SPEC §3) by
+    :func:`hetrain.calibration.fit_speed_kappa`; ``κ`` is capped at half the smallest
+    micro-batch's time (noise guard), else the speed comes from the largest micro-batch."""
+    from hetrain.calibration import fit_speed_kappa
+
+    batch = len(indices)
     sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
-    times = []
+    samples: dict[int, list[float]] = {mu: [] for mu in sizes}
+    inputs = {}
     for mu in sizes:
-        x, y = task.train.batch(np.arange(mu))
-        x = cast_inputs(x, dtype)
-        reps = []
-        for _ in range(3):
+        x, y = task.train.batch(np.asarray(indices[:mu]))
+        inputs[mu] = (cast_inputs(x, dtype), y)
+    for _ in range(repeats):
+        for mu in sizes:
+            x, y = inputs[mu]
+            dist.barrier()
             t0 = time.perf_counter()
             task.loss_fn(model(x), y).backward()
             dt = time.perf_counter() - t0
             time.sleep((factor - 1.0) * dt)
-            reps.append(dt * factor)
-        times.append(float(np.median(reps)))
+            samples[mu].append(dt * factor)
     model.zero_grad(set_to_none=True)
+    times = [float(np.median(samples[mu])) for mu in sizes]
     if len(sizes) == 1:
         return flops_per_sample / times[0], 0.0
-    # κ must not exceed what the smallest micro-batch took (noise guard)
     cap = 0.5 * times[0]
     try:
-        from hetrain.calibration import fit_speed_kappa
-
         fit = fit_speed_kappa(sizes, flops_per_sample, times)
         if fit.kappa_s <= cap:
             return float(fit.speed_flops), float(fit.kappa_s)
-    except (ImportError, ValueError):
+    except ValueError:
         pass
-    # fallback: κ = cap at most, speed from the largest micro-batch
     kappa = min(cap, max(times[0] - (times[-1] - times[0]) / (sizes[-1] - sizes[0]), 0.0))
     return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa
 
@@ -403,24 +356,29 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         )
     start_step = resume.step if resume is not None else 0
 
-    # ---- first plan -----------------------------------------------------------------------
+    # ---- first plan ----------------------------------------------------------------------
+    # the given plan, else the checkpoint's (same devices and batch), else even data
+    # parallelism; the controller (in its own process) improves it from measured steps
     profile = None
-    adapter = None
     config = _training_config(job)
     if job.adaptive or job.plan is None:
-        x0, _ = job.task.train.batch(np.arange(2))
+        x0, _ = job.task.train.batch(sampler.indices(0)[:2])
         profile = _profile(model, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
-    if plan is None and resume is not None and set(resume.plan.devices) == set(job.devices):
+    if (
+        plan is None
+        and resume is not None
+        and set(resume.plan.devices) == set(job.devices)
+        and resume.plan.global_batch == job.batch
+    ):
         plan = resume.plan
-    if plan is None or job.adaptive:
+    if job.adaptive:
         # measured speeds and per-micro-batch overheads κ of the local ranks (emulation of the
-        # first slot applied); also with a given plan when adapting, else the controller would
-        # plan with placeholder speeds and κ = 0 (free micro-batches: tiny μ, long pipelines)
+        # first slot applied), all ranks busy at once (see _measure_device)
         factor = emu.factors(start_step)[device_id]
         flops_per_sample = float(profile.train_flops.sum())
         mine = _measure_device(
-            job.task, model.to(dtype), dtype, flops_per_sample, job.batch, factor
+            job.task, model.to(dtype), dtype, flops_per_sample, sampler.indices(0), factor
         )
         gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
@@ -430,35 +388,32 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     else:
         base_state = _base_state(job, None)
     if plan is None:
-        if lead:
-            first = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
-            if job.adaptive and world > 1:
-                # the planner's first plan only when it beats even shares clearly (the start-up
-                # measurements are taken while all ranks compete for the same cores)
-                cand, _ = propose_plan(base_state, profile, first, config=config)
-                cand = complete_plan(cand, job.devices, num_layers)
-                t_even = predict_iteration_time_s(first, base_state, profile, config)
-                t_cand = predict_iteration_time_s(cand, base_state, profile, config)
-                if t_cand < (1.0 - FIRST_PLAN_MIN_GAIN) * t_even:
-                    first = cand
-            # after a restart on other devices (elastic), the new plan gets the next id
-            first_id = int(resume.plan.plan_id or 0) + 1 if resume is not None else 0
-            first = first.model_copy(update={"plan_id": first_id})
-            payload = [first.to_json_dict()]
-        else:
-            payload = [None]
-        dist.broadcast_object_list(payload, src=0)
-        plan = plan_from_dict(payload[0], "<first plan>")
+        plan = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
+        # after a restart on other devices (elastic) or batch, the plan gets the next id
+        first_id = int(resume.plan.plan_id or 0) + 1 if resume is not None else 0
+        plan = plan.model_copy(update={"plan_id": first_id})
     if plan.plan_id is None:
         plan = plan.model_copy(update={"plan_id": 0})
+    link: ControllerLink | None = None
+    controller_proc = None
     if lead and job.adaptive:
-        adapter = Adapter(
-            base_state=base_state,
-            profile=profile,
-            steps=job.steps,
-            config=config,
-            policy=_make_policy(job, profile, config),
-            optimizer_state_factor=2.0 if job.optimizer == "adamw" else 1.0,
+        endpoint = job.controller_endpoint
+        if endpoint is None:  # under torchrun: no launcher of ours, start the controller here
+            controller_proc, endpoint = spawn_controller_process()
+        link = ControllerLink(endpoint)
+        link.start_round(
+            {
+                "base_state": base_state,
+                "profile": profile,
+                "config": config,
+                "plan": plan,
+                "steps": job.steps,
+                "start_step": start_step,
+                "optimizer_state_factor": 2.0 if job.optimizer == "adamw" else 1.0,
+                "checkpoint_dir": job.checkpoint_dir,
+                "checkpoint_every": job.checkpoint_every,
+                "log_path": _controller_log_path(job),
+            }
         )
 
     spec = OptimizerSpec(
@@ -506,9 +461,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         )
 
     progress = _Progress(job.steps, start_step) if (lead and job.progress) else None
-    next_plan_id = int(plan.plan_id) + 1
     replans = 0
-    adapt_time_s = 0.0  # rank 0's time in the adapter (estimates + planner), all steps
+    adapt_time_s = 0.0  # rank 0's time talking to the controller (post + poll), all steps
     timelines: list[dict[str, Any]] = []
     last_loss = float("nan")
     step_times: list[float] = []
@@ -563,45 +517,45 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 )
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
-                if adapter is not None and step + 1 < job.steps:
+                if link is not None and step + 1 < job.steps:
                     t_adapt = time.perf_counter()
-                    adapter.observe(
-                        plan, {d: r[0] for d, r in zip(job.devices, table, strict=True)}
+                    link.post(
+                        step,
+                        {
+                            "plan_id": plan.plan_id,
+                            "iteration_time_s": iteration_time_s,
+                            "compute_time_s": {
+                                d: r[0] for d, r in zip(job.devices, table, strict=True)
+                            },
+                            "send_recv_time_s": {
+                                d: r[2] for d, r in zip(job.devices, table, strict=True)
+                            },
+                            "sync_time_s": {
+                                d: r[3] for d, r in zip(job.devices, table, strict=True)
+                            },
+                        },
                     )
-                    decision = adapter.decide(step + 1, plan)
+                    decision = link.poll(int(plan.plan_id))
                     adapt_time_s += time.perf_counter() - t_adapt
             if job.adaptive and world > 1:
-                # a one-element flag every step; the plan object only when it changed
+                # a one-element flag every step; the plan object only when it changed: every
+                # rank switches at the same step
                 flag = torch.tensor([1 if (lead and decision is not None) else 0])
                 dist.broadcast(flag, src=0)
                 box = [None]
                 if int(flag.item()):
                     if lead:
-                        new = decision.plan.model_copy(update={"plan_id": next_plan_id})
-                        box = [new.to_json_dict()]
+                        box = [decision.plan.to_json_dict()]
                     dist.broadcast_object_list(box, src=0)
                 if box[0] is not None:
                     new_plan = plan_from_dict(box[0], "<re-plan>")
                     migration = worker.apply_plan(new_plan)
                     if lead:
-                        metrics.write(
-                            "replan",
-                            step + 1,
-                            plan_id=new_plan.plan_id,
-                            old_plan_id=plan.plan_id,
-                            reason=decision.reason,
-                            current_time_s=decision.current_time_s,
-                            predicted_time_s=decision.predicted_time_s,
-                            migration_estimate_s=decision.migration_time_s,
-                            migration_time_s=migration.time_s,
-                            structure_changed=decision.structure_changed,
-                            shares=[g.batch for g in new_plan.groups],
-                        )
+                        _report_replan(metrics, progress, decision, step + 1, plan, migration)
                         metrics.write(
                             "plan", step + 1, plan_id=new_plan.plan_id, plan=new_plan.to_json_dict()
                         )
                     plan = new_plan
-                    next_plan_id += 1
                     replans += 1
             if (
                 job.checkpoint_dir
@@ -631,6 +585,13 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             watchdog.stop()
         if progress is not None:
             progress.close()
+        if link is not None:
+            link.close()
+        if controller_proc is not None:
+            try:
+                controller_proc.wait(timeout=10)
+            except Exception:
+                controller_proc.kill()
 
     # ---- end: gather, evaluate, export ---------------------------------------------------------
     full = worker.full_state_dict()
@@ -666,6 +627,33 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+def _controller_log_path(job: TrainJob) -> str | None:
+    """The controller's per-step predictions (JSONL): ``controller.jsonl`` beside the
+    metrics."""
+    if job.metrics_out:
+        return str(Path(job.metrics_out).with_name("controller.jsonl"))
+    if job.run_dir:
+        return str(Path(job.run_dir) / "controller.jsonl")
+    return None
+
+
+def _report_replan(metrics, progress, decision: Decision, step: int, old: Plan, migration) -> None:
+    """Rank 0: the ``replan`` metrics record and one console line (step, why, shares before
+    and after, predicted iteration time before and after)."""
+    metrics.write(
+        "replan",
+        step,
+        old_plan_id=old.plan_id,
+        migration_time_s=migration.time_s,
+        **decision.to_json_dict(),
+    )
+    line = "hetrain: " + decision.console_line(step)
+    if progress is not None:
+        progress.print(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _base_state(
@@ -712,6 +700,10 @@ class _Progress:
 
     def update(self, step: int, loss: float, it: float, plan_id: int | None) -> None:
         self._p.update(self._task, completed=step + 1, loss=loss, it=it, plan=plan_id)
+
+    def print(self, line: str) -> None:
+        """A line above the bar."""
+        self._p.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         self._p.stop()
