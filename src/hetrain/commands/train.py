@@ -202,8 +202,18 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
         print(json.dumps(summary, default=str))
         return
     wall = summary.get("launch_wall_time_s", summary.get("wall_time_s", 0.0))
+    trained = summary.get("trained_steps", summary["steps"])
+    start = summary.get("start_step", 0)
+    span = f"steps {start}-{summary['steps'] - 1}, " if start else ""
+    ranks = len(job.devices)
     print(
-        f"trained {summary['steps']} steps on {len(job.devices)} ranks in {wall:.1f}s; "
+        f"trained {trained} steps ({span}resumed from step {start}) "
+        if start
+        else f"trained {trained} steps ",
+        end="",
+    )
+    print(
+        f"on {ranks} rank{'s' if ranks != 1 else ''} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
     )
     if summary.get("dp_even"):

@@ -443,6 +443,7 @@ def train(
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
+    max_restarts = int(options.pop("max_restarts", 0))
     job = build_job(
         task,
         workers=workers,
@@ -454,7 +455,7 @@ def train(
         run_dir=run_dir,
         **options,
     )
-    summary = run_job(job)
+    summary = run_job(job, max_restarts=max_restarts)
     if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
         state = torch.load(summary["model_path"], weights_only=True)
         model.load_state_dict(

@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,75 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+RANK_ERRORS_FILE = "rank_errors.jsonl"
+"""Every failed rank's full traceback, one JSON line each, in the run directory."""
+
+
+def _errors_path(job: TrainJob) -> Path | None:
+    return Path(job.run_dir) / RANK_ERRORS_FILE if job.run_dir else None
+
+
 def _entry(job: TrainJob) -> dict[str, Any] | None:
     # forked from a process that has used torch: OpenMP's thread pool does not survive fork
     # (a parallel region in the child can hang), so forked ranks compute with one thread
-    return run_worker(job, num_threads=1)
+    try:
+        return run_worker(job, num_threads=1)
+    except BaseException as exc:
+        record_rank_error(job, exc)
+        raise
+
+
+def record_rank_error(job: TrainJob, exc: BaseException) -> None:
+    """Append this rank's failure (time, rank, device, layer being computed, one-line error,
+    full traceback) to ``{run_dir}/rank_errors.jsonl`` (one ``write`` of one line: lines of
+    concurrent ranks do not interleave)."""
+    import traceback
+
+    from hetrain.runtime.worker_main import current_layer
+
+    path = _errors_path(job)
+    if path is None:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    record = {
+        "time_s": time.time(),
+        "rank": rank,
+        "device": job.devices[rank] if rank < len(job.devices) else None,
+        "layer": current_layer(),
+        "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:1000],
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def first_failure(path: Path, since_s: float = 0.0) -> str | None:
+    """The one line of the root cause among the recorded rank failures: the earliest failure
+    that is not a lost connection to a peer (the others are its consequences), else the
+    earliest; ``rank R (device), layer L (Class): Error: message``. None without records."""
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if float(row.get("time_s", 0.0)) >= since_s:
+            rows.append(row)
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r["time_s"])
+    own = [r for r in rows if not any(c in r["error"].lower() for c in _CONSEQUENCES)]
+    row = (own or rows)[0]
+    where = f"rank {row['rank']} ({row['device']})"
+    if row.get("layer"):
+        where += f", layer {row['layer']}"
+    return f"{where}: {row['error']} (tracebacks of all ranks: {path})"
 
 
 def launch(
@@ -105,10 +171,24 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     # round's gloo addresses and fail with "connectFullMesh ... Connection refused", so
     # --max-restarts never recovered (issue 6; see docs/reliability.md).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    import logging
+
+    started = time.time()
+    # the elastic agent logs a multi-line report of every failed child; the root cause is
+    # reported below in one line (rank_errors.jsonl keeps every traceback)
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
-        raise LaunchError(_root_cause(exc)) from None
+        path = _errors_path(job)
+        line = first_failure(path, started) if path is not None else None
+        raise LaunchError(line or _root_cause(exc)) from None
+    finally:
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
     return results.get(0)
 
 

@@ -344,6 +344,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     model = job.task.build_model()
     num_layers = len(model)
     fingerprint = ckpt.model_fingerprint(model)
+    _track_layers(model)
     sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed)
     emu = EmulationSchedule(job)
 
@@ -355,6 +356,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             f"model's {fingerprint}"
         )
     start_step = resume.step if resume is not None else 0
+    if resume is not None:
+        # the data position is kept in samples: a run resumed with another global batch
+        # continues where the checkpoint stopped (no sample skipped or repeated)
+        offset = int(resume.data_position) - start_step * job.batch
+        sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed, offset=offset)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
     # ---- first plan ----------------------------------------------------------------------
     # the given plan, else the checkpoint's (same devices and batch), else even data
@@ -435,21 +442,52 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         grad_clip_norm=job.grad_clip_norm,
         autocast_bf16=job.bf16,
     )
-    metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
+    metrics = MetricsWriter(
+        job.metrics_out if lead else None, append=resume is not None or restart_count > 0
+    )
+    resumed: dict[str, Any] | None = None
     if resume is not None:
         state = ckpt.restore(resume, set(worker.owned_layers))
         worker.load_layer_state_dict(state)
-        if lead:
-            before = [str(d) for d in resume.manifest.get("devices") or []]
-            metrics.write(
-                "restart",
-                start_step,
-                path=str(resume.path),
-                plan_id=plan.plan_id,
-                devices=list(job.devices),
-                lost_devices=sorted(set(before) - set(job.devices)),
-                joined_devices=sorted(set(job.devices) - set(before)) if before else [],
-            )
+        before = [str(d) for d in resume.manifest.get("devices") or []]
+        resumed = {
+            "step": start_step,
+            "path": str(resume.path),
+            "devices": list(job.devices),
+            "checkpoint_devices": before,
+            "checkpoint_batch": resume.plan.global_batch,
+            "data_position": int(resume.data_position),
+        }
+    if lead and (resume is not None or restart_count > 0):
+        # every restart of the ranks (--max-restarts, elastic rounds) and every resumed run is
+        # recorded, also before the first checkpoint (then from step 0, path None)
+        before = resumed["checkpoint_devices"] if resumed else []
+        metrics.write(
+            "restart",
+            start_step,
+            path=resumed["path"] if resumed else None,
+            restart_count=restart_count,
+            plan_id=plan.plan_id,
+            devices=list(job.devices),
+            lost_devices=sorted(set(before) - set(job.devices)),
+            joined_devices=sorted(set(job.devices) - set(before)) if before else [],
+            batch=job.batch,
+            checkpoint_batch=resumed["checkpoint_batch"] if resumed else None,
+            data_position=sampler.position(start_step),
+        )
+        what = (
+            f"resumed from step {start_step} of {resumed['path']} "
+            f"(global batch {resumed['checkpoint_batch']} -> {job.batch}, data position "
+            f"{resumed['data_position']} samples)"
+            if resumed
+            else "restarted from step 0 (no checkpoint yet)"
+        )
+        print(
+            f"hetrain: {what} on {len(job.devices)} devices ({', '.join(job.devices)})"
+            + (f"; restart {restart_count}" if restart_count else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     if lead:
         metrics.write(
             "plan",
@@ -613,6 +651,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     summary = {
         "steps": job.steps,
         "start_step": start_step,
+        "trained_steps": job.steps - start_step,
+        "resumed": resumed,
+        "restarts": restart_count,
         "final_loss": last_loss,
         "metrics": quality,
         "quality": job.task.quality_line(quality),
@@ -627,6 +668,33 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+_CURRENT_LAYER: list[str | None] = [None]
+
+
+def current_layer() -> str | None:
+    """``"L (Class)"`` of the layer whose forward this rank is in (set by hooks of
+    :func:`_track_layers`; stays set when that forward raised), else None."""
+    return _CURRENT_LAYER[0]
+
+
+def _track_layers(model: nn.Module) -> None:
+    """Forward hooks on each layer of the chain that record which one is running, so that a
+    rank's failure names its layer (``rank 1 (w1), layer 3 (Linear): ...``)."""
+    if not isinstance(model, nn.Sequential):
+        return
+    for i, layer in enumerate(model):
+        label = f"{i} ({type(layer).__name__})"
+
+        def enter(_m, _args, label=label):
+            _CURRENT_LAYER[0] = label
+
+        def leave(_m, _args, _out):
+            _CURRENT_LAYER[0] = None
+
+        layer.register_forward_pre_hook(enter)
+        layer.register_forward_hook(leave)
 
 
 def _controller_log_path(job: TrainJob) -> str | None:
