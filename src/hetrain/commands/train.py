@@ -137,10 +137,16 @@ def run_train(
 
         rank, world = torchrun_world()
         devices = load_plan(plan).devices if plan is not None else [f"w{i}" for i in range(world)]
-        if plan is None and cluster is None and elastic_device_ids_given():
+        if elastic_device_ids_given():
             # elastic: one torchrun agent per device (hetrain.runtime.elastic); the devices of
-            # this round are the agents present, whatever joined or left since the last one
+            # this round are the agents present, whatever joined or left since the last one.
+            # --cluster is restricted to them; --plan is used while it names exactly them
+            # (else the round starts from even shares and the controller re-plans)
             devices = gather_device_ids(hang_timeout_s)
+            if cluster is not None:
+                options["cluster"] = _cluster_subset(cluster, devices)
+            if plan is not None and set(load_plan(plan).devices) != set(devices):
+                options["plan"] = None
         if len(devices) != world:
             raise InputError(
                 str(plan),
@@ -187,6 +193,24 @@ def run_train(
         summary["launch_wall_time_s"] = time.perf_counter() - t0
         _print_summary(summary, job, report, json_out)
     return 0
+
+
+def _cluster_subset(cluster: Path, devices: list[str]) -> dict:
+    """The cluster file restricted to ``devices`` (an elastic round's members).
+
+    Raises:
+        InputError: a member is not in the cluster file.
+    """
+    from hetrain.cluster import load_cluster
+
+    spec = load_cluster(cluster)
+    known = {d.id for d in spec.devices}
+    missing = [d for d in devices if d not in known]
+    if missing:
+        raise InputError(str(cluster), "devices", f"expected ids for {', '.join(missing)}")
+    raw = spec.model_dump(mode="json")
+    raw["devices"] = [d for d in raw["devices"] if d["id"] in set(devices)]
+    return raw
 
 
 def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -> None:

@@ -709,9 +709,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = _store(args.host, args.port, master=True)
     service = ControllerService(store)
 
+    parent = os.getppid()
+
     def watch() -> None:
+        # rank 0 posts done at the end; if it dies instead (its round failed), so does this
         while not service.stop.is_set():
-            if store.check([PREFIX + "done"]):
+            if store.check([PREFIX + "done"]) or os.getppid() != parent:
                 service.stop.set()
             time.sleep(0.1)
 
@@ -775,4 +778,8 @@ def _same_plan(a: Plan, b: Plan) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module's copy, so that pickled decisions name
+    # hetrain.runtime.adapt.Decision (not __main__.Decision) for rank 0 to read
+    from hetrain.runtime.adapt import main as _main
+
+    sys.exit(_main())

@@ -55,6 +55,8 @@ def _entry(job: TrainJob) -> dict[str, Any] | None:
     # (a parallel region in the child can hang), so forked ranks compute with one thread
     try:
         return run_worker(job, num_threads=1)
+    except SystemExit:  # a graceful stop (SIGTERM), not a failure
+        raise
     except BaseException as exc:
         record_rank_error(job, exc)
         raise

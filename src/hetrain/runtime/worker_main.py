@@ -41,10 +41,42 @@ from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
-from hetrain.runtime.metrics import MetricsWriter
+from hetrain.runtime.metrics import MetricsWriter, read_metrics
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+EXIT_STOPPED_BY_PEER = 75
+"""Exit status of a rank that stopped because another rank was asked to stop (EX_TEMPFAIL): its
+agent restarts it into the next round."""
+EXIT_STOPPED = 143
+"""Exit status of a rank that stopped after its own SIGTERM (128 + 15)."""
+STOP_GRACE_S = 5.0
+"""Seconds a rank asked to stop (SIGTERM) waits for its step to finish before it just exits."""
+
+
+class StopRequest:
+    """A SIGTERM received by this rank (a spot instance's warning, a scale-down, or the elastic
+    agent restarting the group because a device joins): the loop stops after the current step
+    with a checkpoint at a step every rank agrees on. When the step cannot finish (a peer is
+    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> StopRequest:
+        import signal
+        import threading
+
+        def on_term(signum, frame):  # noqa: ARG001
+            self.requested = True
+            timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
+            timer.daemon = True
+            timer.start()
+
+        signal.signal(signal.SIGTERM, on_term)
+        return self
+
+
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
 
 
@@ -396,9 +428,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         base_state = _base_state(job, None)
     if plan is None:
         plan = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
-        # after a restart on other devices (elastic) or batch, the plan gets the next id
-        first_id = int(resume.plan.plan_id or 0) + 1 if resume is not None else 0
-        plan = plan.model_copy(update={"plan_id": first_id})
+    if resume is not None or restart_count > 0:
+        # a new round (restart, resume, other devices or batch) runs a new plan id: one above
+        # every id used so far (the checkpoint's and, after it, the controller's re-plans)
+        box = [_max_plan_id(job, resume) + 1 if lead else None]
+        dist.broadcast_object_list(box, src=0)
+        plan = plan.model_copy(update={"plan_id": int(box[0])})
     if plan.plan_id is None:
         plan = plan.model_copy(update={"plan_id": 0})
     link: ControllerLink | None = None
@@ -462,6 +497,14 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         # every restart of the ranks (--max-restarts, elastic rounds) and every resumed run is
         # recorded, also before the first checkpoint (then from step 0, path None)
         before = resumed["checkpoint_devices"] if resumed else []
+        logged = [
+            int(e["step"])
+            for e in (
+                read_metrics(job.metrics_out) if Path(job.metrics_out or "").is_file() else []
+            )
+            if e.get("event") == "step"
+        ]
+        done_before = max(logged) + 1 if logged else 0
         metrics.write(
             "restart",
             start_step,
@@ -474,6 +517,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             batch=job.batch,
             checkpoint_batch=resumed["checkpoint_batch"] if resumed else None,
             data_position=sampler.position(start_step),
+            resumed_from_step=start_step,
+            steps_done_before=done_before,
+            redone_steps=max(done_before - start_step, 0),
         )
         what = (
             f"resumed from step {start_step} of {resumed['path']} "
@@ -505,6 +551,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     last_loss = float("nan")
     step_times: list[float] = []
     watchdog = Watchdog(job.hang_timeout_s, rank=rank) if job.hang_timeout_s else None
+    # under an elastic agent (torchrun, --max-restarts) SIGTERM asks for a graceful stop; until
+    # here it killed at once (nothing to save yet)
+    stop = StopRequest().install() if "TORCHELASTIC_RUN_ID" in os.environ else StopRequest()
+    stopped_code: int | None = None
     if watchdog is not None:
         watchdog.start()
     try:
@@ -520,12 +570,16 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     result.iteration_time_s,
                     result.send_recv_time_s,
                     result.sync_time_s,
+                    1.0 if stop.requested else 0.0,
                 ],
                 dtype=torch.float64,
             )
-            rows = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
+            # the step's measurements; they also carry each rank's stop request (SIGTERM), so
+            # every rank learns of one at the same step, without another collective
+            rows = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
+            stopping = any(r[4] > 0 for r in table)
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
             )
@@ -544,6 +598,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     loss=result.loss,
                     iteration_time_s=iteration_time_s,
                     plan_id=plan.plan_id,
+                    world_size=world,
                     global_batch=plan.global_batch,
                     shares=[g.batch for g in plan.groups],
                     lr=spec.lr_at(step),
@@ -555,7 +610,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 )
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
-                if link is not None and step + 1 < job.steps:
+                if link is not None and step + 1 < job.steps and not stopping:
                     t_adapt = time.perf_counter()
                     link.post(
                         step,
@@ -575,7 +630,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     )
                     decision = link.poll(int(plan.plan_id))
                     adapt_time_s += time.perf_counter() - t_adapt
-            if job.adaptive and world > 1:
+            if job.adaptive and world > 1 and not stopping:
                 # a one-element flag every step; the plan object only when it changed: every
                 # rank switches at the same step
                 flag = torch.tensor([1 if (lead and decision is not None) else 0])
@@ -595,10 +650,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                         )
                     plan = new_plan
                     replans += 1
-            if (
-                job.checkpoint_dir
-                and job.checkpoint_every > 0
-                and (step + 1) % job.checkpoint_every == 0
+            if job.checkpoint_dir and (
+                stopping or (job.checkpoint_every > 0 and (step + 1) % job.checkpoint_every == 0)
             ):
                 with watchdog.suspended() if watchdog is not None else nullcontext():
                     path = ckpt.save(
@@ -618,6 +671,14 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
+            if stopping:
+                # a graceful stop (spot warning, or the agents restarting the group for a
+                # device that joins): every rank checkpointed this same step; the next round
+                # resumes here without redoing a step
+                if lead:
+                    metrics.write("stop", step + 1, reason="SIGTERM", world_size=world)
+                stopped_code = EXIT_STOPPED if stop.requested else EXIT_STOPPED_BY_PEER
+                break
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -630,6 +691,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 controller_proc.wait(timeout=10)
             except Exception:
                 controller_proc.kill()
+    if stopped_code is not None:
+        metrics.close()
+        raise SystemExit(stopped_code)
 
     # ---- end: gather, evaluate, export ---------------------------------------------------------
     full = worker.full_state_dict()
@@ -668,6 +732,15 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+def _max_plan_id(job: TrainJob, resume) -> int:
+    """The highest plan id of the checkpoint and of the metrics file so far (-1: none)."""
+    ids = [int(resume.plan.plan_id or 0)] if resume is not None else [-1]
+    path = Path(job.metrics_out) if job.metrics_out else None
+    if path is not None and path.is_file():
+        ids += [int(e["plan_id"]) for e in read_metrics(path) if e.get("plan_id") is not None]
+    return max(ids)
 
 
 _CURRENT_LAYER: list[str | None] = [None]
