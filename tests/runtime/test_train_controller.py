@@ -182,7 +182,8 @@ def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     steps = [e for e in events if e["event"] == "step"]
     replans = [e for e in events if e["event"] == "replan"]
     for e in steps:
-        shares = {d: g["batch"] for g in plans[e["plan_id"]]["groups"] for d in g["devices"]}
+        shares = {d: 0 for d in ("w0", "w1", "w2", "w3")}
+        shares.update({d: g["batch"] for g in plans[e["plan_id"]]["groups"] for d in g["devices"]})
         if e["step"] < 50:
             used = [b for b in shares.values() if b > 0]
             assert max(used) <= 1.3 * min(used) and len(used) == 4, (e["step"], shares)
@@ -200,3 +201,10 @@ def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
             == set(plans[0]["groups"][0]["devices"]) | {"w1", "w2", "w3"}
         )
     assert "even data parallelism on the same measured speeds" in err.out
+    # a device the final plan leaves idle holds nothing and is sent nothing per step
+    timeline = [e for e in events if e["event"] == "timeline"][-1]
+    named = {d for g in timeline["plan"]["groups"] for d in g["devices"]}
+    for device, rank in zip(["w0", "w1", "w2", "w3"], timeline["ranks"], strict=True):
+        if device not in named:
+            assert rank["stage"] is None and rank["sync_bytes"] == 0, rank
+            assert rank["bytes_received"] == 0 and rank["compute_time_s"] == 0.0

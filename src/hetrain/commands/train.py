@@ -147,6 +147,8 @@ def run_train(
                 options["cluster"] = _cluster_subset(cluster, devices)
             if plan is not None and set(load_plan(plan).devices) != set(devices):
                 options["plan"] = None
+            if slowdown:  # factors of devices that are not in this round do not apply
+                options["slowdown"] = [s for s in slowdown if s.split("=", 1)[0] in devices]
         if len(devices) != world:
             raise InputError(
                 str(plan),

@@ -69,12 +69,13 @@ class SpeedEstimates:
     micro-batch costs ``μ c + κ``).
 
     A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
-    time (descheduled), which an EWMA carries into the next decisions; the median of 9 ignores
-    up to 4 such steps and follows a lasting change after 5 (docs/runtime.md).
+    time (descheduled) for several steps in a row, which an EWMA carries into the next
+    decisions; the median of 13 ignores up to 6 such steps and follows a lasting change after 7
+    (docs/training.md).
     """
 
     def __init__(
-        self, ids: Sequence[str], kappa_s: Sequence[float] | None = None, window: int = 9
+        self, ids: Sequence[str], kappa_s: Sequence[float] | None = None, window: int = 13
     ) -> None:
         self.ids = tuple(ids)
         self.kappa_s = dict(zip(self.ids, kappa_s or [0.0] * len(self.ids), strict=True))
@@ -207,9 +208,12 @@ class Decision:
         }
 
 
-def device_shares(plan: Plan) -> dict[str, int]:
-    """``{device: share of its group}`` in plan order."""
-    return {d: int(g.batch) for g in plan.groups for d in g.devices}
+def device_shares(plan: Plan, devices: Sequence[str] = ()) -> dict[str, int]:
+    """``{device: share of its group}`` for ``devices`` (0 for a device the plan leaves idle)
+    and every device the plan names."""
+    out = {d: 0 for d in devices}
+    out.update({d: int(g.batch) for g in plan.groups for d in g.devices})
+    return out
 
 
 def change_holds(
@@ -244,9 +248,11 @@ def change_holds(
 
 def controller_decide(policy: Any, slot: int, state: ClusterState, devices: Sequence[str]) -> Plan:
     """The one integration point with ``hetrain.control``: the policy's plan for ``slot`` on
-    ``state`` (:meth:`LyapunovPolicy.decide`), every rank of ``devices`` named (idle ones as
-    idle groups). Pure function of the policy's state and ``state``."""
-    return complete_plan(policy.decide(slot, state), devices, policy.profile.num_layers)
+    ``state`` (:meth:`LyapunovPolicy.decide`) as the runtime runs it (:func:`runtime_plan`:
+    devices of ``devices`` it leaves idle are not named). Pure function of the policy's state
+    and ``state``."""
+    del devices  # the plan names the devices it uses; the others sit idle, holding nothing
+    return runtime_plan(policy.decide(slot, state))
 
 
 def _tell_policy(policy: Any, plan: Plan) -> None:
@@ -399,8 +405,8 @@ class PlanController:
             horizon_steps=horizon,
             structure_changed=structure,
             speeds_flops=dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True)),
-            shares_before=device_shares(self.current),
-            shares_after=device_shares(plan),
+            shares_before=device_shares(self.current, self.base_state.ids),
+            shares_after=device_shares(plan, self.base_state.ids),
         )
         self.plans[self.next_plan_id] = plan
         self.next_plan_id += 1
@@ -429,12 +435,10 @@ class PlanController:
                 controller_decide, self.policy, step, state, self.base_state.ids
             )
         arrays = StructureArrays.build(self.current, state.ids, self.profile)
-        return complete_plan(
+        return runtime_plan(
             rebalance_shares(
                 self.current, state, arrays, self.config.batch, self.optimizer_state_factor
-            ),
-            state.ids,
-            self.profile.num_layers,
+            )
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -744,31 +748,18 @@ def even_dp_plan(devices: Sequence[str], num_layers: int, batch: int, microbatch
     )
 
 
-def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
-    """``plan`` with every device of ``devices`` it does not name added as an idle
-    single-device group (``b_g = 0``), so that every rank is named (the engine's first plan
-    must name all ranks; idle ranks keep a full replica's layout), and single-device groups
-    running their share as one micro-batch (``μ_g = b_g``: with one stage, splitting only adds
-    ``κ`` per micro-batch, SPEC §3)."""
-    plan = plan.model_copy(
-        update={
-            "groups": tuple(
-                g.model_copy(update={"microbatch_size": g.batch})
-                if g.num_stages == 1 and g.batch > 0
-                else g
-                for g in plan.groups
-            )
-        }
+def runtime_plan(plan: Plan) -> Plan:
+    """The plan as the runtime runs it: idle groups (``b_g = 0``) left out, so their devices
+    hold nothing and are sent nothing per step (the engine releases their layers; a later plan
+    that makes them active moves weights and optimizer state to them, the migration SPEC v3 §4
+    charges); single-device groups run their share as one micro-batch (``μ_g = b_g``: with one
+    stage, splitting only adds ``κ`` per micro-batch, SPEC §3)."""
+    groups = tuple(
+        g.model_copy(update={"microbatch_size": g.batch}) if g.num_stages == 1 else g
+        for g in plan.groups
+        if g.batch > 0
     )
-    named = set(plan.devices)
-    extra = tuple(
-        GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
-        for d in devices
-        if d not in named
-    )
-    if not extra:
-        return plan
-    return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
+    return plan.model_copy(update={"groups": groups})
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
