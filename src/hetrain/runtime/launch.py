@@ -211,11 +211,17 @@ def _root_cause(exc: Any) -> str:
 
 
 def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
-    """A single rank in this process: gloo over a ``file://`` store in a temporary folder."""
+    """A single rank in this process over a ``file://`` store in a temporary folder: NCCL on
+    the current GPU when CUDA is present, else gloo."""
     if dist.is_initialized():
         return run_worker(job)
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU: CUDA placement, NCCL collectives (of one rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             return run_worker(job)
         finally:

@@ -284,6 +284,7 @@ def _measure_device(
     indices: np.ndarray,
     factor: float,
     repeats: int = CALIBRATION_REPEATS,
+    device: torch.device | None = None,
 ) -> tuple[float, float]:
     """Speed ``s`` (FLOP/s) and per-micro-batch overhead ``κ`` (s) of this rank (collective:
     every rank calls it).
@@ -302,16 +303,20 @@ def _measure_device(
     batch = len(indices)
     sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
     samples: dict[int, list[float]] = {mu: [] for mu in sizes}
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
     inputs = {}
     for mu in sizes:
         x, y = task.train.batch(np.asarray(indices[:mu]))
-        inputs[mu] = (cast_inputs(x, dtype), y)
+        inputs[mu] = (_to_device(cast_inputs(x, dtype), device), _to_device(y, device))
     for _ in range(repeats):
         for mu in sizes:
             x, y = inputs[mu]
             dist.barrier()
             t0 = time.perf_counter()
             task.loss_fn(model(x), y).backward()
+            if cuda:
+                torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             time.sleep((factor - 1.0) * dt)
             samples[mu].append(dt * factor)
@@ -372,6 +377,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     lead = rank == 0
     wall0 = time.perf_counter()
 
+    # NCCL (CUDA) collectives take CUDA tensors; gloo CPU ones
+    coll = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     torch.manual_seed(job.seed)
     model = job.task.build_model()
     num_layers = len(model)
@@ -416,11 +427,19 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         # first slot applied), all ranks busy at once (see _measure_device)
         factor = emu.factors(start_step)[device_id]
         flops_per_sample = float(profile.train_flops.sum())
+        calib_device = coll
         mine = _measure_device(
-            job.task, model.to(dtype), dtype, flops_per_sample, sampler.indices(0), factor
+            job.task,
+            model.to(dtype=dtype, device=calib_device),
+            dtype,
+            flops_per_sample,
+            sampler.indices(0),
+            factor,
+            device=calib_device,
         )
-        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
+        model.to("cpu")
+        gathered = [torch.zeros(2, dtype=torch.float64, device=coll) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
         measured = [float(t[0]) for t in gathered]
         kappa = [float(t[1]) for t in gathered]
         base_state = _base_state(job, measured, kappa)
@@ -540,6 +559,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             start_step,
             plan_id=plan.plan_id,
             plan=plan.to_json_dict(),
+            device_type=worker.device.type,
+            backend=dist.get_backend(),
             speed_flops=dict(zip(base_state.ids, base_state.speed_flops.tolist(), strict=True)),
             kappa_s=dict(zip(base_state.ids, base_state.kappa_s.tolist(), strict=True)),
         )
@@ -561,6 +582,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
             x, y = job.task.train.batch(sampler.indices(step))
+            if worker.device.type == "cuda":
+                # one pinned host buffer and an asynchronous copy per step (the engine's
+                # per-micro-batch slices are then already on the GPU)
+                x, y = _to_device(x, worker.device), _to_device(y, worker.device)
             result = worker.step(x, y, step)
             if watchdog is not None:
                 watchdog.beat(step)
@@ -573,10 +598,11 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     1.0 if stop.requested else 0.0,
                 ],
                 dtype=torch.float64,
+                device=coll,
             )
             # the step's measurements; they also carry each rank's stop request (SIGTERM), so
             # every rank learns of one at the same step, without another collective
-            rows = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
+            rows = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
             dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
             stopping = any(r[4] > 0 for r in table)
@@ -633,7 +659,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             if job.adaptive and world > 1 and not stopping:
                 # a one-element flag every step; the plan object only when it changed: every
                 # rank switches at the same step
-                flag = torch.tensor([1 if (lead and decision is not None) else 0])
+                flag = torch.tensor([1 if (lead and decision is not None) else 0], device=coll)
                 dist.broadcast(flag, src=0)
                 box = [None]
                 if int(flag.item()):
@@ -732,6 +758,20 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors of ``obj`` (nested tuple/list/dict) on ``device``: pinned host memory and a
+    non-blocking copy (CUDA); other values unchanged."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and device.type == "cuda":
+            return obj.pin_memory().to(device, non_blocking=True)
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def _max_plan_id(job: TrainJob, resume) -> int:
