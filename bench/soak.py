@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--slowdown",
         type=float,
-        default=20.0,
+        default=4.0,
         help="every device emulates one this many times slower than a host core (sleeping), so "
         "steps take long enough for churn to land mid-run",
     )
