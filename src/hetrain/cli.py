@@ -156,6 +156,14 @@ def simulate(
         Path | None,
         typer.Option("--plan", help="simulate this fixed plan every slot (policy 'fixed')"),
     ] = None,
+    decision_delay: Annotated[
+        int,
+        typer.Option(
+            "--decision-delay",
+            help="slots between the last measurement a decision uses and the slot after which "
+            "it runs (1: the runtime's asynchronous controller; 0: applied at once)",
+        ),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -175,6 +183,7 @@ def simulate(
             csv_out=csv_out,
             json_out=json_out,
             plan=plan,
+            decision_delay=decision_delay,
         )
     )
 

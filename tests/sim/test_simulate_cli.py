@@ -127,7 +127,11 @@ def test_budget_below_cheapest_plan_states_the_minimum(files: Path):
 
 def test_bad_policy_and_v_exit_2(files: Path):
     base = ["simulate", "--cluster", "cluster.yaml", "--model", "model.json", "--batch", "64"]
-    for extra, what in ((["--policy", "fastest"], "--policy"), (["--V", "0"], "--V")):
+    for extra, what in (
+        (["--policy", "fastest"], "--policy"),
+        (["--V", "0"], "--V"),
+        (["--decision-delay", "-1"], "--decision-delay"),
+    ):
         out = _run(*base, *extra, cwd=files)
         assert out.returncode == 2 and what in out.stderr
 
@@ -148,3 +152,22 @@ def test_simulate_never_imports_torch(files: Path):
                          text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_decision_delay_option_changes_when_a_reaction_runs(files: Path, capsys, monkeypatch):
+    """a0 halves its speed at slot 2: with the default delay (1) the controller's reaction
+    runs from slot 4, with delay 0 from slot 3, so slot 3 is slower with the delay."""
+    from hetrain.cli import main
+
+    monkeypatch.chdir(files)
+    times = {}
+    for delay in ("0", "1"):
+        args = ["simulate", "--cluster", "cluster.yaml", "--model", "model.json", "--batch", "64",
+                "--trace", "trace.csv", "--slots", "6", "--policy", "greedy",
+                "--csv-out", f"d{delay}.csv", "--decision-delay", delay]  # fmt: skip
+        assert main(args) == 0
+        capsys.readouterr()
+        rows = list(csv.DictReader((files / f"d{delay}.csv").open()))
+        times[delay] = [float(r["compute_time_s"]) for r in rows]
+    assert times["0"][:3] == times["1"][:3]
+    assert times["1"][3] > times["0"][3] * 1.01

@@ -3,7 +3,8 @@
 Never imports torch (tested). Bad input of any kind raises :class:`~hetrain.errors.InputError`
 (one line, exit 2): unreadable or invalid files, a trace naming unknown devices, negative speeds
 or slots out of order (:func:`hetrain.trace.load_trace`), an unknown policy, ``--V`` not > 0,
-``--slots`` < 1 or above :data:`MAX_SLOTS` / :data:`MAX_DEVICE_SLOTS`, a trace where no device is
+``--slots`` < 1 or above :data:`MAX_SLOTS` / :data:`MAX_DEVICE_SLOTS`, ``--decision-delay``
+outside ``[0, MAX_DECISION_DELAY]``, a trace where no device is
 available in any slot, a ``--csv-out`` that cannot be written, a model that fits on no
 arrangement of the devices, or a budget below the cheapest plan's cost (the message states the
 minimum feasible budget).
@@ -26,6 +27,9 @@ from hetrain.trace import Trace, TraceTimeline, load_trace
 
 MAX_SLOTS = 10**6
 """Most slots ``hetrain simulate`` runs (a few ms each: about an hour)."""
+
+MAX_DECISION_DELAY = 1000
+"""Largest ``--decision-delay`` (slots)."""
 
 MAX_DEVICE_SLOTS = 10**7
 """Most slots × devices: the trace is expanded to dense ``(slots, D)`` arrays (~0.3 GB)."""
@@ -93,6 +97,7 @@ def run_simulate(
     csv_out: Path | None,
     json_out: bool,
     plan: Path | None = None,
+    decision_delay: int = 1,
 ) -> int:
     """Run ``hetrain simulate``; print the SPEC §7 summary (``--json``) or a short report.
 
@@ -122,6 +127,12 @@ def run_simulate(
             "--policy", "", f"expected one of {', '.join(POLICY_NAMES)}, got {policy!r}"
         )
     check_v(v)
+    if not 0 <= decision_delay <= MAX_DECISION_DELAY:
+        raise InputError(
+            "--decision-delay",
+            "",
+            f"expected an integer between 0 and {MAX_DECISION_DELAY} (slots), got {decision_delay}",
+        )
     for name, value in budgets.items():
         if value < MIN_POSITIVE:  # the controller divides by the budget squared
             raise InputError(
@@ -169,8 +180,17 @@ def run_simulate(
             )
         pol = FixedPlanPolicy(fixed)
     else:
-        pol = make_policy(policy, profile, config, v=v, budgets=budgets or None)
-    result = simulate(pol, timeline, profile, config, slots=slots, budgets=budgets)
+        pol = make_policy(
+            policy,
+            profile,
+            config,
+            v=v,
+            budgets=budgets or None,
+            decision_delay_slots=decision_delay,
+        )
+    result = simulate(
+        pol, timeline, profile, config, slots=slots, budgets=budgets, decision_delay=decision_delay
+    )
     if csv_out is not None:
         try:
             result.write_csv(csv_out)

@@ -5,11 +5,13 @@ A policy decides the plan of slot ``t`` from what was measured up to slot ``t �
 
     class Policy(Protocol):
         name: str
-        def decide(self, slot: int, observed: ClusterState) -> Plan
+        def decide(self, slot: int, observed: ClusterState) -> Plan | Decision
         def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None
 
-:func:`make_policy` builds one by name. Importing this package imports numpy and the cost model
-only (never torch).
+:func:`make_policy` builds one by name; ``lyapunov`` and ``greedy`` are
+:class:`~hetrain.control.lyapunov.LyapunovController` (whose ``decide`` returns a
+:class:`~hetrain.control.decision.Decision`, see :func:`plan_of`). Importing this package
+imports numpy and the cost model only (never torch).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from hetrain.cluster import ClusterState
+    from hetrain.control.decision import Decision
     from hetrain.costmodel import PlanEvaluation, TrainingConfig
     from hetrain.plan import Plan
     from hetrain.profile import ProfileArrays
@@ -33,8 +36,9 @@ class Policy(Protocol):
 
     name: str
 
-    def decide(self, slot: int, observed: ClusterState) -> Plan:
-        """The plan of ``slot`` given the state measured up to ``slot − 1``."""
+    def decide(self, slot: int, observed: ClusterState) -> Plan | Decision:
+        """The plan of ``slot`` given the state measured up to ``slot − 1`` (a plan, or a
+        :class:`~hetrain.control.decision.Decision` that carries one)."""
         ...
 
     def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
@@ -59,19 +63,20 @@ def make_policy(
         v: the controller's ``V`` (``lyapunov`` only).
         budgets: ``{"money": ȳ, "energy": ȳ}`` per iteration (``lyapunov`` only; baselines and
             ``greedy`` ignore budgets, their cost is reported against them).
-        options: tuning keywords of :class:`~hetrain.control.lyapunov.LyapunovPolicy`.
+        options: tuning keywords of :class:`~hetrain.control.lyapunov.LyapunovController`
+            (e.g. ``decision_delay_slots``); baselines ignore them.
 
     Raises:
         ValueError: unknown name or invalid ``v``/budgets/options.
     """
     if name == "lyapunov":
-        from hetrain.control.lyapunov import LyapunovPolicy
+        from hetrain.control.lyapunov import LyapunovController
 
-        return LyapunovPolicy(profile, config, v=v, budgets=budgets, name=name, **options)
+        return LyapunovController(profile, config, v=v, budgets=budgets, name=name, **options)
     if name == "greedy":
-        from hetrain.control.lyapunov import LyapunovPolicy
+        from hetrain.control.lyapunov import LyapunovController
 
-        return LyapunovPolicy(profile, config, v=math.inf, budgets=None, name=name, **options)
+        return LyapunovController(profile, config, v=math.inf, budgets=None, name=name, **options)
     if name in BASELINE_NAMES:
         from hetrain.control.policies import (
             REPLAN_EVERY_SLOT,
@@ -90,3 +95,9 @@ def make_policy(
         fn, replan = table[name]
         return BaselinePolicy(name, fn, profile, config, replan)
     raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {name!r}")
+
+
+def plan_of(choice: Plan | Decision) -> Plan:
+    """The plan of a policy's ``decide`` answer (a plan, or a decision's ``plan``)."""
+    plan = getattr(choice, "plan", None)
+    return choice if plan is None else plan

@@ -22,10 +22,13 @@ time drifted more than ``drift_tolerance`` relative to the lower bound, prices m
 budget), the queue weights moved, or ``replan_every`` slots passed.
 
 Switching plans moves layers (:func:`hetrain.control.migration.migration_time_s`): a slot that
-changes the structure lasts ``migration_s`` longer and is billed for it. A candidate replaces the
-current plan only if its per-slot gain, summed over ``horizon_slots`` slots, pays for the
-migration and beats the current objective by a relative ``switch_margin`` (hysteresis against
-measurement noise).
+changes the structure lasts ``migration_s`` longer and is billed for it. Every decision goes
+through one gate (:meth:`LyapunovController._gate`, docs/controller.md "Decisions that hold"):
+on the estimates that chose it, a change is applied only if its predicted iteration time is
+lower than the current plan's and that gain, summed over the expected persistence of the
+observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online), pays
+for its migration time; or, with budgets, if the same holds for the drift-plus-penalty
+objective (then the decision is flagged ``budget_driven`` with the costs that drove it).
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.control.decision import Decision, Estimates, PersistenceEstimator
+from hetrain.control.dual import bisect_multipliers
 from hetrain.control.incremental import (
     StructureArrays,
     evaluate_fast,
@@ -44,7 +50,7 @@ from hetrain.control.incremental import (
     structure_key,
 )
 from hetrain.control.migration import align_plan, migration_time_s
-from hetrain.costmodel import PlanEvaluation, TrainingConfig, lower_bound_s
+from hetrain.costmodel import PlanEvaluation, TrainingConfig, evaluate_plan, lower_bound_s
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
@@ -98,29 +104,70 @@ class _Candidate:
     arrays: StructureArrays
 
 
-class LyapunovPolicy:
-    """Drift-plus-penalty controller (SPEC §4) with incremental re-planning.
+def _active_key(plan: Plan) -> tuple:
+    """Groups of ``plan`` that run (devices, stages, μ, share): equal keys = the same plan."""
+    return tuple(
+        (g.devices, tuple(tuple(s) for s in g.stages), g.microbatch_size, g.batch)
+        for g in plan.groups
+        if g.batch > 0
+    )
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """Predicted figures of one plan on the estimates."""
+
+    time_s: float
+    cost: dict[str, float]
+    fits: bool
+
+
+class LyapunovController:
+    """Drift-plus-penalty controller (SPEC §4) with incremental re-planning and a single gate
+    that every plan change passes (docs/controller.md). This is the class that ``hetrain
+    simulate`` runs and that the runtime's controller process calls.
+
+    API for a caller that measures (docs/ARCHITECTURE.md, "Controller")::
+
+        decision = controller.decide(step, observed_state, current_plan)   # -> Decision
+        ...run decision.plan from step + decision delay on...
+        controller.record(step, iteration_time_s, {"money": y, "energy": y})
+        blob = controller.state_dict(); controller.load_state_dict(blob)   # plain JSON data
 
     Args:
         profile: the model's per-layer arrays.
-        config: global batch, optimizer state factor, schedule.
+        config: global batch, optimizer state factor, schedule (and the cost-model options the
+            decision figures are computed with, e.g. ``sync_overlap``).
         v: the weight ``V > 0`` of the iteration time (``math.inf``: ignore budgets, the
             ``greedy`` policy of SPEC §6).
         budgets: ``{"money": ȳ, "energy": ȳ}`` per iteration; ``None`` or empty: no budget.
-        horizon_slots: slots over which a plan change must pay back its migration time.
-        switch_margin: relative gain below which a candidate never replaces the current plan.
+        decision_delay_slots: slots between the last measurement a decision uses and the first
+            slot it runs in, minus one (0: measured up to ``t − 1``, applied at ``t``; the
+            runtime's asynchronous controller: 1). Shortens the expected payback horizon.
+        horizon_slots: optional cap on the payback horizon (slots); ``None``: no cap.
+        switch_margin: relative gain of the objective below which a *structure* change is
+            never applied (hysteresis against measurement noise).
         drift_tolerance: relative change of the current plan's predicted ``T/T_LB`` (or of a
             price, with budgets) that triggers a new search.
         queue_tolerance: change of a queue weight ``Q̂_j Σ_d π_d / V`` (absolute, dimensionless)
             that triggers a new search.
         replan_every: search at least this often (slots).
         search_time_budget_s: passed to the planner as ``time_budget_s`` (soft, seconds).
+            ``None`` (default): no wall-clock limit, so that decisions are reproducible from
+            the same measurements (a budget makes the search depend on the machine's load);
+            above ``incremental_above`` devices 1 s is used when it is ``None``.
         incremental_above: with more available devices than this, searches are rationed (one
             per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
             replaced by an interchangeable spare (else its group is dropped) and unused devices
             are added as data-parallel groups when that lowers the objective, re-solving only
-            the shares.
+            the shares; decision figures then use the vectorised cost model.
         search_devices_per_slot: the ration above.
+        persistence_threshold: relative move of a measured speed, NIC (or price/power with
+            budgets) that counts as a state change for the persistence estimate.
+        persistence_prior_slots: prior mean persistence (slots, weight of one run).
+        queue_warm_start: with budgets, start each virtual queue at the backlog whose weight
+            makes the first plan meet the budget (found by bisection on the first observed
+            state), so that the spend does not overshoot while the queue fills.
         name: the policy's name in reports.
 
     Raises:
@@ -134,35 +181,45 @@ class LyapunovPolicy:
         *,
         v: float = 1.0,
         budgets: Mapping[str, float] | None = None,
-        horizon_slots: float = 10.0,
+        decision_delay_slots: int = 1,
+        horizon_slots: float | None = None,
         switch_margin: float = 0.01,
         drift_tolerance: float = 0.05,
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
-        search_time_budget_s: float | None = 1.0,
+        search_time_budget_s: float | None = None,
         incremental_above: int = 128,
         search_devices_per_slot: float = 4.0,
+        persistence_threshold: float = 0.1,
+        persistence_prior_slots: float = 10.0,
+        queue_warm_start: bool = True,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
             raise ValueError(f"v: expected a number > 0, got {v!r}")
         for label, value in (
-            ("horizon_slots", horizon_slots),
             ("switch_margin", switch_margin),
             ("drift_tolerance", drift_tolerance),
             ("queue_tolerance", queue_tolerance),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label}: expected a finite number >= 0, got {value!r}")
+        if horizon_slots is not None and not (horizon_slots > 0):
+            raise ValueError(f"horizon_slots: expected a number > 0 or None, got {horizon_slots!r}")
         if int(replan_every) < 1:
             raise ValueError(f"replan_every: expected an integer >= 1, got {replan_every!r}")
+        if int(decision_delay_slots) < 0:
+            raise ValueError(
+                f"decision_delay_slots: expected an integer >= 0, got {decision_delay_slots!r}"
+            )
         self.name = name
         self.profile = profile
         self.config = config
         self.v = float(v)
         budgets = dict(budgets or {})
         self.queues = VirtualQueues({} if math.isinf(self.v) else budgets)
-        self.horizon_slots = float(horizon_slots)
+        self.decision_delay_slots = int(decision_delay_slots)
+        self.horizon_slots = None if horizon_slots is None else float(horizon_slots)
         self.switch_margin = float(switch_margin)
         self.drift_tolerance = float(drift_tolerance)
         self.queue_tolerance = float(queue_tolerance)
@@ -172,13 +229,18 @@ class LyapunovPolicy:
             raise ValueError("incremental_above >= 0 and search_devices_per_slot > 0 expected")
         self.incremental_above = int(incremental_above)
         self.search_devices_per_slot = float(search_devices_per_slot)
+        self.persistence = PersistenceEstimator(
+            threshold=persistence_threshold, prior_slots=persistence_prior_slots
+        )
+        self.queue_warm_start = bool(queue_warm_start)
+        self.pool_size = 8
+        self._warm_started = False
         self._prev_available: np.ndarray | None = None
         self.reference_time_s: float | None = None
         self._time_sum_s = 0.0
         self._observed_slots = 0
         # state of the incremental layer
         self._current: Plan | None = None
-        self._current_arrays: StructureArrays | None = None
         self._pool: list[_Candidate] = []
         self._ref_available: np.ndarray | None = None
         self._ref_price: np.ndarray | None = None
@@ -189,11 +251,13 @@ class LyapunovPolicy:
         self._arrays_cache: dict[tuple, StructureArrays] = {}
         self._ids: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
+        self._last_plan_id = -1
         # counters for reports and tests
         self.searches = 0
         self.switches = 0
+        self.last_decision: Decision | None = None
 
-    # ------------------------------------------------------------------ Policy protocol
+    # ------------------------------------------------------------------ public API
     @property
     def budgeted(self) -> bool:
         """Whether any budget is active (``greedy`` and budget-free runs: False)."""
@@ -204,19 +268,39 @@ class LyapunovPolicy:
         """``V`` as used in the objective (1 for greedy: with no queue the scale is free)."""
         return 1.0 if math.isinf(self.v) else self.v
 
+    @property
+    def current_plan(self) -> Plan | None:
+        """The plan of the last decision (what the controller believes runs next)."""
+        return self._current
+
     def queue_weights(self) -> dict[str, float]:
         """Current planner weights ``Q̂_j`` (empty without budgets)."""
         if not self.budgeted or self.reference_time_s is None:
             return {}
         return self.queues.weights(self.reference_time_s)
 
-    def decide(self, slot: int, observed: ClusterState) -> Plan:
-        """The plan for ``slot`` from the state measured up to ``slot − 1`` (availability of
-        ``slot`` included).
+    def decide(
+        self, step: int, observed: ClusterState, current_plan: Plan | None = None
+    ) -> Decision:
+        """Decide the plan that runs after ``step`` (measurements up to ``step − 1``).
+
+        Args:
+            step: the step (slot) index; increasing between calls.
+            observed: the estimated cluster state (measured speeds, NICs, prices; the
+                availability of the slot the decision is for).
+            current_plan: the plan running now; ``None``: the controller's last decision.
+
+        Returns:
+            a :class:`~hetrain.control.decision.Decision` whose figures are computed on
+            ``observed`` and the queues as they were before the decision.
 
         Raises:
             NoFeasiblePlanError: no device is available or the model fits no arrangement.
         """
+        if current_plan is not None:
+            self._current = current_plan
+            if current_plan.plan_id is not None:
+                self._last_plan_id = max(self._last_plan_id, int(current_plan.plan_id))
         if observed.ids != self._ids:
             self._ids = tuple(observed.ids)
             self._index = observed.index()
@@ -224,11 +308,354 @@ class LyapunovPolicy:
         available = np.asarray(observed.available, dtype=bool)
         if not available.any():
             raise NoFeasiblePlanError("no device is available")
+        self.persistence.update(step, observed, watch_prices=self.budgeted)
         if self.reference_time_s is None:
             self.reference_time_s = lower_bound_s(observed, self.profile, self.config.batch)
-        t_lb = lower_bound_s(observed, self.profile, self.config.batch)
+        if self.budgeted and self.queue_warm_start and not self._warm_started:
+            self._warm_start_queues(observed)
+        self._warm_started = True
         weights = self.queue_weights()
+        proposal = self._propose(step, observed, weights)
+        decision = self._gate(step, self._current, proposal, observed, weights)
+        if decision.structure_changed and self._current is not None:
+            self.switches += 1
+        self._current = decision.plan
+        self.last_decision = decision
+        return decision
 
+    def record(self, step: int, iteration_time_s: float, cost: Mapping[str, float]) -> None:
+        """Feed the measured outcome of ``step``: its iteration time (seconds, migration
+        included) into ``T_ref`` and its cost per iteration (``{"money", "energy"}``) into the
+        virtual queues ``Q_j ← max(Q_j + y_j − ȳ_j, 0)``."""
+        if self.budgeted:
+            self.queues.update(cost)
+        self._observed_slots += 1
+        t = float(iteration_time_s)
+        if math.isfinite(t) and t > 0:
+            self._time_sum_s += t
+            self.reference_time_s = self._time_sum_s / self._observed_slots
+
+    def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
+        """The simulator's hook (:class:`~hetrain.control.Policy`): :meth:`record` with the
+        evaluation's time and cost."""
+        self.record(slot, evaluation.iteration_time_s, evaluation.cost)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the controller learned, as plain JSON-able data (lists, floats, str):
+        queues, ``T_ref``, the current plan and its id, the candidate pool, the search
+        references and the persistence statistics. Restored by :meth:`load_state_dict` into a
+        controller built with the same arguments, it takes the same decisions."""
+
+        def arr(x: np.ndarray | None) -> list | None:
+            return None if x is None else np.asarray(x).tolist()
+
+        def finite(x: float | None) -> float | None:
+            return None if x is None or not math.isfinite(x) else float(x)
+
+        return {
+            "version": 1,
+            "name": self.name,
+            "v": finite(self.v),
+            "budgets": dict(self.queues.budgets),
+            "backlog": dict(self.queues.backlog),
+            "reference_time_s": finite(self.reference_time_s),
+            "time_sum_s": self._time_sum_s,
+            "observed_slots": self._observed_slots,
+            "warm_started": self._warm_started,
+            "current_plan": None if self._current is None else self._current.to_json_dict(),
+            "last_plan_id": self._last_plan_id,
+            "pool": [c.plan.to_json_dict() for c in self._pool],
+            "ids": list(self._ids),
+            "prev_available": arr(self._prev_available),
+            "ref_available": arr(self._ref_available),
+            "ref_price": arr(self._ref_price),
+            "ref_ratio": finite(self._ref_ratio),
+            "ref_weights": dict(self._ref_weights),
+            "choice_weights": dict(self._choice_weights),
+            "last_search_slot": self._last_search_slot,
+            "searches": self.searches,
+            "switches": self.switches,
+            "persistence": self.persistence.state_dict(),
+        }
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: a different version or budgets than this controller's.
+        """
+        if data.get("version") != 1:
+            raise ValueError(f"controller state: expected version 1, got {data.get('version')!r}")
+        if dict(data["budgets"]) != dict(self.queues.budgets):
+            raise ValueError(
+                f"controller state: saved budgets {data['budgets']} differ from "
+                f"{dict(self.queues.budgets)}"
+            )
+        self.queues.backlog = {k: float(x) for k, x in data["backlog"].items()}
+        self.reference_time_s = data["reference_time_s"]
+        self._time_sum_s = float(data["time_sum_s"])
+        self._observed_slots = int(data["observed_slots"])
+        self._warm_started = bool(data["warm_started"])
+        cur = data["current_plan"]
+        self._current = None if cur is None else Plan.model_validate(cur)
+        self._last_plan_id = int(data["last_plan_id"])
+        self._ids = tuple(data["ids"])
+        self._index = {d: i for i, d in enumerate(self._ids)}
+        self._arrays_cache.clear()
+        self._pool = []
+        for raw in data["pool"]:
+            plan = Plan.model_validate(raw)
+            self._pool.append(_Candidate(plan, self._arrays(plan)))
+
+        def arr(x: list | None, dtype: type) -> np.ndarray | None:
+            return None if x is None else np.asarray(x, dtype=dtype)
+
+        self._prev_available = arr(data["prev_available"], bool)
+        self._ref_available = arr(data["ref_available"], bool)
+        self._ref_price = arr(data["ref_price"], float)
+        ratio = data["ref_ratio"]
+        self._ref_ratio = math.inf if ratio is None else float(ratio)
+        self._ref_weights = dict(data["ref_weights"])
+        self._choice_weights = dict(data["choice_weights"])
+        self._last_search_slot = int(data["last_search_slot"])
+        self.searches = int(data["searches"])
+        self.switches = int(data["switches"])
+        self.persistence.load_state_dict(data["persistence"])
+
+    # ------------------------------------------------------------------ the gate
+    def _predict(self, plan: Plan, state: ClusterState) -> _Figures:
+        """SPEC §3 figures of ``plan`` on ``state`` with the configured cost model
+        (:func:`hetrain.costmodel.evaluate_plan`; the vectorised equivalent above
+        ``incremental_above`` devices)."""
+        if int(np.sum(state.available)) > self.incremental_above:
+            ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
+            t, cost, fits = ev.iteration_time_s, dict(ev.cost), ev.fits
+        else:
+            full = evaluate_plan(plan, state, self.profile, self.config)
+            t, cost, fits = full.iteration_time_s, dict(full.cost), full.fits
+        if not fits:
+            t = math.inf
+        return _Figures(float(t), {k: float(x) for k, x in cost.items()}, bool(fits))
+
+    def _objective_of(self, fig: _Figures, weights: Mapping[str, float]) -> float:
+        return self.effective_v * fig.time_s + sum(w * fig.cost[j] for j, w in weights.items())
+
+    def _payback_slots(self) -> float:
+        h = self.persistence.benefit_slots(self.decision_delay_slots)
+        if self.horizon_slots is not None:
+            h = min(h, self.horizon_slots)
+        return h
+
+    def _rule(
+        self,
+        before: _Figures,
+        after: _Figures,
+        t_mig: float,
+        structure: bool,
+        horizon: float,
+        weights: Mapping[str, float],
+        rate: float,
+    ) -> tuple[bool, bool, str]:
+        """Whether a change may be applied: ``(allowed, budget_driven, why)``.
+
+        Time-driven: ``T_after < T_before``, ``(T_before − T_after) · H >= t_mig`` and, for a
+        structure change, ``T_before − T_after > margin · T_before``. Budget-driven (queues
+        non-zero): the same with ``J = V·T + Σ_j Q̂_j y_j`` and the migration's objective cost
+        ``rate · t_mig`` (``rate = V + Σ_j Q̂_j Σ_{d used} r_{j,d}``)."""
+        t_b, t_a = before.time_s, after.time_s
+        gain = t_b - t_a
+        if not math.isfinite(t_a):
+            return False, False, "the proposal does not fit"
+        paid = gain * horizon >= t_mig if t_mig > 0 else True
+        if gain > 1e-9 * t_b and paid and (not structure or gain > self.switch_margin * t_b):
+            return (
+                True,
+                False,
+                (
+                    f"predicted {t_b:.4g} s -> {t_a:.4g} s; gain x {horizon:.3g} slots "
+                    f"= {gain * horizon:.3g} s >= migration {t_mig:.3g} s"
+                ),
+            )
+        why = (
+            f"predicted {t_b:.4g} s -> {t_a:.4g} s with migration {t_mig:.3g} s over "
+            f"{horizon:.3g} slots"
+        )
+        if any(w > 0 for w in weights.values()):
+            j_b = self._objective_of(before, weights)
+            j_a = self._objective_of(after, weights)
+            j_gain = j_b - j_a
+            j_paid = j_gain * horizon >= rate * t_mig if t_mig > 0 else True
+            if (
+                j_gain > 1e-9 * j_b
+                and j_paid
+                and (not structure or j_gain > self.switch_margin * j_b)
+            ):
+                costs = ", ".join(
+                    f"{j} {before.cost[j]:.4g} -> {after.cost[j]:.4g}/iter "
+                    f"(budget {self.queues.budgets[j]:.4g}, backlog {self.queues.backlog[j]:.4g})"
+                    for j in weights
+                )
+                return True, True, f"budget: {costs}; {why}"
+        return False, False, why
+
+    def _gate(
+        self,
+        step: int,
+        current: Plan | None,
+        proposal: Plan,
+        observed: ClusterState,
+        weights: dict[str, float],
+    ) -> Decision:
+        """The single place where a plan change is accepted or refused (see :meth:`_rule`)."""
+        horizon = self._payback_slots()
+        est = Estimates(
+            state=observed,
+            queue_weights=dict(weights),
+            backlog=dict(self.queues.backlog),
+            reference_time_s=float(self.reference_time_s or 0.0),
+            persistence_slots=float(horizon),
+            v=self.effective_v,
+        )
+        after = self._predict(proposal, observed)
+        if current is None or not self._usable(current, np.asarray(observed.available, bool)):
+            reason = "initial" if current is None else "device-lost"
+            t_mig = 0.0
+            if current is not None:
+                t_mig = migration_time_s(
+                    current, proposal, observed, self.profile, self.config.optimizer_state_factor
+                )
+            return self._decision(
+                step, est, current, proposal, reason, None, after, t_mig, False,
+                f"{reason}: predicted {after.time_s:.4g} s",
+            )  # fmt: skip
+        before = self._predict(current, observed)
+        if _active_key(proposal) == _active_key(current):
+            return self._decision(
+                step, est, current, current, "keep", before, before, 0.0, False, "no change"
+            )
+        structure = proposal.structure() != current.structure()
+        t_mig = migration_time_s(
+            current, proposal, observed, self.profile, self.config.optimizer_state_factor
+        )
+        rate = self._migration_rate(proposal, observed, weights)
+        ok, budget, why = self._rule(before, after, t_mig, structure, horizon, weights, rate)
+        if ok:
+            reason = "budget" if budget else ("faster" if structure else "rebalance")
+            return self._decision(
+                step, est, current, proposal, reason, before, after, t_mig, budget, why
+            )
+        # refused: the current structure with re-solved shares, through the same rule
+        note = f"kept: {why}"
+        if structure:
+            shares, _ = self._rebalance(current, observed)
+            if _active_key(shares) != _active_key(current):
+                fig = self._predict(shares, observed)
+                t0 = migration_time_s(
+                    current, shares, observed, self.profile, self.config.optimizer_state_factor
+                )
+                ok, budget, why2 = self._rule(before, fig, t0, False, horizon, weights, rate)
+                if ok:
+                    reason = "budget" if budget else "rebalance"
+                    return self._decision(
+                        step, est, current, shares, reason, before, fig, t0, budget,
+                        f"{why2}; structure change refused ({why})",
+                    )  # fmt: skip
+        return self._decision(step, est, current, current, "keep", before, before, 0.0, False, note)
+
+    def _migration_rate(
+        self, plan: Plan, state: ClusterState, weights: Mapping[str, float]
+    ) -> float:
+        """Objective cost per second of migration: ``V + Σ_j Q̂_j Σ_{d used} r_{j,d}``."""
+        index = self._index
+        used = [index[d] for g in plan.groups if g.batch > 0 for d in g.devices]
+        rate = self.effective_v
+        if "money" in weights:
+            rate += weights["money"] * float(np.sum(state.price_per_s[used]))
+        if "energy" in weights:
+            rate += weights["energy"] * float(np.sum(state.power_w[used]))
+        return rate
+
+    def _decision(
+        self,
+        step: int,
+        est: Estimates,
+        current: Plan | None,
+        plan: Plan,
+        reason: str,
+        before: _Figures | None,
+        after: _Figures,
+        t_mig: float,
+        budget_driven: bool,
+        note: str,
+    ) -> Decision:
+        changed = current is None or _active_key(plan) != _active_key(current)
+        if changed:
+            self._last_plan_id += 1
+            plan = plan.model_copy(update={"plan_id": self._last_plan_id})
+        elif current is not None and plan.plan_id != current.plan_id:
+            plan = plan.model_copy(update={"plan_id": current.plan_id})
+        weights = est.queue_weights
+        return Decision(
+            step=int(step),
+            plan=plan,
+            reason=reason,
+            changed=bool(changed),
+            structure_changed=bool(current is None or plan.structure() != current.structure()),
+            predicted_time_s_before=None if before is None else before.time_s,
+            predicted_time_s_after=after.time_s,
+            migration_time_s=float(t_mig),
+            budget_driven=bool(budget_driven),
+            cost_before=None if before is None else dict(before.cost),
+            cost_after=dict(after.cost),
+            objective_before=None if before is None else self._objective_of(before, weights),
+            objective_after=self._objective_of(after, weights),
+            persistence_slots=est.persistence_slots,
+            note=note,
+            estimates=est,
+        )
+
+    def _warm_start_queues(self, observed: ClusterState) -> None:
+        """Start each queue at the backlog whose weight makes the plan of ``observed`` meet the
+        budgets: ``η`` by :func:`~hetrain.control.dual.bisect_multipliers` on
+        ``best_plan(observed, queues=η)`` (cost per iteration), then ``Q_j = η_j V ȳ_j² /
+        T_ref`` with ``T_ref`` the fastest plan's predicted time. Skipped when a backlog is
+        already non-zero (restored state)."""
+        if any(q > 0 for q in self.queues.backlog.values()):
+            return
+        from hetrain.planner import best_plan
+
+        def plan_for(eta: dict[str, float]) -> Plan:
+            queues = {j: x for j, x in eta.items() if x > 0}
+            return best_plan(
+                observed,
+                self.profile,
+                self.config,
+                v=1.0,
+                queues=queues or None,
+                time_budget_s=self._search_budget(observed),
+            )
+
+        fastest = plan_for({})
+        t_ref = float(fastest.iteration_time_s or 0.0)
+        if not (math.isfinite(t_ref) and t_ref > 0):
+            return
+        self.reference_time_s = t_ref
+        budgets = self.queues.budgets
+        eta = bisect_multipliers(
+            lambda e: dict(plan_for(e).cost or {}),
+            budgets,
+            {j: t_ref / b for j, b in budgets.items()},
+            iterations=10,
+        )
+        for j, x in eta.items():
+            self.queues.backlog[j] = x * self.effective_v * budgets[j] ** 2 / t_ref
+
+    # ------------------------------------------------------------------ proposals
+    def _propose(self, slot: int, observed: ClusterState, weights: dict[str, float]) -> Plan:
+        """The candidate plan for the gate: the current structure re-balanced, or a known /
+        newly searched structure when something changed enough (module docstring)."""
+        available = np.asarray(observed.available, dtype=bool)
+        t_lb = lower_bound_s(observed, self.profile, self.config.batch)
         current = None
         repaired = None
         predicted_ratio = math.inf
@@ -264,8 +691,6 @@ class LyapunovPolicy:
         elif self._prev_available is not None and not np.array_equal(
             available, self._prev_available
         ):
-            # large cluster between searches: repair (drop groups that lost a device) and
-            # extend (returned devices as data-parallel groups), re-solving shares only
             base = current if current is not None else repaired
             grown = self._extend(base, observed) if base is not None else None
             extra = [p for p in (repaired, grown) if p is not None]
@@ -273,18 +698,26 @@ class LyapunovPolicy:
             extra.append(repaired)
         self._prev_available = available.copy()
         moved = self._queue_moved(observed, weights, self._choice_weights, 1.0)
-        if searched or extra or moved or current is None:
-            # re-weigh the known structures (cheap) whenever something changed
+        # the known structures are re-weighed every slot on small clusters (a few share solves);
+        # above ``incremental_above`` devices only when something changed
+        cheap = int(available.sum()) <= self.incremental_above and len(self._pool) > 0
+        if searched or extra or moved or current is None or cheap:
             self._choice_weights = dict(weights)
             choice = self._choose(current, observed, weights, extra)
             _, t_pred = self._rebalance(choice, observed)
             self._ref_ratio = t_pred / t_lb if t_lb > 0 else math.inf
         else:
             choice = current
-        if self._current is not None and choice.structure() != self._current.structure():
-            self.switches += 1
-        self._current = choice
         return choice
+
+    def _search_budget(self, observed: ClusterState) -> float | None:
+        """The planner's soft time budget: ``search_time_budget_s``; 1 s when that is None and
+        more than ``incremental_above`` devices are available."""
+        if self.search_time_budget_s is None and int(np.sum(observed.available)) > (
+            self.incremental_above
+        ):
+            return 1.0
+        return self.search_time_budget_s
 
     def _search_allowed(self, slot: int, num_available: int) -> bool:
         """Searches are free up to ``incremental_above`` available devices; above, at most one
@@ -373,17 +806,6 @@ class LyapunovPolicy:
             if score < best_score:
                 best, best_score = new, score
         return best
-
-    def observe(self, slot: int, plan: Plan, evaluation: PlanEvaluation) -> None:
-        """Feed the measured cost of ``slot`` (migration included) into the virtual queues and
-        the measured time into ``T_ref`` (the running mean iteration time)."""
-        if self.budgeted:
-            self.queues.update(evaluation.cost)
-        self._observed_slots += 1
-        t = float(evaluation.iteration_time_s)
-        if math.isfinite(t) and t > 0:
-            self._time_sum_s += t
-            self.reference_time_s = self._time_sum_s / self._observed_slots
 
     # ------------------------------------------------------------------ internals
     def _usable(self, plan: Plan, available: np.ndarray) -> bool:
@@ -474,12 +896,12 @@ class LyapunovPolicy:
             v=self.effective_v,
             queues=weights or None,
             warm_start=self._current,
-            time_budget_s=self.search_time_budget_s,
+            time_budget_s=self._search_budget(observed),
         )
         key = found.structure()
         self._pool = [c for c in self._pool if c.plan.structure() != key]
         self._pool.insert(0, _Candidate(found, self._arrays(found)))
-        del self._pool[4:]
+        del self._pool[self.pool_size :]
 
     def _objective(self, plan: Plan, state: ClusterState, weights: dict[str, float]) -> float:
         ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
@@ -492,22 +914,19 @@ class LyapunovPolicy:
     def _switch_penalty(
         self, old: Plan | None, new: Plan, state: ClusterState, weights: dict[str, float]
     ) -> float:
-        """Drift-plus-penalty cost of the migration ``old -> new``, spread over the horizon:
+        """Drift-plus-penalty cost of the migration ``old -> new``, spread over the payback
+        horizon ``H`` (the expected persistence of the observed state):
         ``(V + Σ_j Q̂_j Σ_{d used} r_{j,d}) · t_mig / H`` (the slot lasts ``t_mig`` longer and
-        every used device is billed for it)."""
+        every used device is billed for it); infinite when ``H`` is 0."""
         if old is None:
             return 0.0
         t_mig = migration_time_s(old, new, state, self.profile, self.config.optimizer_state_factor)
         if t_mig <= 0:
             return 0.0
-        index = self._index
-        used = np.array([index[d] for g in new.groups if g.batch > 0 for d in g.devices])
-        rate = self.effective_v
-        if "money" in weights:
-            rate += weights["money"] * float(np.sum(state.price_per_s[used]))
-        if "energy" in weights:
-            rate += weights["energy"] * float(np.sum(state.power_w[used]))
-        return rate * t_mig / max(self.horizon_slots, 1e-9)
+        horizon = self._payback_slots()
+        if horizon <= 0:
+            return math.inf
+        return self._migration_rate(new, state, weights) * t_mig / horizon
 
     def _choose(
         self,
@@ -532,6 +951,11 @@ class LyapunovPolicy:
             if not math.isfinite(score):
                 continue  # does not fit memory in the observed state
             penalty = self._switch_penalty(self._current, plan, observed, weights)
+            if current is None and not math.isfinite(penalty):
+                # the current plan is gone: some change is forced, weigh migrations over 1 slot
+                penalty = self._migration_rate(plan, observed, weights) * migration_time_s(
+                    self._current, plan, observed, self.profile, self.config.optimizer_state_factor
+                )
             options.append((score + penalty, plan))
         if current is None:
             if not options:
@@ -542,3 +966,7 @@ class LyapunovPolicy:
         if best is not None and best[0] < current_score * (1.0 - self.switch_margin):
             return best[1]
         return current
+
+
+LyapunovPolicy = LyapunovController
+"""Former name of :class:`LyapunovController` (kept for callers of the old name)."""

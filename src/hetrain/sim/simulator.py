@@ -6,7 +6,12 @@ Slot ``t``:
    multiplicative measurement noise, NIC bandwidths, prices) plus which devices are up in slot
    ``t``; in slot 0, the cluster file's nominal values. Every available device reports its speed
    (a heartbeat micro-benchmark), so an unused straggler that recovers is seen;
-2. it returns a plan; the simulator checks that every device of an active group is available;
+2. it returns a plan (or a :class:`~hetrain.control.decision.Decision`), which runs from slot
+   ``t + decision_delay`` on (the runtime's controller decides asynchronously while the ranks
+   train: ``decision_delay = 1``). Slot 0's plan, and a new plan when the running one names a
+   device that is gone, are decided synchronously and run at once (the runtime plans before
+   training starts and re-plans when a rank is lost); pending decisions are then dropped. The
+   simulator checks that every device of an active group is available;
 3. the iteration time is SPEC §3 under the *actual* state of slot ``t``
    (:func:`hetrain.control.incremental.evaluate_fast`, equal to
    :func:`hetrain.costmodel.evaluate_plan`), times optional multiplicative noise
@@ -21,6 +26,7 @@ recorded as infeasible and excluded from the means (SPEC §6 "infeasible").
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import time
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.control import Policy
+from hetrain.control import Policy, plan_of
 from hetrain.control.incremental import StructureArrays, evaluate_fast, structure_key
 from hetrain.control.migration import migration_time_s
 from hetrain.costmodel import PlanEvaluation, TrainingConfig, lower_bound_s
@@ -156,6 +162,7 @@ def simulate(
     seed: int = 0,
     budgets: Mapping[str, float] | None = None,
     keep_plans: bool = False,
+    decision_delay: int = 1,
 ) -> SimulationResult:
     """Run ``policy`` for ``slots`` slots (default: the timeline's length).
 
@@ -168,11 +175,18 @@ def simulate(
         seed: seeds both noises (the run is deterministic for a seed).
         budgets: reported in the summary (the policy enforces its own).
         keep_plans: keep every slot's plan in ``result.plans`` (memory grows with slots).
+        decision_delay: slots between a decision (taken before slot ``t`` on measurements up
+            to ``t − 1``) and the slot it first runs in, ``t + decision_delay`` (default 1,
+            the runtime's asynchronous controller; 0: SPEC §4's idealised timing).
 
     Raises:
         ValueError: a policy emitted a plan that uses an unavailable device, names an unknown
-            device or runs out of memory (a policy bug, never bad user input); bad noise values.
+            device or runs out of memory (a policy bug, never bad user input); bad noise values
+            or a negative ``decision_delay``.
     """
+    if int(decision_delay) < 0:
+        raise ValueError(f"decision_delay: expected an integer >= 0, got {decision_delay!r}")
+    delay = int(decision_delay)
     if not (math.isfinite(time_noise) and time_noise >= 0):
         raise ValueError(f"time_noise: expected a finite number >= 0, got {time_noise!r}")
     if not (math.isfinite(measurement_noise) and measurement_noise >= 0):
@@ -189,6 +203,9 @@ def simulate(
     measured: ClusterState | None = None
     prev_plan: Plan | None = None
     prev_key: tuple | None = None
+    running: Plan | None = None
+    pending: list[tuple[int, Plan]] = []
+    index = base.index()
     started = time.perf_counter()
     for t in range(n_slots):
         actual = timeline.state_at(t)
@@ -200,9 +217,23 @@ def simulate(
             measured = actual.with_changes(speed_flops=actual.speed_flops * eps_speed)
         else:
             measured = actual
+        while pending and pending[0][0] <= t:
+            running = pending.pop(0)[1]
         try:
-            plan = policy.decide(t, observed)
+            if running is None or not _usable(running, actual.available, index):
+                # synchronous decision: first slot, or the running plan lost a device
+                pending.clear()
+                running = None
+                running = plan_of(policy.decide(t, observed))
+            elif delay == 0:
+                running = plan_of(policy.decide(t, observed))
+            else:
+                # no feasible answer: keep running the current plan
+                with contextlib.suppress(NoFeasiblePlanError):
+                    pending.append((t + delay, plan_of(policy.decide(t, observed))))
+            plan = running
         except NoFeasiblePlanError:
+            running = None
             records.append(
                 SlotRecord(t, False, math.nan, math.nan, 0.0, lb, math.nan, math.nan, False, 0,
                            0, *_queues(policy))
@@ -284,3 +315,8 @@ def _queues(policy: Policy) -> tuple[float, float]:
     queues = getattr(policy, "queues", None)
     backlog = getattr(queues, "backlog", {}) if queues is not None else {}
     return float(backlog.get("money", 0.0)), float(backlog.get("energy", 0.0))
+
+
+def _usable(plan: Plan, available: np.ndarray, index: dict[str, int]) -> bool:
+    """Whether every device of an active group of ``plan`` is available."""
+    return all(available[index[d]] for g in plan.groups if g.batch > 0 for d in g.devices)

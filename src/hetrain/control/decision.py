@@ -1,0 +1,304 @@
+"""What a controller decision records, and how long a measured state is expected to persist.
+
+:class:`Decision` is what :meth:`hetrain.control.lyapunov.LyapunovController.decide` returns:
+the plan to run, why, and the figures that justified it, all computed on the
+:class:`Estimates` that chose it (docs/controller.md, "Decisions that hold").
+
+:class:`PersistenceEstimator` learns online how many slots an observed cluster state lasts, so
+that a plan change is weighed against its migration time over the slots it is expected to pay
+back (docs/controller.md, "Persistence").
+
+Pure python and numpy (never torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+from hetrain.plan import Plan
+
+REASONS = ("initial", "device-lost", "keep", "rebalance", "faster", "budget")
+"""Values of :attr:`Decision.reason`:
+
+* ``initial``: no current plan (first decision); applied unconditionally;
+* ``device-lost``: the current plan names a device that is gone; applied unconditionally;
+* ``keep``: the current plan stays (shares included);
+* ``rebalance``: same groups and stages, new shares, predicted faster (no migration);
+* ``faster``: a new structure whose predicted gain over the expected persistence pays its
+  migration time;
+* ``budget``: a change that time alone does not justify, driven by the budgets' virtual queues
+  (``budget_driven`` is True and ``cost_before``/``cost_after``/``queue_weights`` say why).
+"""
+
+
+def state_to_dict(state: ClusterState) -> dict[str, Any]:
+    """A JSON-able copy of a :class:`~hetrain.cluster.ClusterState` (lists of floats)."""
+    out: dict[str, Any] = {"ids": list(state.ids)}
+    for name in (
+        "node",
+        "speed_flops",
+        "memory_bytes",
+        "nic_bytes_per_s",
+        "power_w",
+        "price_per_s",
+        "kappa_s",
+        "available",
+    ):
+        arr = np.asarray(getattr(state, name))
+        out[name] = [bool(x) for x in arr] if arr.dtype == bool else arr.tolist()
+    lam = getattr(state, "layer_overhead_s", None)
+    if lam is not None:
+        out["layer_overhead_s"] = np.asarray(lam, dtype=float).tolist()
+    out["intra_node_bytes_per_s"] = float(state.intra_node_bytes_per_s)
+    out["latency_s"] = float(state.latency_s)
+    return out
+
+
+def state_from_dict(data: dict[str, Any]) -> ClusterState:
+    """Inverse of :func:`state_to_dict`.
+
+    Raises:
+        KeyError / ValueError: a field is missing or malformed.
+    """
+    kwargs: dict[str, Any] = {"ids": tuple(data["ids"])}
+    kwargs["node"] = np.asarray(data["node"], dtype=np.int64)
+    for name in ("speed_flops", "memory_bytes", "nic_bytes_per_s", "power_w", "price_per_s"):
+        kwargs[name] = np.asarray(data[name], dtype=float)
+    kwargs["kappa_s"] = np.asarray(data["kappa_s"], dtype=float)
+    kwargs["available"] = np.asarray(data["available"], dtype=bool)
+    kwargs["intra_node_bytes_per_s"] = float(data["intra_node_bytes_per_s"])
+    kwargs["latency_s"] = float(data["latency_s"])
+    if "layer_overhead_s" in data and "layer_overhead_s" in ClusterState.__dataclass_fields__:
+        kwargs["layer_overhead_s"] = np.asarray(data["layer_overhead_s"], dtype=float)
+    return ClusterState(**kwargs)
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """What the controller believed when it decided (every figure of a :class:`Decision` is
+    computed on these).
+
+    Attributes:
+        state: the observed cluster state (measured speeds, NICs, prices, availability).
+        queue_weights: planner weights ``Q̂_j`` (seconds per unit of resource j) used in the
+            objective ``V·T + Σ_j Q̂_j y_j``; empty without budgets.
+        backlog: virtual queue backlogs ``Q_j`` (resource units) before the decision.
+        reference_time_s: ``T_ref`` of the queue normalisation (seconds).
+        persistence_slots: expected number of slots the observed state still holds once the
+            decision applies (the payback horizon of a migration).
+        v: the controller's ``V`` as used in the objective.
+    """
+
+    state: ClusterState
+    queue_weights: dict[str, float]
+    backlog: dict[str, float]
+    reference_time_s: float
+    persistence_slots: float
+    v: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (the state as lists)."""
+        return {
+            "state": state_to_dict(self.state),
+            "queue_weights": dict(self.queue_weights),
+            "backlog": dict(self.backlog),
+            "reference_time_s": self.reference_time_s,
+            "persistence_slots": self.persistence_slots,
+            "v": self.v,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the controller (docs/controller.md, "Decisions that hold").
+
+    Attributes:
+        step: the step (slot) the decision was taken at; measurements up to ``step − 1``.
+        plan: the plan to run (``plan_id`` set; equal to the current plan when ``reason`` is
+            ``keep``).
+        reason: one of :data:`REASONS`.
+        changed: whether ``plan`` differs from the current plan (structure or shares).
+        structure_changed: whether groups or stages differ (a migration is due).
+        predicted_time_s_before: SPEC §3 ``T`` of the current plan on ``estimates`` (None
+            when there is no usable current plan).
+        predicted_time_s_after: ``T`` of ``plan`` on ``estimates``.
+        migration_time_s: migration time of current → ``plan`` on ``estimates`` (0 when
+            nothing moves or there is no current plan).
+        budget_driven: the change is justified by the budgets, not by time (see ``reason``).
+        cost_before / cost_after: ``{"money", "energy"}`` per iteration on ``estimates``.
+        objective_before / objective_after: ``V·T + Σ_j Q̂_j y_j`` on ``estimates``.
+        persistence_slots: the payback horizon used (slots).
+        note: one human-readable line (what was proposed and why it was or was not applied).
+        estimates: what chose the decision.
+    """
+
+    step: int
+    plan: Plan
+    reason: str
+    changed: bool
+    structure_changed: bool
+    predicted_time_s_before: float | None
+    predicted_time_s_after: float
+    migration_time_s: float
+    budget_driven: bool
+    cost_before: dict[str, float] | None
+    cost_after: dict[str, float]
+    objective_before: float | None
+    objective_after: float
+    persistence_slots: float
+    note: str
+    estimates: Estimates = field(repr=False)
+
+    @property
+    def forced(self) -> bool:
+        """Applied without the gain rule (no usable current plan)."""
+        return self.reason in ("initial", "device-lost")
+
+    def to_dict(self, with_state: bool = False) -> dict[str, Any]:
+        """JSON-able summary for logs (``with_state``: include the estimated state)."""
+        out = {
+            "step": self.step,
+            "plan_id": self.plan.plan_id,
+            "reason": self.reason,
+            "changed": self.changed,
+            "structure_changed": self.structure_changed,
+            "predicted_time_s_before": self.predicted_time_s_before,
+            "predicted_time_s_after": self.predicted_time_s_after,
+            "migration_time_s": self.migration_time_s,
+            "budget_driven": self.budget_driven,
+            "cost_before": self.cost_before,
+            "cost_after": self.cost_after,
+            "objective_before": self.objective_before,
+            "objective_after": self.objective_after,
+            "persistence_slots": self.persistence_slots,
+            "note": self.note,
+            "shares": [g.batch for g in self.plan.groups],
+            "plan": self.plan.to_json_dict(),
+            "queue_weights": dict(self.estimates.queue_weights),
+        }
+        if with_state:
+            out["estimates"] = self.estimates.to_dict()
+        return out
+
+
+class PersistenceEstimator:
+    """How long an observed cluster state lasts, learned online (slots).
+
+    A *state change* is a step where, relative to the state at the start of the current run,
+    the set of available devices changed or some available device's speed or NIC bandwidth
+    (and, when ``watch_prices``, price or power) moved by more than ``threshold`` (relative).
+    Runs between changes are modelled as geometric with mean ``m`` estimated by
+    ``m = (slots + prior_slots · prior_weight) / (changes + prior_weight)`` (the maximum
+    likelihood estimate of a geometric mean with censored last run, plus a prior of
+    ``prior_weight`` runs of ``prior_slots``). The expected number of slots that the state seen
+    at decision time still holds once a decision applies ``delay`` slots later is
+    ``Σ_{i ≥ delay+1} p^i = m p^{delay+1}`` with ``p = 1 − 1/m`` (:meth:`benefit_slots`).
+
+    Args:
+        threshold: relative move that counts as a change (default 0.1: above measurement
+            noise of a few percent).
+        prior_slots, prior_weight: the prior (default one run of 10 slots).
+
+    Raises:
+        ValueError: ``threshold`` not > 0, ``prior_slots`` < 1 or ``prior_weight`` < 0.
+    """
+
+    def __init__(
+        self, threshold: float = 0.1, prior_slots: float = 10.0, prior_weight: float = 1.0
+    ) -> None:
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(f"persistence threshold: expected a number > 0, got {threshold!r}")
+        if not (math.isfinite(prior_slots) and prior_slots >= 1):
+            raise ValueError(f"persistence prior_slots: expected >= 1, got {prior_slots!r}")
+        if not (math.isfinite(prior_weight) and prior_weight >= 0):
+            raise ValueError(f"persistence prior_weight: expected >= 0, got {prior_weight!r}")
+        self.threshold = float(threshold)
+        self.prior_slots = float(prior_slots)
+        self.prior_weight = float(prior_weight)
+        self.slots = 0
+        self.changes = 0
+        self.last_step: int | None = None
+        self._ref: dict[str, np.ndarray] | None = None
+
+    def update(self, step: int, state: ClusterState, watch_prices: bool = False) -> bool:
+        """Account for the state observed before ``step``; returns whether it is a change.
+        Calling twice for the same step counts it once."""
+        snap = {
+            "available": np.asarray(state.available, dtype=bool).copy(),
+            "speed": np.asarray(state.speed_flops, dtype=float).copy(),
+            "nic": np.asarray(state.nic_bytes_per_s, dtype=float).copy(),
+        }
+        if watch_prices:
+            snap["price"] = np.asarray(state.price_per_s, dtype=float).copy()
+            snap["power"] = np.asarray(state.power_w, dtype=float).copy()
+        if self.last_step is not None and step <= self.last_step:
+            return False
+        self.last_step = int(step)
+        if self._ref is None or len(self._ref["speed"]) != len(snap["speed"]):
+            self._ref = snap
+            self.slots += 1
+            return False
+        self.slots += 1
+        changed = not np.array_equal(snap["available"], self._ref["available"])
+        avail = snap["available"] & self._ref["available"]
+        for key in ("speed", "nic", "price", "power"):
+            if changed or key not in snap or key not in self._ref:
+                continue
+            old, new = self._ref[key][avail], snap[key][avail]
+            scale = np.maximum(np.abs(old), 1e-300)
+            if np.any(np.abs(new - old) > self.threshold * scale):
+                changed = True
+        if changed:
+            self.changes += 1
+            self._ref = snap
+        return changed
+
+    def mean_run_slots(self) -> float:
+        """Estimated mean number of slots a state lasts, ``m >= 1``."""
+        num = self.slots + self.prior_slots * self.prior_weight
+        den = self.changes + self.prior_weight
+        return max(num / den, 1.0) if den > 0 else math.inf
+
+    def benefit_slots(self, delay_slots: int = 0) -> float:
+        """Expected slots the state seen at decision time still holds once a decision applies
+        ``delay_slots`` slots after the next one: ``m p^{delay+1}``, ``p = 1 − 1/m``."""
+        m = self.mean_run_slots()
+        if math.isinf(m):
+            return math.inf
+        return m * (1.0 - 1.0 / m) ** (int(delay_slots) + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (counts, last step and the reference snapshot)."""
+        return {
+            "threshold": self.threshold,
+            "prior_slots": self.prior_slots,
+            "prior_weight": self.prior_weight,
+            "slots": self.slots,
+            "changes": self.changes,
+            "last_step": self.last_step,
+            "reference": None
+            if self._ref is None
+            else {k: v.tolist() for k, v in self._ref.items()},
+        }
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.threshold = float(data["threshold"])
+        self.prior_slots = float(data["prior_slots"])
+        self.prior_weight = float(data["prior_weight"])
+        self.slots = int(data["slots"])
+        self.changes = int(data["changes"])
+        self.last_step = None if data["last_step"] is None else int(data["last_step"])
+        ref = data.get("reference")
+        self._ref = (
+            None
+            if ref is None
+            else {
+                k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in ref.items()
+            }
+        )
