@@ -1,5 +1,5 @@
 """The controller of a training run (SPEC §4-§5), in its own process: measured step times ->
-speed estimates -> :class:`~hetrain.control.lyapunov.LyapunovPolicy` -> plan changes that hold.
+speed estimates -> :class:`~hetrain.control.lyapunov.LyapunovController` -> plan changes that hold.
 
 Where it runs. The process that launches the ranks (``hetrain train``: the elastic launcher's
 parent) runs :class:`ControllerService` in a thread, beside a ``torch.distributed.TCPStore`` it
@@ -131,16 +131,18 @@ def migration_time_estimate_s(
 
 
 def policy_options() -> dict[str, Any]:
-    """Tuning of the runtime's :class:`~hetrain.control.lyapunov.LyapunovPolicy`: measured
+    """Tuning of the runtime's :class:`~hetrain.control.lyapunov.LyapunovController`: measured
     speeds are noisy (shared CPUs, ±20 % from step to step), so a structure switch must win by
-    20 % over 20 steps; a new search runs when the current plan's predicted ``T/T_LB`` drifted
-    by 25 %, or every 50 steps (the search runs in the controller's process, not in a rank)."""
+    20 % and pay its migration within at most 20 steps; a new search runs when the current
+    plan's predicted ``T/T_LB`` drifted by 25 %, or every 50 steps (the search runs in the
+    controller's process, not in a rank); decisions apply one step after the measurements they
+    use (``decision_delay_slots=1``); no wall-clock budget on searches (reproducible)."""
     return dict(
         switch_margin=0.2,
         horizon_slots=20.0,
         replan_every=50,
         drift_tolerance=0.25,
-        search_time_budget_s=0.2,
+        decision_delay_slots=1,
     )
 
 
@@ -246,20 +248,14 @@ def change_holds(
     return t_cur, t_new, mig, allowed
 
 
-def controller_decide(policy: Any, slot: int, state: ClusterState, devices: Sequence[str]) -> Plan:
-    """The one integration point with ``hetrain.control``: the policy's plan for ``slot`` on
-    ``state`` (:meth:`LyapunovPolicy.decide`) as the runtime runs it (:func:`runtime_plan`:
-    devices of ``devices`` it leaves idle are not named). Pure function of the policy's state
-    and ``state``."""
-    del devices  # the plan names the devices it uses; the others sit idle, holding nothing
-    return runtime_plan(policy.decide(slot, state))
-
-
-def _tell_policy(policy: Any, plan: Plan) -> None:
-    """The policy keeps its last answer as the plan in force; when the answer was not applied,
-    tell it the plan that is."""
-    if hasattr(policy, "_current"):
-        policy._current = plan
+def controller_decide(policy: Any, slot: int, state: ClusterState, current: Plan) -> Any:
+    """The one integration point with ``hetrain.control``:
+    :meth:`LyapunovController.decide(slot, state, current)
+    <hetrain.control.lyapunov.LyapunovController.decide>`, which returns a
+    :class:`hetrain.control.decision.Decision` (plan, reason, figures on the estimates that chose
+    it; its own gain rule: no change predicted slower, structure changes pay their migration over
+    the expected persistence). Pure function of the controller's state and the arguments."""
+    return policy.decide(slot, state, current)
 
 
 class PlanController:
@@ -298,6 +294,8 @@ class PlanController:
     ) -> None:
         self.async_search = bool(async_search)
         self._source = "policy"
+        self._control_reason = ""
+        self._records: list[tuple[int, float, dict]] = []
         self._pending: Any = None
         self.base_state = base_state
         self.profile = profile
@@ -320,9 +318,21 @@ class PlanController:
         self.last_check: dict[str, Any] = {}
 
     # ---- measurements ----
-    def observe(self, step: int, plan_id: int, compute_time_s: Mapping[str, float]) -> None:
+    def observe(
+        self,
+        step: int,
+        plan_id: int,
+        compute_time_s: Mapping[str, float],
+        iteration_time_s: float | None = None,
+    ) -> None:
         """Step ``step`` ran under plan ``plan_id``; ``compute_time_s[device]`` = the measured
-        compute seconds of its stage (emulated slow-down included)."""
+        compute seconds of its stage (emulated slow-down included); ``iteration_time_s`` the
+        step's measured time (fed to the controller's ``record``: ``T_ref``, queues)."""
+        if iteration_time_s is not None and math.isfinite(iteration_time_s):
+            if self._pending is None:
+                self.policy.record(step, float(iteration_time_s), {})
+            else:  # the controller is deciding in its thread: fed before its next call
+                self._records.append((step, float(iteration_time_s), {}))
         plan = self.plans.get(int(plan_id), self.current)
         flops = self.profile.train_flops
         for group in plan.groups:
@@ -374,8 +384,6 @@ class PlanController:
             optimizer_state_factor=self.optimizer_state_factor,
             min_gain=self.min_gain,
         )
-        if not allowed and self._pending is None:
-            _tell_policy(self.policy, self.current)
         self.last_check = {
             "source": self._source,
             "current_time_s": t_cur,
@@ -421,18 +429,21 @@ class PlanController:
         re-balance, :func:`hetrain.control.incremental.rebalance_shares`)."""
         self._source = "policy"
         if not self.async_search:
-            return controller_decide(self.policy, step, state, self.base_state.ids)
+            return self._answer(controller_decide(self.policy, step, state, self.current))
         if self._pending is not None and self._pending.done():
             future, self._pending = self._pending, None
-            answer = future.result()
-            if not _same_plan(answer, self.current):
+            answer = self._answer(future.result())
+            if answer is not None and not _same_plan(answer, self.current):
                 return answer
             # the policy keeps the plan (it answered on estimates a few steps old): the
             # re-balance below decides this step
         self._source = "rebalance"
         if self._pending is None:
+            for args in self._records:  # measured steps, fed while the controller was busy
+                self.policy.record(*args)
+            self._records.clear()
             self._pending = _search_executor().submit(
-                controller_decide, self.policy, step, state, self.base_state.ids
+                controller_decide, self.policy, step, state, self.current
             )
         arrays = StructureArrays.build(self.current, state.ids, self.profile)
         return runtime_plan(
@@ -441,6 +452,13 @@ class PlanController:
             )
         )
 
+    def _answer(self, decision: Any) -> Plan | None:
+        """The controller's decision as the runtime runs it (None: it keeps the plan)."""
+        self._control_reason = str(getattr(decision, "reason", ""))
+        if not getattr(decision, "changed", True):
+            return None
+        return runtime_plan(decision.plan)
+
     def __getstate__(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["_pending"] = None  # a running search is not part of the saved state
@@ -448,6 +466,8 @@ class PlanController:
 
     def _why(self, structure: bool, state: ClusterState) -> str:
         kind = "re-plan (new groups/stages)" if structure else "rebalance (shares only)"
+        if self._control_reason and self._source == "policy":
+            kind += f" [controller: {self._control_reason}]"
         ref = self._first_speeds or {}
         moved = []
         for d, s in zip(state.ids, state.speed_flops, strict=True):
@@ -582,7 +602,7 @@ class ControllerService:
                 continue
             rec = pickle.loads(self.store.get(key))
             self.store.delete_key(key)
-            ctl.observe(k, rec["plan_id"], rec["compute_time_s"])
+            ctl.observe(k, rec["plan_id"], rec["compute_time_s"], rec.get("iteration_time_s"))
             row = {"step": k, "plan_id": rec["plan_id"], **ctl.predictions()}
             if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
                 path = controller_state_path(self._init["checkpoint_dir"], k + 1)
