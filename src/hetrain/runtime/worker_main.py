@@ -540,13 +540,18 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             steps_done_before=done_before,
             redone_steps=max(done_before - start_step, 0),
         )
-        what = (
-            f"resumed from step {start_step} of {resumed['path']} "
-            f"(global batch {resumed['checkpoint_batch']} -> {job.batch}, data position "
-            f"{resumed['data_position']} samples)"
-            if resumed
-            else "restarted from step 0 (no checkpoint yet)"
-        )
+        if resumed is None:
+            what = "restarted from step 0 (no checkpoint yet)"
+        else:
+            batch_note = (
+                f"global batch {resumed['checkpoint_batch']} -> {job.batch}, "
+                if resumed["checkpoint_batch"] != job.batch
+                else ""
+            )
+            what = (
+                f"resumed from step {start_step} of {resumed['path']} ({batch_note}data "
+                f"position {resumed['data_position']} samples)"
+            )
         print(
             f"hetrain: {what} on {len(job.devices)} devices ({', '.join(job.devices)})"
             + (f"; restart {restart_count}" if restart_count else ""),
