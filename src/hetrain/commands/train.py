@@ -156,7 +156,15 @@ def run_train(
                 f"expected {world} devices (torchrun world size), the plan names {len(devices)}",
             )
         job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
-        summary = run_worker(job)
+        try:
+            summary = run_worker(job)
+        except SystemExit:  # a graceful stop (SIGTERM): exit status 143 or 75
+            raise
+        except BaseException as exc:  # every rank's traceback in RUN_DIR/rank_errors.jsonl
+            from hetrain.runtime.launch import record_rank_error
+
+            record_rank_error(job, exc)
+            raise
         if summary is not None:
             _print_summary(summary, job, report, json_out)
         return 0
