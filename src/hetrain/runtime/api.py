@@ -429,7 +429,9 @@ def train(
             ``nn.Sequential``) when done.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``, ...).
+            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``, ...), and
+            ``max_restarts`` (restart all ranks after a failure, resuming from the latest
+            checkpoint; default 0).
 
     Returns:
         rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,
@@ -437,7 +439,9 @@ def train(
 
     Raises:
         InputError: bad configuration (before any process starts).
-        hetrain.runtime.launch.LaunchError: a rank failed.
+        hetrain.runtime.launch.LaunchError: a rank failed (message: the first failing rank's
+            own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
+            in ``run_dir/rank_errors.jsonl``).
     """
     task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
