@@ -405,6 +405,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         offset = int(resume.data_position) - start_step * job.batch
         sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed, offset=offset)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # an elastic round (one agent per device) may have a fresh agent as rank 0 (restart count
+    # 0): it continues the run's metrics like any other round
+    elastic_round = bool(os.environ.get("HETRAIN_DEVICE_ID"))
 
     # ---- first plan ----------------------------------------------------------------------
     # the given plan, else the checkpoint's (same devices and batch), else even data
@@ -497,7 +500,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         autocast_bf16=job.bf16,
     )
     metrics = MetricsWriter(
-        job.metrics_out if lead else None, append=resume is not None or restart_count > 0
+        job.metrics_out if lead else None,
+        append=resume is not None or restart_count > 0 or elastic_round,
     )
     resumed: dict[str, Any] | None = None
     if resume is not None:
