@@ -668,43 +668,92 @@ class ControllerThread:
 
 
 class ControllerLink:
-    """Rank 0's side of the protocol (never blocks on a decision)."""
+    """Rank 0's side of the protocol; never blocks rank 0: the store connection is made in a
+    background thread (a controller process started under ``torchrun`` may take seconds to
+    come up on a busy machine), and until it is up the round's start and the measurements are
+    queued and then sent in order; decisions are read only once connected."""
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
-        host, port = endpoint.rsplit(":", 1)
-        self.store = _store(host, int(port), master=False, timeout_s=timeout_s)
+        self.endpoint = endpoint
+        self.store: Any = None
+        self._queue: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._connect, args=(timeout_s,), name="hetrain-controller-link", daemon=True
+        )
+        self._thread.start()
+
+    def _connect(self, timeout_s: float) -> None:
+        host, port = self.endpoint.rsplit(":", 1)
+        try:
+            store = _store(host, int(port), master=False, timeout_s=timeout_s)
+        except BaseException as exc:  # reported by the next poll
+            self._error = exc
+            return
+        with self._lock:
+            for kind, payload in self._queue:
+                self._send(store, kind, payload)
+            self._queue.clear()
+            self.store = store
+
+    @staticmethod
+    def _send(store: Any, kind: str, payload: Any) -> None:
+        if kind == "init":
+            for key in ("plan", "m_last", "done", "error"):
+                if store.check([PREFIX + key]):
+                    store.delete_key(PREFIX + key)
+            store.set(PREFIX + "init", pickle.dumps(payload))
+            store.set(PREFIX + "init_id", uuid.uuid4().hex)
+        elif kind == "m":
+            step, record = payload
+            store.set(PREFIX + f"m/{step}", pickle.dumps(record))
+            store.set(PREFIX + "m_last", str(step))
+        elif kind == "done":
+            store.set(PREFIX + "done", "1")
+
+    def _submit(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            if self.store is None:
+                self._queue.append((kind, payload))
+                return
+        self._send(self.store, kind, payload)
 
     def start_round(self, init: dict[str, Any]) -> None:
         """Post this round's start (the previous round's keys are dropped)."""
-        for key in ("plan", "m_last", "done", "error"):
-            if self.store.check([PREFIX + key]):
-                self.store.delete_key(PREFIX + key)
-        self.store.set(PREFIX + "init", pickle.dumps(init))
-        self.store.set(PREFIX + "init_id", uuid.uuid4().hex)
+        self._submit("init", init)
 
     def post(self, step: int, record: dict[str, Any]) -> None:
         """Measurements of ``step`` (see the module docstring)."""
-        self.store.set(PREFIX + f"m/{step}", pickle.dumps(record))
-        self.store.set(PREFIX + "m_last", str(step))
+        self._submit("m", (step, record))
 
     def poll(self, current_plan_id: int) -> Decision | None:
-        """The newest decision when it is newer than ``current_plan_id``, else None.
+        """The newest decision when it is newer than ``current_plan_id``, else None (also
+        while the connection is not up yet).
 
         Raises:
-            RuntimeError: the controller failed (its traceback's last line).
+            RuntimeError: the controller failed (its traceback's last line), or its store could
+                not be reached.
         """
-        if self.store.check([PREFIX + "error"]):
-            text = self.store.get(PREFIX + "error").decode(errors="replace").strip()
-            raise RuntimeError(f"the controller failed: {text.splitlines()[-1]}")
-        if not self.store.check([PREFIX + "plan"]):
+        if self._error is not None:
+            raise RuntimeError(f"the controller is unreachable at {self.endpoint}: {self._error}")
+        store = self.store
+        if store is None:
             return None
-        decision = pickle.loads(self.store.get(PREFIX + "plan"))
+        if store.check([PREFIX + "error"]):
+            text = store.get(PREFIX + "error").decode(errors="replace").strip()
+            raise RuntimeError(f"the controller failed: {text.splitlines()[-1]}")
+        if not store.check([PREFIX + "plan"]):
+            return None
+        decision = pickle.loads(store.get(PREFIX + "plan"))
         if int(decision.plan.plan_id) <= int(current_plan_id):
             return None
         return decision
 
-    def close(self) -> None:
-        self.store.set(PREFIX + "done", "1")
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell the controller the round is over (waits up to ``wait_s`` for the connection)."""
+        self._thread.join(timeout=wait_s)
+        self._submit("done", None)
 
 
 def spawn_controller_process(timeout_s: float = 60.0):
