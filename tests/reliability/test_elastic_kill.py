@@ -141,7 +141,7 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
     # reference: an uninterrupted 3-device run from the same checkpoint
     ref = tmp_path / "ref"
     (ref / "ckpt").mkdir(parents=True)
-    name = f"step-{resumed:09d}"
+    name = f"step-{resumed:06d}"
     shutil.copytree(run / "ckpt" / name, ref / "ckpt" / name)
     with ElasticController(
         _args(ref, steps=joined_at), min_devices=3, max_devices=3, max_restarts=0,
