@@ -87,13 +87,23 @@ def record_rank_error(job: TrainJob, exc: BaseException) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+_CONSEQUENCES = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "signalexception",  # the agent terminating the survivors of a failed rank
+    "got signal",
+)
 
 
 def first_failure(path: Path, since_s: float = 0.0) -> str | None:
     """The one line of the root cause among the recorded rank failures: the earliest failure
-    that is not a lost connection to a peer (the others are its consequences), else the
-    earliest; ``rank R (device), layer L (Class): Error: message``. None without records."""
+    that is not a consequence of another (a lost connection to a peer, a timeout, the agent's
+    SIGTERM); ``rank R (device), layer L (Class): Error: message``. None when there is no such
+    record (a rank that exited without an exception, e.g. its watchdog: the caller then uses
+    the elastic agent's record)."""
     if not path.is_file():
         return None
     rows = []
@@ -108,7 +118,9 @@ def first_failure(path: Path, since_s: float = 0.0) -> str | None:
         return None
     rows.sort(key=lambda r: r["time_s"])
     own = [r for r in rows if not any(c in r["error"].lower() for c in _CONSEQUENCES)]
-    row = (own or rows)[0]
+    if not own:  # only consequences recorded (e.g. a rank ended by its watchdog): the agent's
+        return None  # own record of the first failure is the better line
+    row = own[0]
     where = f"rank {row['rank']} ({row['device']})"
     if row.get("layer"):
         where += f", layer {row['layer']}"
