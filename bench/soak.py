@@ -3,7 +3,8 @@
 Replays a real spot-instance availability trace (default: Bamboo's AWS p3 trace,
 ``../shared/data/bamboo/p3-trace.csv``: 344 add/remove events over ~11 h) onto a local pool of
 ``--devices`` emulated devices, each one torchrun agent + one rank
-(:class:`hetrain.runtime.elastic.ElasticController`). The trace's instance count ``N(t)`` is
+(:class:`hetrain.runtime.elastic.ElasticController`), training ``hetrain train --example digits``
+(the one per-rank loop). The trace's instance count ``N(t)`` is
 scaled to the pool, ``target(t) = clamp(round(D * N(t) / max N), 1, D)``, and the whole trace is
 compressed into ``--minutes`` of wall time (changes closer than ``--min-gap`` seconds are merged).
 When the target drops, the highest-numbered live device is lost without warning (SIGKILL to its
@@ -96,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--min-gap", type=float, default=20.0, help="seconds between changes")
-    p.add_argument("--step-time", type=float, default=0.1, help="min seconds per step")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=4.0,
+        help="every device emulates one this many times slower than a host core (sleeping), so "
+        "steps take long enough for churn to land mid-run",
+    )
     p.add_argument("--graceful", action="store_true", help="SIGTERM instead of SIGKILL")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: a temp dir)")
     p.add_argument("--json-out", type=Path, default=None)
@@ -110,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = schedule(instance_counts(a.trace), a.devices, seconds, a.min_gap)
     names = [f"w{i}" for i in range(a.devices)]
     worker_args = [
-        "--steps", "100000000", "--batch", "24", "--checkpoint-dir", str(out / "ckpt"),
-        "--checkpoint-every", str(a.checkpoint_every), "--metrics-out", str(out / "metrics.jsonl"),
-        "--min-step-time", str(a.step_time), "--hang-timeout", "60",
+        "train", "--example", "digits", "--steps", "100000000", "--batch", "24",
+        "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", str(a.checkpoint_every),
+        "--metrics-out", str(out / "metrics.jsonl"), "--run-dir", str(out / "run"),
+        "--no-report", "--no-progress", "--hang-timeout", "60",
+        *[x for d in names for x in ("--slowdown", f"{d}={a.slowdown:g}")],
     ]  # fmt: skip
     sig = signal.SIGTERM if a.graceful else signal.SIGKILL
     events: list[dict] = []

@@ -13,16 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetrain.runtime.checkpoint_io import (
+from hetrain.runtime.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_latest,
     load_tensors,
     model_fingerprint,
-    save_checkpoint,
+    save,
 )
 
 FP = "toy-fingerprint"
+PLAN = {"groups": [{"devices": ["w0"], "stages": [[0, 8]], "microbatch_size": 4, "batch": 4}]}
+
+
+def save_checkpoint(root, step, state, *, fingerprint, meta=None, keep=None):
+    """The trainer's checkpoint call (:func:`hetrain.runtime.checkpoint.save`) with a manifest
+    of ``fingerprint``, a data position and ``meta``."""
+    manifest = {"data_position": step * 4, "plan": PLAN, "model_fingerprint": fingerprint}
+    return save(root, step, state, {**manifest, **(meta or {})}, keep=keep)
 
 
 def _state(step: int, numel: int = 1000) -> dict[str, torch.Tensor]:
@@ -40,10 +48,12 @@ def _assert_is_step(tensors: dict[str, torch.Tensor], step: int) -> None:
 
 def test_roundtrip_retention_and_meta(tmp_path):
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, _state(step), fingerprint=FP, meta={"pos": step * 8})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000002", "step-000000003"]
+        save_checkpoint(
+            tmp_path, step, _state(step), fingerprint=FP, meta={"pos": step * 8}, keep=2
+        )
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
     info = load_latest(tmp_path, fingerprint=FP)
-    assert info is not None and info.step == 3 and info.meta == {"pos": 24}
+    assert info is not None and info.step == 3 and info.manifest["pos"] == 24
     tensors = load_tensors(info)
     assert set(tensors) == set(_state(3))
     _assert_is_step(tensors, 3)
@@ -74,7 +84,7 @@ def test_corrupted_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="manifest says"):
         load_latest(tmp_path)
     (newest / "manifest.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="expected a hetrain checkpoint manifest"):
+    with pytest.raises(CheckpointError, match="expected valid JSON"):
         load_latest(tmp_path)
 
 

@@ -1,5 +1,6 @@
-"""Elastic membership (issue 6, "Must show"): SIGKILL one of 4 devices (its torchrun agent and its
-rank) mid-run. Training goes on on the remaining 3; the loss curve after the restart equals an
+"""Elastic membership (issue 6, "Must show"), on ``hetrain train`` (the one per-rank loop,
+issue 10) with the digits example: SIGKILL one of 4 devices (its torchrun agent and its rank)
+mid-run. Training goes on on the remaining 3; the loss curve after the restart equals an
 uninterrupted 3-device run from the same checkpoint; the JSONL metrics record the failure and
 the new plan; no step of the deterministic data order is skipped, and only the steps after the
 last checkpoint are redone. Then the device comes back: it is used from the next plan, and the
@@ -16,13 +17,13 @@ import pytest
 
 from hetrain.runtime.elastic import ElasticController, read_jsonl
 
-STEPS = 220  # long enough that the returning device joins before the end
+STEPS = 160  # long enough that the returning device joins before the end
 EVERY = 5
 KILL_AFTER_STEP = 12
 REJOIN_AFTER_STEP = 28
 VICTIM = "w3"
 DEVICES = ["w0", "w1", "w2", "w3"]
-RUN_TIMEOUT_S = 400
+RUN_TIMEOUT_S = 600
 
 
 CLUSTER = """\
@@ -38,10 +39,14 @@ devices:
 def _args(root: Path, steps: int = STEPS) -> list[str]:
     root.mkdir(parents=True, exist_ok=True)
     (root / "cluster.yaml").write_text(CLUSTER)
-    return ["--cluster", str(root / "cluster.yaml"),
+    # float64: the engine's update is the same under any plan up to summation order (rtol
+    # 1e-9), so the interrupted run and the reference agree whatever plans their controllers
+    # chose
+    return ["train", "--example", "digits", "--cluster", str(root / "cluster.yaml"),
         "--steps", str(steps), "--batch", "24", "--checkpoint-dir", str(root / "ckpt"),
         "--checkpoint-every", str(EVERY), "--metrics-out", str(root / "metrics.jsonl"),
-        "--min-step-time", "0.1", "--hang-timeout", "60", "--keep", "100", "--seed", "3",
+        "--run-dir", str(root / "out"), "--no-report", "--no-progress", "--hang-timeout", "60",
+        "--seed", "3", "--dtype", "float64", "--lr-schedule", "constant",
     ]  # fmt: skip
 
 
@@ -89,16 +94,18 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
 
     records = read_jsonl(metrics)
     start = records[0]
-    assert start["event"] == "start" and start["world_size"] == 4, records[0]
+    assert start["event"] == "plan" and len(start["plan"]["groups"]) == 4, records[0]
     restarts = [r for r in records if r.get("event") == "restart"]
     assert len(restarts) == 2, restarts
     restart, rejoin = restarts
     # the failure and the new plan are recorded
     assert restart["lost_devices"] == [VICTIM]
-    assert sorted(restart["devices"]) == ["w0", "w1", "w2"] and restart["world_size"] == 3
-    assert restart["plan_id"] == start["plan_id"] + 1
+    assert sorted(restart["devices"]) == ["w0", "w1", "w2"]
+    before_ids = [r["plan_id"] for r in records[: records.index(restart)] if "plan_id" in r]
+    assert restart["plan_id"] == max(before_ids) + 1  # a new plan for the devices that remain
     plans = [r for r in records if r.get("event") == "plan"]
-    new_plan = next(p for p in plans if p["plan_id"] == restart["plan_id"])
+    new_plan = records[records.index(restart) + 1]
+    assert new_plan["event"] == "plan" and new_plan["plan_id"] == restart["plan_id"]
     assert sorted(d for g in new_plan["plan"]["groups"] for d in g["devices"]) == [
         "w0", "w1", "w2"
     ]  # fmt: skip
@@ -110,11 +117,13 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
     assert 0 <= restart["redone_steps"] <= EVERY
     # the returning device is used from the next plan, and nothing is redone for a join
     assert rejoin["joined_devices"] == [VICTIM] and rejoin["lost_devices"] == []
-    assert rejoin["world_size"] == 4 and rejoin["plan_id"] == restart["plan_id"] + 1
+    assert len(rejoin["devices"]) == 4
+    between = [r["plan_id"] for r in records[: records.index(rejoin)] if "plan_id" in r]
+    assert rejoin["plan_id"] == max(between) + 1
     assert rejoin["redone_steps"] == 0
     joined_at = rejoin["resumed_from_step"]
     assert REJOIN_AFTER_STEP < joined_at < STEPS, "the device must rejoin mid-run"
-    last_plan = next(p for p in plans if p["plan_id"] == rejoin["plan_id"])
+    last_plan = records[records.index(rejoin) + 1]
     assert VICTIM in {d for g in last_plan["plan"]["groups"] for d in g["devices"]}
     # every step of the data order is trained; after each restart exactly once each, in order
     i1, i2 = records.index(restart), records.index(rejoin)
@@ -124,15 +133,15 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
     assert before == list(range(len(before)))
     assert [r["step"] for r in after] == list(range(resumed, joined_at))
     assert [r["step"] for r in final] == list(range(joined_at, STEPS))
-    assert all(r["world_size"] == 3 and r["plan_id"] == restart["plan_id"] for r in after)
-    assert all(r["world_size"] == 4 and r["plan_id"] == rejoin["plan_id"] for r in final)
+    assert all(r["world_size"] == 3 and r["plan_id"] >= restart["plan_id"] for r in after)
+    assert all(r["world_size"] == 4 and r["plan_id"] >= rejoin["plan_id"] for r in final)
     assert records[-1]["event"] == "end"
     assert [r["event"] for r in records].count("end") == 1
 
     # reference: an uninterrupted 3-device run from the same checkpoint
     ref = tmp_path / "ref"
     (ref / "ckpt").mkdir(parents=True)
-    name = f"step-{resumed:09d}"
+    name = f"step-{resumed:06d}"
     shutil.copytree(run / "ckpt" / name, ref / "ckpt" / name)
     with ElasticController(
         _args(ref, steps=joined_at), min_devices=3, max_devices=3, max_restarts=0,
@@ -143,12 +152,12 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
         codes = ctl.wait(RUN_TIMEOUT_S)
     assert codes == {"w0": 0, "w1": 0, "w2": 0}, _logs(ref)
     ref_records = read_jsonl(ref / "metrics.jsonl")
-    assert ref_records[0]["event"] == "resume" and ref_records[0]["resumed_from_step"] == resumed
+    assert ref_records[0]["event"] == "restart" and ref_records[0]["resumed_from_step"] == resumed
     ref_steps = _steps(ref_records)  # the 3-device segment of the elastic run
     assert [r["step"] for r in ref_steps] == list(range(resumed, joined_at))
     got = np.array([r["loss"] for r in after])
     want = np.array([r["loss"] for r in ref_steps])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-10)
     # and the curve is a real training curve (it went down), not a constant
     assert got[-1] < got[0]
 

@@ -548,29 +548,22 @@ def saved_checkpoints(tmp_path_factory):
     import torch
 
     from hetrain.runtime import checkpoint as ckpt
-    from hetrain.runtime.checkpoint_io import save_checkpoint
 
     root = tmp_path_factory.mktemp("ckpts")
     state = {"layers.0.weight": torch.arange(6.0).reshape(2, 3), "layers.1.bias": torch.ones(2)}
-    io_path = save_checkpoint(root / "io", 3, state, fingerprint="fp", meta={"pos": 3})
     plan = {"groups": [{"devices": ["a"], "stages": [[0, 2]], "microbatch_size": 1, "batch": 2}]}
-    with pytest.warns(UserWarning):  # DCP: "assuming ... single process"
-        train_path = ckpt.save(
-            root / "train", 3, state, {"data_position": 6, "plan": plan, "model_fingerprint": "fp"}
-        )
-    return {
-        "io": (io_path, json.loads((io_path / "manifest.json").read_text())),
-        "train": (train_path, json.loads((train_path / "manifest.json").read_text())),
-    }
+    train_path = ckpt.save(
+        root / "train", 3, state, {"data_position": 6, "plan": plan, "model_fingerprint": "fp"}
+    )
+    return {"train": (train_path, json.loads((train_path / "manifest.json").read_text()))}
 
 
 @FUZZ
-@given(which=st.sampled_from(["io", "train"]), data=st.data())
+@given(which=st.sampled_from(["train"]), data=st.data())
 def test_fuzz_checkpoint_manifest(which, data, saved_checkpoints, counts):
     """Any mutation of a checkpoint's manifest either still describes the same files (loads
     the same tensors) or is a one-line error naming the checkpoint; never a crash."""
     from hetrain.runtime import checkpoint as ckpt
-    from hetrain.runtime.checkpoint_io import load_tensors, validate_checkpoint
 
     path, good = saved_checkpoints[which]
     mutated = data.draw(mutated_tree(good))
@@ -579,12 +572,9 @@ def test_fuzz_checkpoint_manifest(which, data, saved_checkpoints, counts):
     original = target.read_bytes()
     target.write_bytes(text.encode("utf-8", errors="surrogatepass"))
     try:
-        if which == "io":
-            info = validate_checkpoint(path, fingerprint="fp")
-            tensors = load_tensors(info)
-            assert float(tensors["layers.0.weight"].sum()) == 15.0
-        else:
-            ckpt.read_checkpoint(path)
+        info = ckpt.read_checkpoint(path, fingerprint="fp")
+        tensors = ckpt.load_tensors(info)
+        assert float(tensors["layers.0.weight"].sum()) == 15.0
     except InputError as exc:  # CheckpointError is an InputError
         message = str(exc)
         assert message.startswith(str(path)), message

@@ -27,7 +27,7 @@ def test_hetrain_train_survives_losing_a_device(tmp_path: Path):
     ]  # fmt: skip
     with ElasticController(
         args, min_devices=1, max_devices=3, max_restarts=3, log_dir=tmp_path / "logs",
-        last_call_s=3, worker_module="hetrain",
+        last_call_s=3,
     ) as ctl:  # fmt: skip
         for d in ["w0", "w1", "w2"]:
             ctl.add_device(d)

@@ -141,10 +141,18 @@ def run_train(
 
         rank, world = torchrun_world()
         devices = load_plan(plan).devices if plan is not None else [f"w{i}" for i in range(world)]
-        if plan is None and cluster is None and elastic_device_ids_given():
+        if elastic_device_ids_given():
             # elastic: one torchrun agent per device (hetrain.runtime.elastic); the devices of
-            # this round are the agents present, whatever joined or left since the last one
+            # this round are the agents present, whatever joined or left since the last one.
+            # --cluster is restricted to them; --plan is used while it names exactly them
+            # (else the round starts from even shares and the controller re-plans)
             devices = gather_device_ids(hang_timeout_s)
+            if cluster is not None:
+                options["cluster"] = _cluster_subset(cluster, devices)
+            if plan is not None and set(load_plan(plan).devices) != set(devices):
+                options["plan"] = None
+            if slowdown:  # factors of devices that are not in this round do not apply
+                options["slowdown"] = [s for s in slowdown if s.split("=", 1)[0] in devices]
         if len(devices) != world:
             raise InputError(
                 str(plan),
@@ -152,7 +160,15 @@ def run_train(
                 f"expected {world} devices (torchrun world size), the plan names {len(devices)}",
             )
         job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
-        summary = run_worker(job)
+        try:
+            summary = run_worker(job)
+        except SystemExit:  # a graceful stop (SIGTERM): exit status 143 or 75
+            raise
+        except BaseException as exc:  # every rank's traceback in RUN_DIR/rank_errors.jsonl
+            from hetrain.runtime.launch import record_rank_error
+
+            record_rank_error(job, exc)
+            raise
         if summary is not None:
             _print_summary(summary, job, report, json_out)
         return 0
@@ -194,21 +210,55 @@ def run_train(
     return 0
 
 
+def _cluster_subset(cluster: Path, devices: list[str]) -> dict:
+    """The cluster file restricted to ``devices`` (an elastic round's members).
+
+    Raises:
+        InputError: a member is not in the cluster file.
+    """
+    from hetrain.cluster import load_cluster
+
+    spec = load_cluster(cluster)
+    known = {d.id for d in spec.devices}
+    missing = [d for d in devices if d not in known]
+    if missing:
+        raise InputError(str(cluster), "devices", f"expected ids for {', '.join(missing)}")
+    raw = spec.model_dump(mode="json")
+    raw["devices"] = [d for d in raw["devices"] if d["id"] in set(devices)]
+    return raw
+
+
 def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -> None:
     files: list[str] = []
     if report and job.metrics_out and job.run_dir:
         from hetrain.report.run_report import write_report
 
-        files = write_report(job.metrics_out, job.run_dir)["files"]
+        written = write_report(job.metrics_out, job.run_dir)
+        files = written["files"]
         summary["report_files"] = files
+        summary["dp_even"] = written.get("dp_even")
     if json_out:
         print(json.dumps(summary, default=str))
         return
     wall = summary.get("launch_wall_time_s", summary.get("wall_time_s", 0.0))
+    trained = summary.get("trained_steps", summary["steps"])
+    start = summary.get("start_step", 0)
+    span = f"steps {start}-{summary['steps'] - 1}, " if start else ""
+    ranks = len(job.devices)
     print(
-        f"trained {summary['steps']} steps on {len(job.devices)} ranks in {wall:.1f}s; "
+        f"trained {trained} steps ({span}resumed from step {start}) "
+        if start
+        else f"trained {trained} steps ",
+        end="",
+    )
+    print(
+        f"on {ranks} rank{'s' if ranks != 1 else ''} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
     )
+    if summary.get("dp_even"):
+        from hetrain.report.run_report import comparison_line
+
+        print(comparison_line(summary["dp_even"]))
     print(f"quality: {summary['quality']}")
     print(f"metrics: {job.metrics_out}; model state_dict: {summary.get('model_path')}")
     if files:

@@ -75,6 +75,45 @@ def plot_iteration_times(events: Sequence[dict[str, Any]], path: str | Path) -> 
     return path
 
 
+def plot_predicted_vs_measured(
+    events: Sequence[dict[str, Any]], controller_rows: Sequence[dict[str, Any]], path: str | Path
+) -> Path:
+    """Measured iteration time per step next to the controller's SPEC §3 prediction of the plan
+    in force and of even data parallelism on the same estimates (``controller.jsonl``); writes
+    ``path`` (PNG)."""
+    plt = _plt()
+    steps = [e for e in events if e.get("event") == "step"]
+    replans = [e for e in events if e.get("event") == "replan"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(
+        [e["step"] for e in steps],
+        [e["iteration_time_s"] for e in steps],
+        lw=1.0,
+        label="measured",
+    )
+    xs = [r["step"] for r in controller_rows]
+    ax.plot(xs, [r["predicted_time_s"] for r in controller_rows], lw=1.2, label="predicted (plan)")
+    ax.plot(
+        xs,
+        [r["dp_even_time_s"] for r in controller_rows],
+        lw=1.0,
+        ls="--",
+        label="predicted (dp-even)",
+    )
+    for r in replans:
+        ax.axvline(r["step"] - 0.5, color="tab:red", ls="--", lw=0.9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("iteration time (s)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title("predicted vs measured iteration time (dashed red: plan changes)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_timeline(timeline: dict[str, Any], path: str | Path) -> Path:
     """Gantt chart of one iteration: a panel per group, a row per stage; writes ``path``."""
     plt = _plt()

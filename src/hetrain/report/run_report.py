@@ -44,18 +44,98 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def controller_log_path(metrics_path: str | Path) -> Path:
+    """The controller's per-step predictions beside the metrics (``controller.jsonl``)."""
+    return Path(metrics_path).with_name("controller.jsonl")
+
+
+def slowdown_step(events: list[dict[str, Any]]) -> int | None:
+    """First step whose emulated slow-down factors differ from the first step's (None: no
+    change)."""
+    steps = [e for e in events if e.get("event") == "step"]
+    if not steps:
+        return None
+    first = steps[0].get("slowdown") or {}
+    for e in steps[1:]:
+        if (e.get("slowdown") or {}) != first:
+            return int(e["step"])
+    return None
+
+
+def compare_with_dp_even(
+    events: list[dict[str, Any]], controller_rows: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Mean measured iteration time after the slow-down next to even data parallelism on the
+    same measured speeds.
+
+    The controller logs, for every step, the SPEC §3 prediction of the plan in force and of
+    dp-even (SPEC §6) on its current estimates. The model leaves out per-step costs that are
+    the same for every plan (Python, optimizer, launch), so dp-even's measured-scale figure is
+    its prediction times the run's measured/predicted ratio over the same steps
+    (``dp_even_time_s``); the raw predictions are given too. ``None`` without a slow-down or
+    without controller rows after it.
+    """
+    start = slowdown_step(events)
+    if start is None:
+        return None
+    measured = {
+        int(e["step"]): float(e["iteration_time_s"])
+        for e in events
+        if e.get("event") == "step" and int(e["step"]) >= start
+    }
+    rows = [r for r in controller_rows if int(r["step"]) in measured]
+    if not rows or not measured:
+        return None
+    mean_measured = statistics.fmean(measured.values())
+    pred = statistics.fmean(float(r["predicted_time_s"]) for r in rows)
+    even = statistics.fmean(float(r["dp_even_time_s"]) for r in rows)
+    ratio = statistics.fmean(measured[int(r["step"])] for r in rows) / pred if pred > 0 else 1.0
+    return {
+        "slowdown_step": start,
+        "mean_measured_time_s": mean_measured,
+        "mean_predicted_time_s": pred,
+        "dp_even_predicted_time_s": even,
+        "measured_over_predicted": ratio,
+        "dp_even_time_s": even * ratio,
+        "speedup_over_dp_even": even * ratio / mean_measured if mean_measured > 0 else None,
+    }
+
+
+def comparison_line(cmp: dict[str, Any]) -> str:
+    """One console line of :func:`compare_with_dp_even`."""
+    return (
+        f"after the slow-down (step {cmp['slowdown_step']} on): mean iteration "
+        f"{cmp['mean_measured_time_s'] * 1e3:.1f} ms measured; even data parallelism on the "
+        f"same measured speeds: {cmp['dp_even_time_s'] * 1e3:.1f} ms "
+        f"({cmp['speedup_over_dp_even']:.2f}x; predicted {cmp['mean_predicted_time_s'] * 1e3:.1f}"
+        f" vs {cmp['dp_even_predicted_time_s'] * 1e3:.1f} ms)"
+    )
+
+
 def write_report(metrics_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Plots (``iteration_time.png``, ``timeline_<step>.png``) and ``report.txt`` into
-    ``out_dir``; returns the summary with ``files``."""
-    from hetrain.report.plots import plot_iteration_times, plot_timeline
+    """Plots (``iteration_time.png``, ``timeline_<step>.png``, ``predicted_vs_measured.png``
+    when the controller logged predictions) and ``report.txt`` into ``out_dir``; returns the
+    summary with ``files`` and ``dp_even`` (:func:`compare_with_dp_even`)."""
+    from hetrain.report.plots import (
+        plot_iteration_times,
+        plot_predicted_vs_measured,
+        plot_timeline,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     events = read_metrics(metrics_path)
     summary = summarize(events)
+    ctl_path = controller_log_path(metrics_path)
+    controller_rows = read_metrics(ctl_path) if ctl_path.is_file() else []
     files = []
     if summary["steps"]:
         files.append(plot_iteration_times(events, out / "iteration_time.png"))
+    if controller_rows:
+        files.append(
+            plot_predicted_vs_measured(events, controller_rows, out / "predicted_vs_measured.png")
+        )
+    summary["dp_even"] = compare_with_dp_even(events, controller_rows)
     for e in events:
         if e.get("event") == "timeline":
             files.append(plot_timeline(e, out / f"timeline_step{e['step']}.png"))
@@ -70,6 +150,8 @@ def write_report(metrics_path: str | Path, out_dir: str | Path) -> dict[str, Any
         "validation: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items()),
         "plots: " + ", ".join(str(f) for f in files),
     ]
+    if summary["dp_even"]:
+        lines.insert(2, comparison_line(summary["dp_even"]))
     (out / "report.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     summary["files"] = [str(f) for f in files]
     summary["text"] = lines

@@ -1,40 +1,60 @@
-"""Online adaptation (SPEC §4-§5): measured speeds -> estimates -> re-plan under hysteresis.
+"""The controller of a training run (SPEC §4-§5), in its own process: measured step times ->
+speed estimates -> :class:`~hetrain.control.lyapunov.LyapunovController` -> plan changes that hold.
 
-Every iteration each rank reports the compute time of its stage; :class:`Adapter` (on rank 0)
-turns them into per-device speeds ``s_d = FLOPs done / compute time`` (FLOP/s, the FLOPs from
-the model profile ``Σ_{l∈S_k} (f_l + w_l)`` times the samples the rank processed), smooths them
-(:class:`hetrain.calibration.ClusterEstimator` when present: EWMA with outlier rejection; else a
-median-of-3 + EWMA fallback here), builds the observed :class:`~hetrain.cluster.ClusterState`
-and asks :func:`propose_plan` — **the one seam** where the policy lives:
+Where it runs. The process that launches the ranks (``hetrain train``: the elastic launcher's
+parent) runs :class:`ControllerService` in a thread, beside a ``torch.distributed.TCPStore`` it
+hosts (``TrainJob.controller_endpoint``); under ``torchrun`` rank 0 starts it as a separate
+process (``python -m hetrain.runtime.adapt --port P``). No search ever runs in a rank's
+process, so a search neither holds a rank's GIL nor delays its step.
 
-1. ``hetrain.control.make_policy("lyapunov", ...)`` when the controller is on main (it weighs
-   migration itself);
-2. else ``hetrain.planner.best_plan`` (greedy minimum of ``T``), kept only when the predicted gain
-   over the current plan pays for the migration (hysteresis below);
-3. else :func:`rebalance_shares`: the current groups and stages with integer shares that
-   minimise the predicted ``max_g T_g`` (water-filling; optimal for increasing separable
-   costs).
+Protocol (keys of that store, :class:`ControllerLink` on rank 0):
 
-Hysteresis (greedy paths): switch only when ``(T_cur - T_new) * horizon > migration_time_s``
-and ``T_new < (1 - min_gain) * T_cur``, with ``horizon = min(steps left, horizon_steps)``, and
-not within ``cooldown_steps`` of the last change. ``T`` is SPEC §3's iteration time
-(``hetrain.costmodel.evaluate_plan`` when present, else the compute-only
-``A_g + (n_g - 1) M_g`` of :func:`predict_iteration_time_s`).
+- ``init`` (+ ``init_id``): the model profile, the start-up cluster state (measured speeds and
+  ``κ``), the training configuration, the current plan and the first step of this round;
+- ``m/{step}`` (+ ``m_last``): after every step, each rank's compute, send/recv and exposed sync
+  seconds (rank 0 all-gathers them already) and the plan id they ran under; never waited for;
+- ``plan``: the newest :class:`Decision` (plan with its id, the estimates that chose it, the
+  predicted before/after figures). Rank 0 reads it between steps (one ``check``) and the
+  step's existing broadcast tells every rank, so all switch at the same step;
+- ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
+  ``done``: rank 0 finished.
 
-No torch here: the runtime calls it with floats.
+Decisions (:func:`controller_decide`, the one integration point with ``hetrain.control``): the
+policy proposes; a change is applied only when, on the *same* estimates, its predicted
+steady-state iteration time is lower than the current plan's by ``min_gain`` (relative), the
+gain over the expected persistence ``min(steps left, horizon_steps)`` pays its migration time
+(SPEC §4, v3: idle groups that become active included), and it looked so on ``confirm_steps``
+consecutive decisions (noise guard). The controller's state (estimates, policy with its
+queues, plan ids) is saved next to every checkpoint and restored on resume
+(``{checkpoint_dir}/controller/state-{step}.pkl``); the ranks keep their plan meanwhile.
+
+Imports numpy and the planning modules only; torch only for the store, lazily.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.control import plan_of
+from hetrain.control import make_policy
+from hetrain.control.incremental import StructureArrays, rebalance_shares
+from hetrain.control.migration import migration_time_s
+from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
 
@@ -43,69 +63,50 @@ from hetrain.profile import ProfileArrays
 # --------------------------------------------------------------------------------------------
 
 
-class _Median3Ewma:
-    """Fallback estimator: EWMA (weight ``alpha``) of the median of the last 3 samples, so a
-    single spike is ignored and a lasting change is followed after 2 samples."""
-
-    def __init__(self, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.recent: list[float] = []
-        self.value: float | None = None
-
-    def update(self, x: float) -> None:
-        self.recent = (self.recent + [float(x)])[-5:]
-        m = float(np.median(self.recent))
-        self.value = m if self.value is None else self.value + self.alpha * (m - self.value)
-
-
 class SpeedEstimates:
-    """Per-device speed estimates (FLOP/s) from per-iteration compute measurements.
+    """Per-device speed estimates (FLOP/s) from per-iteration compute measurements: the median
+    of the last ``window`` samples ``flops / (time_s - n_microbatches κ_d)`` (SPEC §3: each
+    micro-batch costs ``μ c + κ``).
 
-    Uses ``hetrain.calibration.ClusterEstimator`` when that module exists, else
-    :class:`_Median3Ewma` per device.
+    A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
+    time (descheduled) for several steps in a row, which an EWMA carries into the next
+    decisions; the median of 13 ignores up to 6 such steps and follows a lasting change after 7
+    (docs/training.md).
     """
 
     def __init__(
         self,
         ids: Sequence[str],
         kappa_s: Sequence[float] | None = None,
+        window: int = 13,
         layer_overhead_s: Sequence[float] | None = None,
     ) -> None:
         self.ids = tuple(ids)
-        try:
-            from hetrain.calibration import ClusterEstimator
-
-            self._cluster = ClusterEstimator(
-                self.ids,
-                kappa_s=kappa_s,
-                layer_overhead_s=layer_overhead_s,
-                alpha=0.3,
-                threshold=4.0,
-                max_consecutive_outliers=3,
-            )
-            self._fallback = None
-        except ImportError:  # the calibration module is not on this branch yet
-            self._cluster = None
-            self._fallback = {d: _Median3Ewma() for d in self.ids}
+        self.kappa_s = dict(zip(self.ids, kappa_s or [0.0] * len(self.ids), strict=True))
+        self.layer_overhead_s = dict(
+            zip(self.ids, layer_overhead_s or [0.0] * len(self.ids), strict=True)
+        )
+        self.window = int(window)
+        self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
 
     def observe(
         self, device: str, flops: float, time_s: float, num_microbatches: int, num_layers: int = 0
     ) -> None:
         """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
         ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (SPEC v3: κ and
-        λ per layer are subtracted)."""
-        if flops <= 0 or time_s <= 0 or not math.isfinite(time_s):
+        λ per layer, ``n (κ + λ |S|)``, are subtracted before the speed is taken)."""
+        if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
             return
-        if self._cluster is not None:
-            self._cluster.observe_compute(device, flops, time_s, num_microbatches, num_layers)
-        else:
-            self._fallback[device].update(flops / time_s)
+        overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
+        busy = time_s - num_microbatches * overhead_s
+        busy = max(busy, 0.5 * time_s)  # κ is an estimate too: never more than half the step
+        recent = self._samples[device]
+        recent.append(flops / busy)
+        del recent[: -self.window]
 
     def speeds_flops(self) -> dict[str, float]:
         """Current estimates (devices with at least one measurement)."""
-        if self._cluster is not None:
-            return dict(self._cluster.speed_flops())
-        return {d: e.value for d, e in self._fallback.items() if e.value is not None}
+        return {d: float(np.median(v)) for d, v in self._samples.items() if v}
 
     def apply(self, state: ClusterState) -> ClusterState:
         """``state`` with measured speeds where there are any."""
@@ -118,92 +119,702 @@ class SpeedEstimates:
 
 
 # --------------------------------------------------------------------------------------------
-# prediction and re-balancing (fallbacks until the planner / cost model are on main)
+# predictions
 # --------------------------------------------------------------------------------------------
 
 
-def _stage_times(group: GroupPlan, state: ClusterState, profile: ProfileArrays) -> list[float]:
-    """Per-sample compute seconds ``c_k`` of each stage of ``group`` (SPEC §3)."""
-    idx = state.index()
-    flops = profile.train_flops
-    return [
-        float(flops[start:end].sum()) / float(state.speed_flops[idx[d]])
-        for d, (start, end) in zip(group.devices, group.stages, strict=True)
-    ]
-
-
-def group_time_s(group: GroupPlan, batch: int, state: ClusterState, profile: ProfileArrays):
-    """Compute-only SPEC §3 group time ``A_g + (n_g - 1) M_g`` for share ``batch`` (seconds);
-    0 when ``batch`` is 0. Communication and κ are ignored (fallback model)."""
-    if batch <= 0:
-        return 0.0
-    c = _stage_times(group, state, profile)
-    mu = group.microbatch_size
-    per_mb = [
-        mu * ck + float(state.kappa_s[state.index()[d]])
-        for ck, d in zip(c, group.devices, strict=True)
-    ]
-    n = -(-batch // mu)
-    return sum(per_mb) + (n - 1) * max(per_mb)
-
-
 def predict_iteration_time_s(
-    plan: Plan, state: ClusterState, profile: ProfileArrays, config: Any = None
+    plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> float:
-    """Predicted iteration time ``T`` of ``plan`` on ``state`` (seconds): SPEC §3 via
-    ``hetrain.costmodel.evaluate_plan`` when present, else the compute-only ``max_g T_g``."""
-    try:
-        from hetrain.costmodel import evaluate_plan
-
-        if config is not None:
-            return float(evaluate_plan(plan, state, profile, config).iteration_time_s)
-    except ImportError:
-        pass
-    return max(group_time_s(g, g.batch, state, profile) for g in plan.groups)
+    """Predicted iteration time ``T`` of ``plan`` on ``state`` (seconds, SPEC §3,
+    :func:`hetrain.costmodel.evaluate_plan`)."""
+    return float(evaluate_plan(plan, state, profile, config).iteration_time_s)
 
 
-def rebalance_shares(
-    plan: Plan, state: ClusterState, profile: ProfileArrays, *, min_share: int = 0
-) -> Plan:
-    """Same groups and stages, integer shares (sum ``B``) minimising ``max_g T_g``: samples are
-    handed out one micro-batch-aligned chunk at a time to the group whose time grows least
-    (water-filling; exact for separable non-decreasing ``T_g``). Each group gets at least
-    ``min_share`` samples (keeps measuring a slow group). A single-device group (pure data
-    parallel) runs its share as one micro-batch (``μ_g = b_g``; the fastest on one device), so
-    its shares move one sample at a time."""
-    batch = plan.global_batch
-    shares = [min(min_share, batch // len(plan.groups)) for _ in plan.groups]
-    left = batch - sum(shares)
-    single = [g.num_stages == 1 for g in plan.groups]
+def migration_time_estimate_s(
+    old: Plan, new: Plan, profile: ProfileArrays, state: ClusterState, optimizer_state_factor: float
+) -> float:
+    """Migration time of ``old -> new`` (seconds; SPEC §4, v3: a group that goes from idle to
+    active receives weights and optimizer state too), by
+    :func:`hetrain.control.migration.migration_time_s`. 0 when the active structure is equal."""
+    if old.structure() == new.structure():
+        return 0.0
+    return float(migration_time_s(old, new, state, profile, optimizer_state_factor))
 
-    def chunk(g: int) -> int:
-        if single[g]:
-            return 1
-        mu = plan.groups[g].microbatch_size
-        return min(left, mu - shares[g] % mu)
 
-    def time_with(g: int, b: int) -> float:
-        group = plan.groups[g]
-        if single[g]:
-            group = group.model_copy(update={"microbatch_size": max(b, 1)})
-        return group_time_s(group, b, state, profile)
-
-    while left > 0:
-        best, best_t = 0, math.inf
-        for g in range(len(plan.groups)):
-            t = time_with(g, shares[g] + chunk(g))
-            if t < best_t - 1e-15:
-                best, best_t = g, t
-        step = chunk(best)
-        shares[best] += step
-        left -= step
-    groups = tuple(
-        g.model_copy(
-            update={"batch": b, "microbatch_size": max(b, 1) if one else g.microbatch_size}
-        )
-        for g, b, one in zip(plan.groups, shares, single, strict=True)
+def policy_options() -> dict[str, Any]:
+    """Tuning of the runtime's :class:`~hetrain.control.lyapunov.LyapunovController`: measured
+    speeds are noisy (shared CPUs, ±20 % from step to step), so a structure switch must win by
+    20 % and pay its migration within at most 20 steps; a new search runs when the current
+    plan's predicted ``T/T_LB`` drifted by 25 %, or every 50 steps (the search runs in the
+    controller's process, not in a rank); decisions apply one step after the measurements they
+    use (``decision_delay_slots=1``); no wall-clock budget on searches (reproducible)."""
+    return dict(
+        switch_margin=0.2,
+        horizon_slots=20.0,
+        replan_every=50,
+        drift_tolerance=0.25,
+        decision_delay_slots=1,
     )
-    return plan.model_copy(update={"groups": groups, "plan_id": None})
+
+
+# --------------------------------------------------------------------------------------------
+# decisions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decision:
+    """A plan change and the figures that chose it (all on the same estimates).
+
+    Attributes:
+        plan: the new plan (its ``plan_id`` set by the controller).
+        reason: why (``"rebalance"``: shares only; ``"re-plan"``: new groups/stages; plus the
+            slow-down that moved the estimates, when one did).
+        decided_after_step: the last step whose measurements the decision saw.
+        current_time_s, predicted_time_s: SPEC §3 iteration time of the current and the new
+            plan on ``speeds_flops`` (seconds).
+        migration_time_s: predicted migration time of the change (seconds).
+        horizon_steps: steps over which the gain was required to pay the migration.
+        structure_changed: groups/stages (or the set of active groups) changed.
+        speeds_flops: the speed estimates (FLOP/s per device) that chose the plan.
+        shares_before, shares_after: ``{device: samples}`` (a pipeline's share under each of
+            its devices).
+    """
+
+    plan: Plan
+    reason: str
+    decided_after_step: int
+    current_time_s: float
+    predicted_time_s: float
+    migration_time_s: float
+    horizon_steps: float
+    structure_changed: bool
+    speeds_flops: dict[str, float] = field(default_factory=dict)
+    shares_before: dict[str, int] = field(default_factory=dict)
+    shares_after: dict[str, int] = field(default_factory=dict)
+
+    def console_line(self, applied_step: int) -> str:
+        """One line for the console: step, why, shares before -> after, predicted ``T``."""
+        before = " ".join(f"{d}:{b}" for d, b in self.shares_before.items())
+        after = " ".join(f"{d}:{b}" for d, b in self.shares_after.items())
+        return (
+            f"re-plan at step {applied_step} (plan {self.plan.plan_id}): {self.reason}; "
+            f"shares {before} -> {after}; predicted {self.current_time_s * 1e3:.1f} ms -> "
+            f"{self.predicted_time_s * 1e3:.1f} ms per iteration "
+            f"(migration {self.migration_time_s * 1e3:.1f} ms)"
+        )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The metrics record (without the plan body)."""
+        return {
+            "plan_id": self.plan.plan_id,
+            "reason": self.reason,
+            "decided_after_step": self.decided_after_step,
+            "current_time_s": self.current_time_s,
+            "predicted_time_s": self.predicted_time_s,
+            "migration_estimate_s": self.migration_time_s,
+            "horizon_steps": self.horizon_steps,
+            "structure_changed": self.structure_changed,
+            "speed_flops": self.speeds_flops,
+            "shares_before": self.shares_before,
+            "shares_after": self.shares_after,
+        }
+
+
+def device_shares(plan: Plan, devices: Sequence[str] = ()) -> dict[str, int]:
+    """``{device: share of its group}`` for ``devices`` (0 for a device the plan leaves idle)
+    and every device the plan names."""
+    out = {d: 0 for d in devices}
+    out.update({d: int(g.batch) for g in plan.groups for d in g.devices})
+    return out
+
+
+def change_holds(
+    candidate: Plan,
+    current: Plan,
+    state: ClusterState,
+    *,
+    profile: ProfileArrays,
+    config: TrainingConfig,
+    horizon_steps: float,
+    optimizer_state_factor: float,
+    min_gain: float,
+) -> tuple[float, float, float, bool]:
+    """The rule every applied change obeys (issue 10, SPEC §4), on one set of estimates.
+
+    Returns:
+        ``(current_time_s, predicted_time_s, migration_time_s, allowed)`` on ``state``;
+        ``allowed`` is False when the candidate is the current plan, is not predicted faster
+        than ``(1 - min_gain)`` x the current one, or its gain over ``horizon_steps`` does not
+        pay its migration.
+    """
+    t_cur = predict_iteration_time_s(current, state, profile, config)
+    t_new = predict_iteration_time_s(candidate, state, profile, config)
+    mig = migration_time_estimate_s(current, candidate, profile, state, optimizer_state_factor)
+    allowed = (
+        not _same_plan(candidate, current)
+        and t_new < (1.0 - min_gain) * t_cur
+        and (t_cur - t_new) * horizon_steps >= mig
+    )
+    return t_cur, t_new, mig, allowed
+
+
+def controller_decide(policy: Any, slot: int, state: ClusterState, current: Plan) -> Any:
+    """The one integration point with ``hetrain.control``:
+    :meth:`LyapunovController.decide(slot, state, current)
+    <hetrain.control.lyapunov.LyapunovController.decide>`, which returns a
+    :class:`hetrain.control.decision.Decision` (plan, reason, figures on the estimates that chose
+    it; its own gain rule: no change predicted slower, structure changes pay their migration over
+    the expected persistence). Pure function of the controller's state and the arguments."""
+    return policy.decide(slot, state, current)
+
+
+class PlanController:
+    """The controller's state in its process: speed estimates, the policy, the plan in force.
+
+    Args:
+        base_state: start-up cluster state (ids = the ranks' devices; measured speeds, ``κ``).
+        profile: the model profile; config: the training configuration.
+        plan: the plan the ranks run now (with its id); steps: the run's total steps.
+        optimizer_state_factor: ``o`` of the migration bytes.
+        min_gain: relative predicted gain a change needs (0.25 = 25 %: on a shared machine a
+            rank's measured speed moves by 2x for several steps; a lasting 3x slow-down of
+            one rank of four gains about 60 %).
+        horizon_steps: steps over which a change must pay its migration.
+        confirm_steps: consecutive decisions on which a change must hold (noise guard).
+        warmup_steps: measured steps before the first decision.
+        async_search: run the policy in a thread of the controller's process and re-balance
+            the shares of the plan in force meanwhile (the service); False: the policy answers
+            every decision synchronously (replays: decisions are a function of the log).
+    """
+
+    def __init__(
+        self,
+        base_state: ClusterState,
+        profile: ProfileArrays,
+        config: TrainingConfig,
+        plan: Plan,
+        steps: int,
+        *,
+        optimizer_state_factor: float = 2.0,
+        min_gain: float = 0.25,
+        horizon_steps: int = 20,
+        confirm_steps: int = 3,
+        warmup_steps: int = 3,
+        async_search: bool = False,
+    ) -> None:
+        self.async_search = bool(async_search)
+        self._source = "policy"
+        self._control_reason = ""
+        self._records: list[tuple[int, float, dict]] = []
+        self._pending: Any = None
+        self.base_state = base_state
+        self.profile = profile
+        self.config = config
+        self.current = plan
+        self.steps = int(steps)
+        self.optimizer_state_factor = float(optimizer_state_factor)
+        self.min_gain = float(min_gain)
+        self.horizon_steps = int(horizon_steps)
+        self.confirm_steps = int(confirm_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.policy = make_policy("lyapunov", profile, config, **policy_options())
+        self.estimates = SpeedEstimates(
+            base_state.ids,
+            [float(k) for k in base_state.kappa_s],
+            layer_overhead_s=[float(lam) for lam in base_state.layer_overhead_s],
+        )
+        self.plans: dict[int, Plan] = {int(plan.plan_id or 0): plan}
+        self.next_plan_id = int(plan.plan_id or 0) + 1
+        self.observed_steps = 0
+        self.decisions = 0
+        self._votes = 0
+        self._first_speeds: dict[str, float] | None = None
+        self.last_check: dict[str, Any] = {}
+
+    # ---- measurements ----
+    def observe(
+        self,
+        step: int,
+        plan_id: int,
+        compute_time_s: Mapping[str, float],
+        iteration_time_s: float | None = None,
+    ) -> None:
+        """Step ``step`` ran under plan ``plan_id``; ``compute_time_s[device]`` = the measured
+        compute seconds of its stage (emulated slow-down included); ``iteration_time_s`` the
+        step's measured time (fed to the controller's ``record``: ``T_ref``, queues)."""
+        if iteration_time_s is not None and math.isfinite(iteration_time_s):
+            if self._pending is None:
+                self.policy.record(step, float(iteration_time_s), {})
+            else:  # the controller is deciding in its thread: fed before its next call
+                self._records.append((step, float(iteration_time_s), {}))
+        plan = self.plans.get(int(plan_id), self.current)
+        flops = self.profile.train_flops
+        for group in plan.groups:
+            if group.batch <= 0:
+                continue
+            for d, (start, end) in zip(group.devices, group.stages, strict=True):
+                t = compute_time_s.get(d)
+                if t is None:
+                    continue
+                work = float(flops[start:end].sum()) * group.batch
+                self.estimates.observe(d, work, t, group.num_microbatches, end - start)
+        self.observed_steps += 1
+        if self._first_speeds is None and self.observed_steps >= self.estimates.window:
+            self._first_speeds = self.estimates.speeds_flops()
+
+    def observed_state(self) -> ClusterState:
+        """The base state with the measured speeds."""
+        return self.estimates.apply(self.base_state)
+
+    def predictions(self) -> dict[str, float]:
+        """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even, SPEC
+        §6) on the current estimates."""
+        state = self.observed_state()
+        even = even_dp_plan(self.base_state.ids, self.profile.num_layers, self.config.batch, 1)
+        return {
+            "predicted_time_s": predict_iteration_time_s(
+                self.current, state, self.profile, self.config
+            ),
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, self.config),
+        }
+
+    # ---- decisions ----
+    def decide(self, step: int) -> Decision | None:
+        """A plan change for ``step`` (measurements up to ``step - 1`` seen) or None."""
+        if self.observed_steps < self.warmup_steps or step >= self.steps:
+            return None
+        state = self.observed_state()
+        horizon = float(max(min(self.steps - step, self.horizon_steps), 0))
+        candidate = self._candidate(step, state)
+        if candidate is None:
+            return None
+        t_cur, t_new, mig, allowed = change_holds(
+            candidate,
+            self.current,
+            state,
+            profile=self.profile,
+            config=self.config,
+            horizon_steps=horizon,
+            optimizer_state_factor=self.optimizer_state_factor,
+            min_gain=self.min_gain,
+        )
+        self.last_check = {
+            "source": self._source,
+            "current_time_s": t_cur,
+            "predicted_time_s": t_new,
+            "migration_time_s": mig,
+            "allowed": allowed,
+            "votes": self._votes + int(allowed),
+        }
+        if not allowed:
+            self._votes = 0
+            return None
+        # noise guard: a change (not necessarily the same shares: they follow noisy estimates)
+        # must hold on confirm_steps consecutive decisions; the newest candidate is applied
+        self._votes += 1
+        if self._votes < self.confirm_steps:
+            return None
+        self._votes = 0
+        structure = candidate.structure() != self.current.structure()
+        plan = candidate.model_copy(update={"plan_id": self.next_plan_id})
+        decision = Decision(
+            plan=plan,
+            reason=self._why(structure, state),
+            decided_after_step=step - 1,
+            current_time_s=t_cur,
+            predicted_time_s=t_new,
+            migration_time_s=mig,
+            horizon_steps=horizon,
+            structure_changed=structure,
+            speeds_flops=dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True)),
+            shares_before=device_shares(self.current, self.base_state.ids),
+            shares_after=device_shares(plan, self.base_state.ids),
+        )
+        self.plans[self.next_plan_id] = plan
+        self.next_plan_id += 1
+        self.current = plan
+        self.decisions += 1
+        return decision
+
+    def _candidate(self, step: int, state: ClusterState) -> Plan | None:
+        """The policy's answer: synchronously, or (``async_search``) the answer of a policy call
+        that ran in a thread while the previous steps were observed; while one runs, the shares
+        of the plan in force re-solved on the newest estimates (the policy's own per-slot
+        re-balance, :func:`hetrain.control.incremental.rebalance_shares`)."""
+        self._source = "policy"
+        if not self.async_search:
+            return self._answer(controller_decide(self.policy, step, state, self.current))
+        if self._pending is not None and self._pending.done():
+            future, self._pending = self._pending, None
+            answer = self._answer(future.result())
+            if answer is not None and not _same_plan(answer, self.current):
+                return answer
+            # the policy keeps the plan (it answered on estimates a few steps old): the
+            # re-balance below decides this step
+        self._source = "rebalance"
+        if self._pending is None:
+            for args in self._records:  # measured steps, fed while the controller was busy
+                self.policy.record(*args)
+            self._records.clear()
+            self._pending = _search_executor().submit(
+                controller_decide, self.policy, step, state, self.current
+            )
+        arrays = StructureArrays.build(self.current, state.ids, self.profile)
+        return runtime_plan(
+            rebalance_shares(
+                self.current, state, arrays, self.config.batch, self.optimizer_state_factor
+            )
+        )
+
+    def _answer(self, decision: Any) -> Plan | None:
+        """The controller's decision as the runtime runs it (None: it keeps the plan)."""
+        self._control_reason = str(getattr(decision, "reason", ""))
+        if not getattr(decision, "changed", True):
+            return None
+        return runtime_plan(decision.plan)
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["_pending"] = None  # a running search is not part of the saved state
+        return out
+
+    def _why(self, structure: bool, state: ClusterState) -> str:
+        kind = "re-plan (new groups/stages)" if structure else "rebalance (shares only)"
+        if self._control_reason and self._source == "policy":
+            kind += f" [controller: {self._control_reason}]"
+        ref = self._first_speeds or {}
+        moved = []
+        for d, s in zip(state.ids, state.speed_flops, strict=True):
+            s0 = ref.get(d)
+            if s0 and s > 0 and (s0 / s > 1.5 or s / s0 > 1.5):
+                moved.append(f"{d} {s0 / s:.1f}x slower" if s < s0 else f"{d} {s / s0:.1f}x faster")
+        return kind + (f": {', '.join(moved)} than at start" if moved else "")
+
+    # ---- checkpoints ----
+    def state_bytes(self) -> bytes:
+        """The controller's state (estimates, policy with its queues, plan ids) as bytes."""
+        return pickle.dumps(self)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> PlanController:
+        """Inverse of :meth:`state_bytes`."""
+        obj = pickle.loads(data)
+        if not isinstance(obj, PlanController):
+            raise ValueError("not a controller state")
+        return obj
+
+
+# --------------------------------------------------------------------------------------------
+# the service (controller process) and the link (rank 0)
+# --------------------------------------------------------------------------------------------
+
+PREFIX = "hetrain/ctl/"
+DECIDE_BACKLOG_STEPS = 3
+"""When the controller is behind the ranks, it decides only for the newest this-many steps."""
+
+
+def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=master,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
+    """Where the controller's state of checkpoint ``step`` lives."""
+    return Path(checkpoint_dir) / "controller" / f"state-{int(step):08d}.pkl"
+
+
+class ControllerService:
+    """The controller loop over a store (see the module docstring for the keys)."""
+
+    def __init__(self, store: Any, poll_s: float = 0.002) -> None:
+        self.store = store
+        self.poll_s = poll_s
+        self.stop = threading.Event()
+        self.controller: PlanController | None = None
+        self._init_id: bytes | None = None
+        self._last = -1
+        self._init: dict[str, Any] = {}
+        self._log: Any = None
+
+    def _has(self, key: str) -> bool:
+        return bool(self.store.check([PREFIX + key]))
+
+    def _get(self, key: str) -> bytes:
+        return self.store.get(PREFIX + key)
+
+    def run(self) -> None:
+        """Serve until :attr:`stop` is set; a failure is posted as ``error`` and re-raised."""
+        try:
+            while not self.stop.is_set():
+                if not self._tick():
+                    time.sleep(self.poll_s)
+        except Exception:
+            self.store.set(PREFIX + "error", traceback.format_exc())
+            raise
+        finally:
+            if self._log is not None:
+                self._log.close()
+
+    def _start_round(self) -> None:
+        self._init_id = self._get("init_id")
+        init = pickle.loads(self._get("init"))
+        self._init = init
+        ctl = PlanController(
+            init["base_state"],
+            init["profile"],
+            init["config"],
+            init["plan"],
+            init["steps"],
+            optimizer_state_factor=init["optimizer_state_factor"],
+            async_search=True,
+        )
+        start = int(init["start_step"])
+        if init.get("checkpoint_dir") and start > 0:
+            path = controller_state_path(init["checkpoint_dir"], start)
+            if path.is_file():
+                saved = PlanController.from_bytes(path.read_bytes())
+                if saved.base_state.ids == ctl.base_state.ids:
+                    saved.current = ctl.current
+                    saved.plans[int(ctl.current.plan_id or 0)] = ctl.current
+                    saved.next_plan_id = max(saved.next_plan_id, ctl.next_plan_id)
+                    saved.steps = ctl.steps
+                    ctl = saved
+        self.controller = ctl
+        self._last = start - 1
+        if self._log is not None:
+            self._log.close()
+        self._log = None
+        if init.get("log_path"):
+            Path(init["log_path"]).parent.mkdir(parents=True, exist_ok=True)
+            mode = "a" if start > 0 else "w"  # a resumed run appends
+            self._log = open(init["log_path"], mode, encoding="utf-8")  # noqa: SIM115
+
+    def _tick(self) -> bool:
+        """One pass; False when there was nothing to do."""
+        if self._has("init_id") and self._get("init_id") != self._init_id:
+            self._start_round()
+        ctl = self.controller
+        if ctl is None or not self._has("m_last"):
+            return False
+        newest = int(self._get("m_last"))
+        if newest <= self._last:
+            return False
+        every = int(self._init.get("checkpoint_every") or 0)
+        decision = None
+        for k in range(self._last + 1, newest + 1):
+            key = PREFIX + f"m/{k}"
+            if not self.store.check([key]):
+                continue
+            rec = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
+            ctl.observe(k, rec["plan_id"], rec["compute_time_s"], rec.get("iteration_time_s"))
+            row = {"step": k, "plan_id": rec["plan_id"], **ctl.predictions()}
+            if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
+                path = controller_state_path(self._init["checkpoint_dir"], k + 1)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(ctl.state_bytes())
+                os.replace(tmp, path)
+            if newest - k < DECIDE_BACKLOG_STEPS:
+                # one decision per measured step (decisions are a function of the log, the
+                # same on replay), except when behind: then only for the newest steps
+                decision = ctl.decide(k + 1) or decision
+            if self._log is not None:
+                row["measured_time_s"] = rec.get("iteration_time_s")
+                row["speed_flops"] = ctl.estimates.speeds_flops()
+                row["check"] = ctl.last_check
+                row["logged_at_s"] = time.time()
+                self._log.write(json.dumps(row) + "\n")
+        self._last = newest
+        if self._log is not None:
+            self._log.flush()
+        if decision is not None:
+            self.store.set(PREFIX + "plan", pickle.dumps(decision))
+        return True
+
+
+_SEARCH_EXECUTOR: Any = None
+
+
+def _search_executor():
+    """One thread of the controller's process for policy calls (created on first use)."""
+    global _SEARCH_EXECUTOR
+    if _SEARCH_EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _SEARCH_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-policy")
+    return _SEARCH_EXECUTOR
+
+
+class ControllerThread:
+    """A :class:`ControllerService` in a daemon thread of this process, beside a store it
+    hosts on ``127.0.0.1`` (a free port); :attr:`endpoint` is ``"host:port"``."""
+
+    def __init__(self) -> None:
+        self.store = _store("127.0.0.1", 0, master=True)
+        self.endpoint = f"127.0.0.1:{self.store.port}"
+        self.service = ControllerService(self.store)
+        self.thread = threading.Thread(target=self._run, name="hetrain-controller", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.service.run()
+        except BaseException as exc:  # posted to the store for rank 0; kept for the launcher
+            self.error = exc
+
+    def start(self) -> ControllerThread:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.service.stop.set()
+        self.thread.join(timeout=10.0)
+
+
+class ControllerLink:
+    """Rank 0's side of the protocol; never blocks rank 0: the store connection is made in a
+    background thread (a controller process started under ``torchrun`` may take seconds to
+    come up on a busy machine), and until it is up the round's start and the measurements are
+    queued and then sent in order; decisions are read only once connected."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
+        self.endpoint = endpoint
+        self.store: Any = None
+        self._queue: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._connect, args=(timeout_s,), name="hetrain-controller-link", daemon=True
+        )
+        self._thread.start()
+
+    def _connect(self, timeout_s: float) -> None:
+        host, port = self.endpoint.rsplit(":", 1)
+        try:
+            store = _store(host, int(port), master=False, timeout_s=timeout_s)
+        except BaseException as exc:  # reported by the next poll
+            self._error = exc
+            return
+        with self._lock:
+            for kind, payload in self._queue:
+                self._send(store, kind, payload)
+            self._queue.clear()
+            self.store = store
+
+    @staticmethod
+    def _send(store: Any, kind: str, payload: Any) -> None:
+        if kind == "init":
+            for key in ("plan", "m_last", "done", "error"):
+                if store.check([PREFIX + key]):
+                    store.delete_key(PREFIX + key)
+            store.set(PREFIX + "init", pickle.dumps(payload))
+            store.set(PREFIX + "init_id", uuid.uuid4().hex)
+        elif kind == "m":
+            step, record = payload
+            store.set(PREFIX + f"m/{step}", pickle.dumps(record))
+            store.set(PREFIX + "m_last", str(step))
+        elif kind == "done":
+            store.set(PREFIX + "done", "1")
+
+    def _submit(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            if self.store is None:
+                self._queue.append((kind, payload))
+                return
+        self._send(self.store, kind, payload)
+
+    def start_round(self, init: dict[str, Any]) -> None:
+        """Post this round's start (the previous round's keys are dropped)."""
+        self._submit("init", init)
+
+    def post(self, step: int, record: dict[str, Any]) -> None:
+        """Measurements of ``step`` (see the module docstring)."""
+        self._submit("m", (step, record))
+
+    def poll(self, current_plan_id: int) -> Decision | None:
+        """The newest decision when it is newer than ``current_plan_id``, else None (also
+        while the connection is not up yet).
+
+        Raises:
+            RuntimeError: the controller failed (its traceback's last line), or its store could
+                not be reached.
+        """
+        if self._error is not None:
+            raise RuntimeError(f"the controller is unreachable at {self.endpoint}: {self._error}")
+        store = self.store
+        if store is None:
+            return None
+        if store.check([PREFIX + "error"]):
+            text = store.get(PREFIX + "error").decode(errors="replace").strip()
+            raise RuntimeError(f"the controller failed: {text.splitlines()[-1]}")
+        if not store.check([PREFIX + "plan"]):
+            return None
+        decision = pickle.loads(store.get(PREFIX + "plan"))
+        if int(decision.plan.plan_id) <= int(current_plan_id):
+            return None
+        return decision
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell the controller the round is over (waits up to ``wait_s`` for the connection)."""
+        self._thread.join(timeout=wait_s)
+        self._submit("done", None)
+
+
+def spawn_controller_process(timeout_s: float = 60.0):
+    """Start the controller as a separate process (``python -m hetrain.runtime.adapt``) hosting
+    its store on a free port of this host; returns ``(process, endpoint)``. Used under
+    ``torchrun``, where no launcher process of ours exists."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port)],
+        stdin=subprocess.DEVNULL,
+    )
+    return proc, f"127.0.0.1:{port}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hetrain.runtime.adapt --port P``: serve until rank 0 posts ``done``."""
+    parser = argparse.ArgumentParser(prog="hetrain.runtime.adapt")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    store = _store(args.host, args.port, master=True)
+    service = ControllerService(store)
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        # rank 0 posts done at the end; if it dies instead (its round failed), so does this
+        while not service.stop.is_set():
+            if store.check([PREFIX + "done"]) or os.getppid() != parent:
+                service.stop.set()
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    service.run()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+# --------------------------------------------------------------------------------------------
 
 
 def even_dp_plan(devices: Sequence[str], num_layers: int, batch: int, microbatch_size: int):
@@ -222,326 +833,29 @@ def even_dp_plan(devices: Sequence[str], num_layers: int, batch: int, microbatch
     )
 
 
-def migration_time_estimate_s(
-    old: Plan, new: Plan, profile: ProfileArrays, state: ClusterState, optimizer_state_factor: float
-) -> float:
-    """Migration time of ``old -> new`` (seconds): ``hetrain.control.migration.migration_time_s``
-    when present, else bytes of every layer that gets a new owner ``p_l (1 + o)`` over the
-    slowest link (SPEC §4)."""
-    if old.structure() == new.structure():
-        return 0.0
-    try:
-        from hetrain.control.migration import migration_time_s
-
-        return float(migration_time_s(old, new, state, profile, optimizer_state_factor))
-    except ImportError:
-        pass
-    old_owned = {
-        (d, ly)
-        for g in old.groups
-        for d, (s, e) in zip(g.devices, g.stages, strict=True)
-        for ly in range(s, e)
+def runtime_plan(plan: Plan) -> Plan:
+    """The plan as the runtime runs it: idle groups (``b_g = 0``) left out, so their devices
+    hold nothing and are sent nothing per step (the engine releases their layers; a later plan
+    that makes them active moves weights and optimizer state to them, the migration SPEC v3 §4
+    charges); single-device groups run their share as one micro-batch (``μ_g = b_g``: with one
+    stage, splitting only adds ``κ`` per micro-batch, SPEC §3)."""
+    groups = tuple(
+        g.model_copy(update={"microbatch_size": g.batch}) if g.num_stages == 1 else g
+        for g in plan.groups
         if g.batch > 0
-    }
-    moved = sum(
-        float(profile.param_bytes[ly]) * (1 + optimizer_state_factor)
-        for g in new.groups
-        if g.batch > 0
-        for d, (s, e) in zip(g.devices, g.stages, strict=True)
-        for ly in range(s, e)
-        if (d, ly) not in old_owned
     )
-    bw = float(min(state.nic_bytes_per_s.min(), state.intra_node_bytes_per_s))
-    return moved / bw
-
-
-# --------------------------------------------------------------------------------------------
-# the seam and the adapter
-# --------------------------------------------------------------------------------------------
-
-
-def propose_plan(
-    observed: ClusterState,
-    profile: ProfileArrays,
-    current: Plan,
-    *,
-    config: Any = None,
-    policy: Any = None,
-    slot: int = 0,
-) -> tuple[Plan, str]:
-    """The one place where the next plan is chosen. Returns ``(plan, source)`` with source
-    ``"policy"``, ``"planner"`` or ``"rebalance"``; see the module docstring for the order."""
-    if policy is not None:
-        return plan_of(policy.decide(slot, observed)), "policy"
-    if config is not None:
-        try:
-            from hetrain.planner import best_plan
-
-            return best_plan(observed, profile, config, warm_start=current), "planner"
-        except ImportError:
-            pass
-    return rebalance_shares(current, observed, profile, min_share=0), "rebalance"
-
-
-@dataclass
-class Decision:
-    """A plan change decided by :class:`Adapter`: the new plan and the figures behind it."""
-
-    plan: Plan
-    reason: str
-    current_time_s: float
-    predicted_time_s: float
-    migration_time_s: float
-    structure_changed: bool
-
-
-@dataclass
-class Adapter:
-    """Rank-0 re-planner. Feed :meth:`observe` every step; :meth:`decide` returns a
-    :class:`Decision` or None.
-
-    Attributes:
-        base_state: cluster state the estimates refine (ids = the devices of the ranks).
-        profile: model profile (``f_l + w_l`` per sample, ``p_l``).
-        steps: total steps of the run (for the horizon).
-        config: ``hetrain.costmodel.TrainingConfig`` or None (fallback model).
-        min_gain: relative gain required (0.05 = 5%).
-        horizon_steps: steps over which a gain must pay back the migration.
-        cooldown_steps: steps to wait after a change before the next one.
-        confirm_steps: consecutive steps on which a change must look worth it (noise guard).
-        replan_threshold: relative move of a speed estimate that triggers the planner.
-        replan_every_steps: run the planner at least this often.
-        min_share_gain: relative predicted gain a share-only change from the policy needs, on
-            ``confirm_steps`` consecutive answers (the policy re-balances shares every slot;
-            measured speeds are noisy).
-        async_planning: run the planner / controller in a background thread of rank 0 (the
-            exhaustive search takes ~0.1-1 s; training goes on meanwhile and the answer is
-            applied at the first step after it arrives).
-        warmup_steps: steps to measure before the first decision.
-        optimizer_state_factor: ``o`` for the migration bytes.
-    """
-
-    base_state: ClusterState
-    profile: ProfileArrays
-    steps: int
-    config: Any = None
-    policy: Any = None
-    min_gain: float = 0.2
-    horizon_steps: int = 20
-    cooldown_steps: int = 3
-    warmup_steps: int = 2
-    confirm_steps: int = 3
-    replan_threshold: float = 0.3
-    replan_every_steps: int = 100
-    async_planning: bool = True
-    min_share_gain: float = 0.15
-    optimizer_state_factor: float = 2.0
-    estimates: SpeedEstimates = field(init=False)
-    _votes: int = field(default=0, init=False)
-    _candidate: Plan | None = field(default=None, init=False)
-    _source: str = field(default="", init=False)
-    _planned_speeds: Any = field(default=None, init=False)
-    _last_plan_step: int = field(default=-(10**9), init=False)
-    _pending: Any = field(default=None, init=False)
-    _last_change: int = field(default=-(10**9), init=False)
-    _observed_steps: int = field(default=0, init=False)
-
-    def __post_init__(self) -> None:
-        self.estimates = SpeedEstimates(
-            self.base_state.ids,
-            [float(k) for k in self.base_state.kappa_s],
-            [float(lam) for lam in self.base_state.layer_overhead_s],
-        )
-
-    def observe(self, plan: Plan, compute_time_s: Mapping[str, float]) -> None:
-        """Feed one iteration: ``compute_time_s[device]`` = measured compute seconds of that
-        device's stage (emulated slow-down included) under ``plan``."""
-        flops = self.profile.train_flops
-        for group in plan.groups:
-            if group.batch <= 0:
-                continue
-            for d, (start, end) in zip(group.devices, group.stages, strict=True):
-                t = compute_time_s.get(d)
-                if t is None:
-                    continue
-                work = float(flops[start:end].sum()) * group.batch
-                self.estimates.observe(d, work, t, group.num_microbatches, end - start)
-        self._observed_steps += 1
-
-    def observed_state(self) -> ClusterState:
-        """The base state with the measured speeds."""
-        return self.estimates.apply(self.base_state)
-
-    def _decide_policy(self, step: int, current: Plan, state: ClusterState) -> Decision | None:
-        """The controller path: ``policy.decide`` every step (it re-balances shares, searches
-        when the state drifted and weighs migration itself), in the background thread when
-        ``async_planning``; its answer is applied at the first step after it arrives."""
-        if self._pending is not None:
-            if not self._pending.done():
-                return None
-            future, self._pending = self._pending, None
-            candidate, source, policy = future.result()
-            self.policy = policy  # the controller's state after that decision
-        elif self.async_planning:
-            self._pending = _executor().submit(_policy_decide, self.policy, step, state)
-            return None
-        else:
-            candidate, source, self.policy = _policy_decide(self.policy, step, state)
-        candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
-        if _same_plan(candidate, current):
-            return None
-        decision = _decision(self, step, current, candidate, state, source)
-        if not decision.structure_changed:
-            # noise guard: a share-only change must gain min_share_gain on confirm_steps
-            # consecutive answers of the controller
-            if decision.predicted_time_s >= (1 - self.min_share_gain) * decision.current_time_s:
-                self._votes = 0
-                return None
-            self._votes += 1
-            if self._votes < self.confirm_steps:
-                return None
-        self._votes = 0
-        self._last_change = step
-        return decision
-
-    def _speeds_moved(self, state: ClusterState) -> bool:
-        """Whether some speed estimate moved by more than ``replan_threshold`` (relative)
-        since the last planner call (the planner costs ~0.1-0.2 s, too much for every step)."""
-        if self._planned_speeds is None:
-            return True
-        rel = np.abs(state.speed_flops - self._planned_speeds) / self._planned_speeds
-        return bool(np.any(rel > self.replan_threshold))
-
-    def decide(self, step: int, current: Plan) -> Decision | None:
-        """A new plan for ``step`` or None (keep ``current``).
-
-        The planner runs when the speed estimates moved (see :meth:`_speeds_moved`) or every
-        ``replan_every_steps``; a candidate it returns is kept and re-checked against fresh
-        estimates (cheap cost-model evaluations) until it has looked worth it on
-        ``confirm_steps`` consecutive steps, or stops looking so."""
-        if (
-            self._observed_steps < self.warmup_steps
-            or step - self._last_change < self.cooldown_steps
-        ):
-            return None
-        state = self.observed_state()
-        if self.policy is not None:
-            return self._decide_policy(step, current, state)
-        if self._candidate is None:
-            if self._pending is not None:
-                if not self._pending.done():
-                    return None
-                future, self._pending = self._pending, None
-                candidate, source = future.result()
-            else:
-                due = step - self._last_plan_step >= self.replan_every_steps
-                if not (self._speeds_moved(state) or due):
-                    return None
-                self._planned_speeds = state.speed_flops.copy()
-                self._last_plan_step = step
-                if self.async_planning and self.policy is None:
-                    self._pending = _executor().submit(
-                        propose_plan, state, self.profile, current, config=self.config
-                    )
-                    return None
-                candidate, source = propose_plan(
-                    state,
-                    self.profile,
-                    current,
-                    config=self.config,
-                    policy=self.policy,
-                    slot=step,
-                )
-            candidate = complete_plan(candidate, self.base_state.ids, self.profile.num_layers)
-            if _same_plan(candidate, current):
-                return None
-            self._candidate, self._source, self._votes = candidate, source, 0
-        decision = _decision(self, step, current, self._candidate, state, self._source)
-        if self._source != "policy":
-            t_cur, t_new = decision.current_time_s, decision.predicted_time_s
-            horizon = max(min(self.steps - step, self.horizon_steps), 0)
-            if not (
-                t_new < (1 - self.min_gain) * t_cur
-                and (t_cur - t_new) * horizon > decision.migration_time_s
-            ):
-                self._candidate = None
-                return None
-            self._votes += 1
-            if self._votes < self.confirm_steps:
-                return None
-        self._candidate = None
-        self._last_change = step
-        return decision
-
-
-_EXECUTOR = None
-
-
-def _executor():
-    """One background thread for planner/controller calls (created on first use). The search
-    is Python + numpy: while it runs it competes with rank 0's training loop for the GIL, so
-    rank 0's steps slow down for the ~0.1-1 s of a search (a forked helper process would
-    avoid that; it hung with gloo in the parent and is not used)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-planner")
-    return _EXECUTOR
-
-
-def _decision(
-    adapter: Adapter, step: int, current: Plan, candidate: Plan, state: ClusterState, source: str
-) -> Decision:
-    t_cur = predict_iteration_time_s(current, state, adapter.profile, adapter.config)
-    t_new = predict_iteration_time_s(candidate, state, adapter.profile, adapter.config)
-    mig = migration_time_estimate_s(
-        current, candidate, adapter.profile, state, adapter.optimizer_state_factor
-    )
-    return Decision(
-        plan=candidate,
-        reason=f"{source}: predicted {t_cur:.4g}s -> {t_new:.4g}s per iteration",
-        current_time_s=t_cur,
-        predicted_time_s=t_new,
-        migration_time_s=mig,
-        structure_changed=candidate.structure() != current.structure(),
-    )
-
-
-def complete_plan(plan: Plan, devices: Sequence[str], num_layers: int) -> Plan:
-    """``plan`` with every device of ``devices`` it does not name added as an idle
-    single-device group (``b_g = 0``), so that every rank is named (the engine's first plan
-    must name all ranks; idle ranks keep a full replica's layout), and single-device groups
-    running their share as one micro-batch (``μ_g = b_g``: with one stage, splitting only adds
-    ``κ`` per micro-batch, SPEC §3)."""
-    plan = plan.model_copy(
-        update={
-            "groups": tuple(
-                g.model_copy(update={"microbatch_size": g.batch})
-                if g.num_stages == 1 and g.batch > 0
-                else g
-                for g in plan.groups
-            )
-        }
-    )
-    named = set(plan.devices)
-    extra = tuple(
-        GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
-        for d in devices
-        if d not in named
-    )
-    if not extra:
-        return plan
-    return plan.model_copy(update={"groups": tuple(plan.groups) + extra})
-
-
-def _policy_decide(policy: Any, slot: int, observed: ClusterState) -> tuple[Plan, str, Any]:
-    """``policy.decide`` returning the policy too (it is stateful and, in the planner process,
-    a copy: the caller keeps the returned one)."""
-    return plan_of(policy.decide(slot, observed)), "policy", policy
+    return plan.model_copy(update={"groups": groups})
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
     return [(g.devices, g.stages, g.microbatch_size, g.batch) for g in a.groups] == [
         (g.devices, g.stages, g.microbatch_size, g.batch) for g in b.groups
     ]
+
+
+if __name__ == "__main__":
+    # run the importable module's copy, so that pickled decisions name
+    # hetrain.runtime.adapt.Decision (not __main__.Decision) for rank 0 to read
+    from hetrain.runtime.adapt import main as _main
+
+    sys.exit(_main())

@@ -458,7 +458,8 @@ def train(
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
             ``norm_block`` (BatchNorm norm block ``G``), ``exact`` (refuse random ops that
-            cannot be made plan-invariant), ...).
+            cannot be made plan-invariant), ...), and ``max_restarts`` (restart all ranks
+            after a failure, resuming from the latest checkpoint; default 0).
 
     Returns:
         rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,
@@ -466,12 +467,15 @@ def train(
 
     Raises:
         InputError: bad configuration (before any process starts).
-        hetrain.runtime.launch.LaunchError: a rank failed.
+        hetrain.runtime.launch.LaunchError: a rank failed (message: the first failing rank's
+            own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
+            in ``run_dir/rank_errors.jsonl``).
     """
     task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
+    max_restarts = int(options.pop("max_restarts", 0))
     job = build_job(
         task,
         workers=workers,
@@ -483,7 +487,7 @@ def train(
         run_dir=run_dir,
         **options,
     )
-    summary = run_job(job)
+    summary = run_job(job, max_restarts=max_restarts)
     if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
         state = torch.load(summary["model_path"], weights_only=True)
         model.load_state_dict(

@@ -1,5 +1,5 @@
-"""Checkpoints: ``torch.distributed.checkpoint`` (DCP) of every rank's
-``Worker.layer_state_dict()`` plus a JSON manifest, published atomically.
+"""Checkpoints, the runtime's one checkpoint module: ``torch.distributed.checkpoint`` (DCP) of
+every rank's ``Worker.layer_state_dict()`` plus a JSON manifest, published atomically.
 
 Layout of a checkpoint folder ``D``::
 
@@ -13,18 +13,30 @@ Layout of a checkpoint folder ``D``::
 folder and renames it (``os.replace``: atomic on POSIX), so a crash never leaves a half
 checkpoint under a ``step-*`` name. :func:`load_latest` picks the highest complete step and
 validates its manifest and the size and sha256 of every file (corruption is a one-line
-:class:`~hetrain.runtime.checkpoint_io.CheckpointError`); :func:`restore` loads into a
+:class:`CheckpointError`; ``fallback=True`` takes the newest valid one instead, never one of
+another model); :func:`restore` loads into a
 worker **under any plan and world size**: each rank reads exactly the keys of the layers it
 owns in its current plan, whatever rank wrote them. On several nodes ``D`` must be a shared
 file system.
+
+Atomicity (:func:`save`, every rank calls it): rank 0 removes a stale ``.tmp-step-N`` left by a
+crash; all ranks meet; ``dcp.save`` writes every rank's tensors into ``.tmp-step-N`` (files
+fsynced); rank 0 hashes every file, writes ``manifest.json`` last (``.part`` + fsync +
+rename), renames the folder to ``step-N`` (atomic on POSIX) and fsyncs ``D``; then deletes
+checkpoints older than the newest ``keep``; all ranks meet again. A crash at any point leaves
+the previous checkpoints untouched and a ``.tmp-*`` folder that is never loaded, or the new
+complete checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +47,146 @@ import torch.distributed.checkpoint as dcp
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
-from hetrain.runtime.checkpoint_io import file_digests, publish_checkpoint, verify_files
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
+def model_fingerprint(model: torch.nn.Module, **extra: Any) -> str:
     """SHA-256 (16 hex digits) of the parameter and buffer names, shapes and dtypes of the whole
-    chain: two models with the same fingerprint can load each other's checkpoints."""
+    chain (plus ``extra``, e.g. ``example="charlm"``): two models with the same fingerprint can
+    load each other's checkpoints."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    if extra:
+        h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
+
+
+class CheckpointError(InputError):
+    """A checkpoint that must not be loaded: corrupted (size or checksum mismatch, unreadable
+    manifest, missing file) or written for another model (fingerprint mismatch). One line,
+    naming the checkpoint file; the CLI exits with status 2."""
+
+
+def file_digests(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """``{file name: {"size": bytes, "sha256": hex}}`` of the regular files of ``folder``."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file()
+    }
+
+
+def verify_files(folder: str | Path, files: Mapping[str, Any], manifest_path: str) -> None:
+    """Check that every file listed in a manifest exists in ``folder`` with its size and sha256.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or altered file.
+    """
+    folder = Path(folder)
+    for name, rec in files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\0" in name
+            or len(name.encode("utf-8", "surrogatepass")) > 255
+        ):
+            raise CheckpointError(
+                manifest_path, "files", f"expected plain file names, got {name!r}"
+            )
+        fpath = folder / name
+        try:
+            size, digest = int(rec["size"]), str(rec["sha256"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise CheckpointError(
+                manifest_path, f"files.{name}", "expected size and sha256"
+            ) from None
+        try:
+            if not fpath.is_file():
+                raise CheckpointError(str(fpath), "", "missing (checkpoint corrupted)")
+            actual = fpath.stat().st_size
+            if actual != size:
+                raise CheckpointError(
+                    str(fpath),
+                    "",
+                    f"size {actual} bytes, manifest says {size} (checkpoint corrupted)",
+                )
+            if _sha256(fpath) != digest:
+                raise CheckpointError(str(fpath), "", "checksum mismatch (checkpoint corrupted)")
+        except OSError as exc:
+            raise CheckpointError(str(fpath), "", f"unreadable ({type(exc).__name__})") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Silence DCP's "assuming the intent is to save in a single process" warning (intended)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        yield
+
+
+def publish_checkpoint(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
+    """Make the fully written checkpoint folder ``tmp`` visible as ``final``, atomically.
+
+    The manifest is written last (``.part`` + fsync + ``os.replace``), then ``tmp`` is renamed
+    to ``final``; an existing ``final`` (a step re-saved after a restart) is swapped out, never
+    deleted first, so a crash at any point leaves either the old or the new checkpoint
+    complete. Called on one rank (rank 0) after every rank's data is on disk.
+
+    Raises:
+        OSError: the filesystem failed (earlier checkpoints are intact).
+    """
+    part = tmp / (MANIFEST + ".part")
+    with open(part, "w", encoding="utf-8") as fh:
+        json.dump(dict(manifest), fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, tmp / MANIFEST)
+    _fsync_dir(tmp)
+    root = final.parent
+    if final.exists():  # re-saving a step (e.g. after a restart): replace it atomically
+        old = root / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """Silence DCP's "assuming the intent is to save in a single process" warning (intended)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        yield
 
 
 @dataclass(frozen=True)
@@ -75,8 +213,10 @@ def _barrier() -> None:
 def save(
     directory: str | Path,
     step: int,
-    layer_state: dict[str, torch.Tensor],
-    manifest: dict[str, Any],
+    layer_state: Mapping[str, torch.Tensor],
+    manifest: Mapping[str, Any],
+    *,
+    keep: int | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` (steps done) collectively; returns its final folder.
 
@@ -86,7 +226,15 @@ def save(
         layer_state: this rank's ``Worker.layer_state_dict()``.
         manifest: extra manifest fields (``data_position``, ``plan``, ``model_fingerprint``, ...);
             ``format`` and ``step`` are set here.
+        keep: complete checkpoints to keep (>= 1; older ones are deleted once this one is
+            complete); None keeps all.
+
+    Raises:
+        ValueError: ``keep < 1``.
+        OSError: the filesystem failed (the previous checkpoints are intact).
     """
+    if keep is not None and int(keep) < 1:
+        raise ValueError(f"keep: expected an integer >= 1, got {keep}")
     root = Path(directory)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
@@ -96,13 +244,23 @@ def save(
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    dcp.save(dict(layer_state), checkpoint_id=str(tmp))
+    tensors = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in layer_state.items()}
+    single = not (dist.is_available() and dist.is_initialized())
+    with _quiet_single_process():
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+            no_dist=single,
+        )
     _barrier()
     if _rank() == 0:
         # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
         # load; the manifest is written last (fsync + rename), then the folder is published
         data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
         publish_checkpoint(tmp, final, data)
+        if keep is not None:
+            for stale in list_checkpoints(root)[: -int(keep)]:
+                shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
 
@@ -116,34 +274,44 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read and validate one checkpoint's manifest.
+def read_checkpoint(path: str | Path, *, fingerprint: str | None = None) -> Checkpoint:
+    """Read and validate one checkpoint: its manifest, the size and sha256 of every file it
+    lists, and (when given) the model fingerprint.
 
     Raises:
-        InputError: missing or malformed manifest.
+        CheckpointError: one line naming the offending file: missing or malformed manifest, a
+            missing, truncated or altered file, or a checkpoint of another model.
     """
     path = Path(path)
     source = str(path / MANIFEST)
     try:
         data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise InputError(source, "", "file not found (incomplete checkpoint)") from None
+        raise CheckpointError(source, "", "file not found (incomplete checkpoint)") from None
     except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(source, "", f"expected valid JSON ({type(exc).__name__})") from None
+        raise CheckpointError(source, "", f"expected valid JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict):
-        raise InputError(source, "", "expected a JSON object (checkpoint manifest)")
-    if data.get("format") != FORMAT:
-        raise InputError(source, "format", f"expected {FORMAT}, got {data.get('format')!r}")
+        raise CheckpointError(source, "", "expected a JSON object (checkpoint manifest)")
+    if type(data.get("format")) is not int or data["format"] != FORMAT:
+        raise CheckpointError(source, "format", f"expected {FORMAT}, got {data.get('format')!r}")
     for key in ("step", "data_position"):
-        if not isinstance(data.get(key), int) or data[key] < 0:
-            raise InputError(source, key, f"expected an integer >= 0, got {data.get(key)!r}")
+        if type(data.get(key)) is not int or data[key] < 0:
+            raise CheckpointError(source, key, f"expected an integer >= 0, got {data.get(key)!r}")
     if not isinstance(data.get("model_fingerprint"), str):
-        raise InputError(source, "model_fingerprint", "expected a string")
-    if "files" in data:  # written by this version: verify every DCP file
-        if not isinstance(data["files"], dict) or ".metadata" not in data["files"]:
-            raise InputError(source, "files", "expected sizes and sha256 of the DCP files")
-        verify_files(path, data["files"], source)
-    plan = plan_from_dict(data.get("plan"), f"{source}: plan")
+        raise CheckpointError(source, "model_fingerprint", "expected a string")
+    if fingerprint is not None and data["model_fingerprint"] != fingerprint:
+        raise CheckpointError(
+            source,
+            "model_fingerprint",
+            f"checkpoint of another model ({data['model_fingerprint']}; this model {fingerprint})",
+        )
+    if not isinstance(data.get("files"), dict) or ".metadata" not in data["files"]:
+        raise CheckpointError(source, "files", "expected sizes and sha256 of the DCP files")
+    verify_files(path, data["files"], source)
+    try:
+        plan = plan_from_dict(data.get("plan"), f"{source}: plan")
+    except InputError as exc:
+        raise CheckpointError(source, "plan", str(exc).split(": ", 1)[-1]) from None
     return Checkpoint(
         path=path,
         step=data["step"],
@@ -154,14 +322,28 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     )
 
 
-def load_latest(directory: str | Path) -> Checkpoint | None:
-    """The latest complete checkpoint of ``directory`` (validated), or None when there is none.
+def load_latest(
+    directory: str | Path, *, fingerprint: str | None = None, fallback: bool = False
+) -> Checkpoint | None:
+    """The newest complete checkpoint of ``directory`` (validated by
+    :func:`read_checkpoint`), or None when there is none (``.tmp-*`` folders of interrupted
+    writes are ignored).
+
+    Args:
+        fingerprint: expected model fingerprint; a mismatch is an error (never skipped).
+        fallback: if the newest checkpoint is corrupted, take the newest valid older one.
 
     Raises:
-        InputError: the latest checkpoint's manifest is malformed.
+        CheckpointError: the newest checkpoint is corrupted (and not ``fallback``), or it was
+            written for another model.
     """
-    found = list_checkpoints(directory)
-    return read_checkpoint(found[-1]) if found else None
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return read_checkpoint(path, fingerprint=fingerprint)
+        except CheckpointError as exc:
+            if not fallback or exc.field == "model_fingerprint":
+                raise
+    return None
 
 
 def _layer_of(key: str) -> int | None:
@@ -192,3 +374,49 @@ def restore(checkpoint: Checkpoint, owned_layers: set[int] | list[int]) -> dict[
             state[key] = None
     dcp.load(state, checkpoint_id=str(checkpoint.path))
     return state
+
+
+def load_tensors(
+    checkpoint: Checkpoint,
+    keys: Iterable[str] | Callable[[str], bool] | None = None,
+    *,
+    like: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read tensors of a validated checkpoint without collectives (each process reads what it
+    needs, whatever plan wrote it).
+
+    Args:
+        keys: the keys to read (an iterable, or a predicate on the key); None = all tensors.
+        like: optional tensors giving dtype/device per key (default: the stored dtype, CPU).
+
+    Raises:
+        CheckpointError: a requested key is not in the checkpoint, or its shape differs from
+            ``like``.
+    """
+    md = dcp.FileSystemReader(str(checkpoint.path)).read_metadata().state_dict_metadata
+    stored = {k: tuple(int(x) for x in v.size) for k, v in md.items() if hasattr(v, "size")}
+    if keys is None:
+        wanted = list(stored)
+    elif callable(keys):
+        wanted = [k for k in stored if keys(k)]
+    else:
+        wanted = list(keys)
+    source = str(checkpoint.path / MANIFEST)
+    out: dict[str, torch.Tensor] = {}
+    for k in wanted:
+        if k not in stored:
+            raise CheckpointError(source, k, "key not in checkpoint")
+        shape = stored[k]
+        if like is not None and k in like:
+            ref = like[k]
+            if tuple(ref.shape) != shape:
+                raise CheckpointError(
+                    source, k, f"shape {list(shape)} in checkpoint, model has {list(ref.shape)}"
+                )
+            out[k] = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+        else:
+            out[k] = torch.empty(shape, dtype=md[k].properties.dtype)
+    if out:
+        with _quiet_single_process():
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(checkpoint.path)), no_dist=True)
+    return out

@@ -64,6 +64,9 @@ class GlobalBatchSampler:
     num_samples: int
     batch: int
     seed: int = 0
+    offset: int = 0
+    """Stream positions shift: step ``t`` reads ``[offset + t*batch, ...)`` (a run resumed with
+    another global batch continues at the checkpoint's data position, in samples)."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -76,7 +79,7 @@ class GlobalBatchSampler:
 
     def indices(self, step: int) -> np.ndarray:
         """Sample indices of the global batch of ``step`` (0-based), shape ``(batch,)`` int64."""
-        start = int(step) * self.batch
+        start = self.offset + int(step) * self.batch
         out = np.empty(self.batch, dtype=np.int64)
         filled = 0
         while filled < self.batch:
@@ -90,7 +93,7 @@ class GlobalBatchSampler:
 
     def position(self, step: int) -> int:
         """Samples consumed before ``step`` (the data position saved in checkpoints)."""
-        return int(step) * self.batch
+        return self.offset + int(step) * self.batch
 
 
 # --------------------------------------------------------------------------------------------

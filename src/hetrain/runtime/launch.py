@@ -16,10 +16,12 @@ Gloo on CPU, NCCL when CUDA is present (each local rank takes GPU ``LOCAL_RANK``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,89 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+RANK_ERRORS_FILE = "rank_errors.jsonl"
+"""Every failed rank's full traceback, one JSON line each, in the run directory."""
+
+
+def _errors_path(job: TrainJob) -> Path | None:
+    return Path(job.run_dir) / RANK_ERRORS_FILE if job.run_dir else None
+
+
 def _entry(job: TrainJob) -> dict[str, Any] | None:
     # forked from a process that has used torch: OpenMP's thread pool does not survive fork
     # (a parallel region in the child can hang), so forked ranks compute with one thread
-    return run_worker(job, num_threads=1)
+    try:
+        return run_worker(job, num_threads=1)
+    except SystemExit:  # a graceful stop (SIGTERM), not a failure
+        raise
+    except BaseException as exc:
+        record_rank_error(job, exc)
+        raise
+
+
+def record_rank_error(job: TrainJob, exc: BaseException) -> None:
+    """Append this rank's failure (time, rank, device, layer being computed, one-line error,
+    full traceback) to ``{run_dir}/rank_errors.jsonl`` (one ``write`` of one line: lines of
+    concurrent ranks do not interleave)."""
+    import traceback
+
+    from hetrain.runtime.worker_main import current_layer
+
+    path = _errors_path(job)
+    if path is None:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    record = {
+        "time_s": time.time(),
+        "rank": rank,
+        "device": job.devices[rank] if rank < len(job.devices) else None,
+        "layer": current_layer(),
+        "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:1000],
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+_CONSEQUENCES = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "signalexception",  # the agent terminating the survivors of a failed rank
+    "got signal",
+)
+
+
+def first_failure(path: Path, since_s: float = 0.0) -> str | None:
+    """The one line of the root cause among the recorded rank failures: the earliest failure
+    that is not a consequence of another (a lost connection to a peer, a timeout, the agent's
+    SIGTERM); ``rank R (device), layer L (Class): Error: message``. None when there is no such
+    record (a rank that exited without an exception, e.g. its watchdog: the caller then uses
+    the elastic agent's record)."""
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if float(row.get("time_s", 0.0)) >= since_s:
+            rows.append(row)
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r["time_s"])
+    own = [r for r in rows if not any(c in r["error"].lower() for c in _CONSEQUENCES)]
+    if not own:  # only consequences recorded (e.g. a rank ended by its watchdog): the agent's
+        return None  # own record of the first failure is the better line
+    row = own[0]
+    where = f"rank {row['rank']} ({row['device']})"
+    if row.get("layer"):
+        where += f", layer {row['layer']}"
+    return f"{where}: {row['error']} (tracebacks of all ranks: {path})"
 
 
 def launch(
@@ -64,6 +145,24 @@ def launch(
     """
     if nnodes == 1 and nproc_per_node == 1:
         return _run_in_process(job)
+    controller = None
+    if job.adaptive and job.controller_endpoint is None:
+        # the controller runs here, in the launching process, beside the store it hosts;
+        # rank 0 posts each step's measurements and reads its decisions (hetrain.runtime.adapt)
+        from hetrain.runtime.adapt import ControllerThread
+
+        controller = ControllerThread().start()
+        job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
+    try:
+        return _launch(
+            job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s
+        )
+    finally:
+        if controller is not None:
+            controller.close()
+
+
+def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -86,10 +185,24 @@ def launch(
     # round's gloo addresses and fail with "connectFullMesh ... Connection refused", so
     # --max-restarts never recovered (issue 6; see docs/reliability.md).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    import logging
+
+    started = time.time()
+    # the elastic agent logs a multi-line report of every failed child; the root cause is
+    # reported below in one line (rank_errors.jsonl keeps every traceback)
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
-        raise LaunchError(_root_cause(exc)) from None
+        path = _errors_path(job)
+        line = first_failure(path, started) if path is not None else None
+        raise LaunchError(line or _root_cause(exc)) from None
+    finally:
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
     return results.get(0)
 
 
@@ -110,11 +223,17 @@ def _root_cause(exc: Any) -> str:
 
 
 def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
-    """A single rank in this process: gloo over a ``file://`` store in a temporary folder."""
+    """A single rank in this process over a ``file://`` store in a temporary folder: NCCL on
+    the current GPU when CUDA is present, else gloo."""
     if dist.is_initialized():
         return run_worker(job)
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU: CUDA placement, NCCL collectives (of one rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             return run_worker(job)
         finally:

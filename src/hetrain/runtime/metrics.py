@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS = ("step", "plan", "replan", "checkpoint", "restart", "timeline", "end")
+EVENTS = ("step", "plan", "replan", "checkpoint", "restart", "stop", "timeline", "end")
 
 
 def _clean(value: Any) -> Any:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -34,22 +35,50 @@ import torch.distributed as dist
 from torch import nn
 
 from hetrain.cluster import ClusterSpec, ClusterState, cluster_from_dict
+from hetrain.costmodel import TrainingConfig
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.profile import ProfileArrays
+from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.adapt import (
-    Adapter,
-    complete_plan,
-    even_dp_plan,
-    predict_iteration_time_s,
-    propose_plan,
-)
+from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
-from hetrain.runtime.metrics import MetricsWriter
+from hetrain.runtime.metrics import MetricsWriter, read_metrics
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-FIRST_PLAN_MIN_GAIN = 0.3  # relative predicted gain over even shares needed for the first plan
+EXIT_STOPPED_BY_PEER = 75
+"""Exit status of a rank that stopped because another rank was asked to stop (EX_TEMPFAIL): its
+agent restarts it into the next round."""
+EXIT_STOPPED = 143
+"""Exit status of a rank that stopped after its own SIGTERM (128 + 15)."""
+STOP_GRACE_S = 5.0
+"""Seconds a rank asked to stop (SIGTERM) waits for its step to finish before it just exits."""
+
+
+class StopRequest:
+    """A SIGTERM received by this rank (a spot instance's warning, a scale-down, or the elastic
+    agent restarting the group because a device joins): the loop stops after the current step
+    with a checkpoint at a step every rank agrees on. When the step cannot finish (a peer is
+    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> StopRequest:
+        import signal
+        import threading
+
+        def on_term(signum, frame):  # noqa: ARG001
+            self.requested = True
+            timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
+            timer.daemon = True
+            timer.start()
+
+        signal.signal(signal.SIGTERM, on_term)
+        return self
+
+
+CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
 
 
 @dataclass
@@ -78,6 +107,9 @@ class TrainJob:
         exact: refuse random ops that cannot be made plan-invariant (docs/runtime.md).
         hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
             :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
+        controller_endpoint: ``host:port`` of the controller's store
+            (:class:`~hetrain.runtime.adapt.ControllerThread` of the launching process); None
+            under ``torchrun``: rank 0 then starts the controller process itself.
     """
 
     task: Task
@@ -113,6 +145,7 @@ class TrainJob:
     hang_timeout_s: float | None = None
     norm_block: int | None = None
     exact: bool = False
+    controller_endpoint: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,45 +170,9 @@ def lr_multiplier(job: TrainJob):
     return factor
 
 
-def profile_chain(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
-    """SPEC §2 per-sample profile of a chain: forward FLOPs ``f_l`` of each child counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on ``sample`` (divided by its rows), ``w_l =
-    2 f_l``, output bytes ``a_l``, parameter bytes ``p_l``. Layers without matmuls (embeddings,
-    norms) count as 1% of the mean layer so that no stage is free."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    n = sample.shape[0]
-    fwd, act, params = [], [], []
-    x = sample
-    with torch.no_grad():
-        for layer in model:
-            counter = FlopCounterMode(display=False)
-            with counter:
-                y = layer(x)
-            fwd.append(counter.get_total_flops() / n)
-            act.append(y.numel() * y.element_size() / n)
-            params.append(sum(p.numel() * p.element_size() for p in layer.parameters()))
-            x = y
-    f = np.array(fwd, dtype=float)
-    f = np.maximum(f, 0.01 * max(f.mean(), 1.0))
-    a = np.array(act, dtype=float)
-    return ProfileArrays(
-        names=tuple(f"layer{i}" for i in range(len(f))),
-        fwd_flops=f,
-        bwd_flops=2 * f,
-        activation_bytes=a,
-        activation_memory_bytes=a,
-        param_bytes=np.array(params, dtype=float),
-    )
-
-
 def _profile(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
-    """The model profile from ``hetrain.profiler.profile_chain`` (FLOPs, saved-activation
-    bytes), or :func:`profile_chain` here when the profiler is not available."""
-    try:
-        from hetrain.profiler import profile_chain as measured_profile
-    except ImportError:
-        return profile_chain(model, sample)
+    """The model profile from :func:`hetrain.profiler.profile_chain` (FLOPs, saved-activation
+    bytes)."""
     return measured_profile(model, sample).arrays()
 
 
@@ -271,11 +268,7 @@ def local_cluster_spec(devices: list[str]) -> ClusterSpec:
     )
 
 
-def _training_config(job: TrainJob):
-    try:
-        from hetrain.costmodel import TrainingConfig
-    except ImportError:
-        return None
+def _training_config(job: TrainJob) -> TrainingConfig:
     o = 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
     # this engine overlaps each gradient bucket's all-reduce with the last backward
     # (GradientSync; Worker's default bucket cap is TrainingConfig's default, 64 MiB): the
@@ -285,29 +278,6 @@ def _training_config(job: TrainJob):
         optimizer_state_factor=o,
         schedule=job.schedule or "1f1b",
         sync_overlap=True,
-    )
-
-
-def _make_policy(job: TrainJob, profile: ProfileArrays, config):
-    """The Lyapunov controller when ``hetrain.control.make_policy`` exists, else None."""
-    if config is None:
-        return None
-    try:
-        from hetrain.control import make_policy
-    except ImportError:
-        return None
-    # measured speeds are noisy (shared CPUs, ±20 % from step to step): a switch must win by
-    # 20 % over 20 steps, and a new structure search (0.3-0.6 s of Python in rank 0's planner
-    # thread, which holds the GIL against rank 0's training loop) runs only when the current
-    # plan's predicted T/T_LB drifted by 25 % (shares are re-balanced every step regardless)
-    return make_policy(
-        "lyapunov",
-        profile,
-        config,
-        switch_margin=0.2,
-        horizon_slots=20.0,
-        replan_every=100,
-        drift_tolerance=0.25,
     )
 
 
@@ -336,52 +306,77 @@ def _measure_update_s_per_byte(model: nn.Module, job: TrainJob) -> float:
 
 
 def _measure_device(
-    task: Task, model: nn.Module, dtype, layer_flops: np.ndarray, batch: int, factor: float
+    task: Task,
+    model: nn.Module,
+    dtype,
+    layer_flops: np.ndarray,
+    indices: np.ndarray,
+    factor: float,
+    repeats: int = CALIBRATION_REPEATS,
+    device: torch.device | None = None,
 ) -> tuple[float, float, float, float]:
-    """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` and per-layer overhead ``λ`` (s)
-    of this rank: forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers
-    (chains of two lengths tell ``λ`` from ``κ``, SPEC v3), on micro-batches of 1, 4 and 16
-    samples (at most ``batch``; median of 3 each), emulated ``factor`` applied by sleeping
-    ``(factor - 1)`` x the measured time (SPEC §5), fitted to ``t = μ F / s + κ + λ |S|`` by
-    :func:`hetrain.calibration.fit_stage_overheads` (``t = μ F / s + κ`` by
-    ``fit_speed_kappa`` when the half chain cannot be timed alone), else the two-point line.
-    The fourth number is the relative jitter ``σ`` of the repeats
-    (:func:`hetrain.calibration.relative_jitter`, ``TrainingConfig.group_time_jitter``)."""
+    """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` (s), per-layer overhead ``λ`` (s)
+    and relative jitter ``σ`` of this rank (collective: every rank calls it).
+
+    Forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers when the model is
+    an ``nn.Sequential`` whose half chain has one differentiable output (chains of two lengths
+    tell ``λ`` from ``κ``, SPEC v3 §2), on micro-batches of 1, 4 and 16 samples (at most the
+    global batch) taken from ``indices`` (the sampler's first global batch, so a data set
+    smaller than the batch wraps as in training). Every measurement starts after a barrier, so
+    all ranks compute at once, as they do in training (a rank measured while the others wait
+    would see the machine to itself); each point is measured ``repeats`` times and summarised
+    by the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the
+    measured time (SPEC §5). Fitted to ``t = μ F / s + κ + λ |S|`` by
+    :func:`hetrain.calibration.fit_stage_overheads` (``t = μ F / s + κ`` by ``fit_speed_kappa``
+    when the half chain cannot be timed alone), else the two-point line. ``σ`` is
+    :func:`hetrain.calibration.relative_jitter` of the repeats
+    (``TrainingConfig.group_time_jitter``, docs/profiling.md §6)."""
+    from hetrain.calibration import relative_jitter
+
+    batch = len(indices)
     sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
     num_layers = len(model) if isinstance(model, nn.Sequential) else 1
     half = -(-num_layers // 2)
-    flops_per_sample = float(np.sum(layer_flops))
-    times, points = [], []  # whole chain per size; (μ, F, |S|, t) of both lengths
-    series: list[list[float]] = []  # the repeats, for the jitter
-    lengths = (num_layers, half) if 1 <= half < num_layers else (num_layers,)
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
+    inputs = {}
     for mu in sizes:
-        x, y = task.train.batch(np.arange(mu))
-        x = cast_inputs(x, dtype)
-        for n_layers in lengths:
-            reps = []
-            for _ in range(3):
+        x, y = task.train.batch(np.asarray(indices[:mu]))
+        inputs[mu] = (_to_device(cast_inputs(x, dtype), device), _to_device(y, device))
+    lengths = [num_layers]
+    if 1 <= half < num_layers:  # same model on every rank: the same choice everywhere
+        with torch.no_grad():
+            out = model[:half](inputs[sizes[0]][0])
+        if torch.is_tensor(out) and out.is_floating_point():
+            lengths.append(half)
+    samples: dict[tuple[int, int], list[float]] = {(mu, n): [] for mu in sizes for n in lengths}
+    for _ in range(repeats):
+        for mu in sizes:
+            x, y = inputs[mu]
+            for n_layers in lengths:
+                dist.barrier()
                 t0 = time.perf_counter()
                 if n_layers == num_layers:
-                    task.loss_fn(model(x), y).backward()
+                    loss = task.loss_fn(model(x), y)
+                    if isinstance(loss, tuple):  # (sum, count) losses
+                        loss = loss[0] / max(float(loss[1]), 1.0)
+                    loss.backward()
                 else:
-                    out = model[:n_layers](x)
-                    if not (torch.is_tensor(out) and out.requires_grad):
-                        break  # a half chain without one differentiable output: κ only
-                    out.float().square().mean().backward()
+                    model[:n_layers](x).float().square().mean().backward()
+                if cuda:
+                    torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 time.sleep((factor - 1.0) * dt)
-                reps.append(dt * factor)
-            if len(reps) == 3:
-                series.append(reps)
-                flops = float(np.sum(layer_flops[:n_layers]))
-                points.append((mu, flops, n_layers, float(np.median(reps))))
-                if n_layers == num_layers:
-                    times.append(points[-1][3])
+                samples[(mu, n_layers)].append(dt * factor)
     model.zero_grad(set_to_none=True)
-    from hetrain.calibration import relative_jitter
-
-    jitter = relative_jitter(series)
-    s, k, lam = _fit_device(points, times, sizes, flops_per_sample, num_layers)
+    points = [
+        (mu, float(np.sum(layer_flops[:n])), n, float(np.median(samples[(mu, n)])))
+        for mu in sizes
+        for n in lengths
+    ]
+    times = [float(np.median(samples[(mu, num_layers)])) for mu in sizes]
+    jitter = relative_jitter(list(samples.values()))
+    s, k, lam = _fit_device(points, times, sizes, float(np.sum(layer_flops)), num_layers)
     return s, k, lam, jitter
 
 
@@ -405,7 +400,6 @@ def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[flo
             return float(fit2.speed_flops), float(fit2.kappa_s), 0.0
     except ValueError:
         pass
-    # fallback: κ = cap at most, speed from the largest micro-batch
     kappa = min(cap, max(times[0] - (times[-1] - times[0]) / (sizes[-1] - sizes[0]), 0.0))
     return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa, 0.0
 
@@ -452,10 +446,17 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     lead = rank == 0
     wall0 = time.perf_counter()
 
+    # NCCL (CUDA) collectives take CUDA tensors; gloo CPU ones
+    coll = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     torch.manual_seed(job.seed)
     model = job.task.build_model()
     num_layers = len(model)
     fingerprint = ckpt.model_fingerprint(model)
+    _track_layers(model)
     sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed)
     emu = EmulationSchedule(job)
 
@@ -467,28 +468,51 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             f"model's {fingerprint}"
         )
     start_step = resume.step if resume is not None else 0
+    if resume is not None:
+        # the data position is kept in samples: a run resumed with another global batch
+        # continues where the checkpoint stopped (no sample skipped or repeated)
+        offset = int(resume.data_position) - start_step * job.batch
+        sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed, offset=offset)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # an elastic round (one agent per device) may have a fresh agent as rank 0 (restart count
+    # 0): it continues the run's metrics like any other round
+    elastic_round = bool(os.environ.get("HETRAIN_DEVICE_ID"))
 
-    # ---- first plan -----------------------------------------------------------------------
+    # ---- first plan ----------------------------------------------------------------------
+    # the given plan, else the checkpoint's (same devices and batch), else even data
+    # parallelism; the controller (in its own process) improves it from measured steps
     profile = None
-    adapter = None
     config = _training_config(job)
     if job.adaptive or job.plan is None:
-        x0, _ = job.task.train.batch(np.arange(2))
+        x0, _ = job.task.train.batch(sampler.indices(0)[:2])
         profile = _profile(model, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
-    if plan is None and resume is not None and set(resume.plan.devices) == set(job.devices):
+    if (
+        plan is None
+        and resume is not None
+        and set(resume.plan.devices) == set(job.devices)
+        and resume.plan.global_batch == job.batch
+    ):
         plan = resume.plan
-    if plan is None or job.adaptive:
+    if job.adaptive:
         # measured speeds and per-micro-batch overheads κ of the local ranks (emulation of the
-        # first slot applied); also with a given plan when adapting, else the controller would
-        # plan with placeholder speeds and κ = 0 (free micro-batches: tiny μ, long pipelines)
+        # first slot applied), all ranks busy at once (see _measure_device)
         factor = emu.factors(start_step)[device_id]
+        calib_device = coll
+        calib_model = model.to(dtype=dtype, device=calib_device)
         mine = _measure_device(
-            job.task, model.to(dtype), dtype, np.asarray(profile.train_flops), job.batch, factor
+            job.task,
+            calib_model,
+            dtype,
+            np.asarray(profile.train_flops),
+            sampler.indices(0),
+            factor,
+            device=calib_device,
         )
-        mine = (*mine, _measure_update_s_per_byte(model, job))
-        gathered = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64))
+        mine = (*mine, _measure_update_s_per_byte(calib_model, job))
+        model.to("cpu")
+        gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
         measured = [float(t[0]) for t in gathered]
         kappa = [float(t[1]) for t in gathered]
         lam = [float(t[2]) for t in gathered]
@@ -504,35 +528,35 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     else:
         base_state = _base_state(job, None)
     if plan is None:
-        if lead:
-            first = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
-            if job.adaptive and world > 1:
-                # the planner's first plan only when it beats even shares clearly (the start-up
-                # measurements are taken while all ranks compete for the same cores)
-                cand, _ = propose_plan(base_state, profile, first, config=config)
-                cand = complete_plan(cand, job.devices, num_layers)
-                t_even = predict_iteration_time_s(first, base_state, profile, config)
-                t_cand = predict_iteration_time_s(cand, base_state, profile, config)
-                if t_cand < (1.0 - FIRST_PLAN_MIN_GAIN) * t_even:
-                    first = cand
-            # after a restart on other devices (elastic), the new plan gets the next id
-            first_id = int(resume.plan.plan_id or 0) + 1 if resume is not None else 0
-            first = first.model_copy(update={"plan_id": first_id})
-            payload = [first.to_json_dict()]
-        else:
-            payload = [None]
-        dist.broadcast_object_list(payload, src=0)
-        plan = plan_from_dict(payload[0], "<first plan>")
+        plan = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
+    if resume is not None or restart_count > 0:
+        # a new round (restart, resume, other devices or batch) runs a new plan id: one above
+        # every id used so far (the checkpoint's and, after it, the controller's re-plans)
+        box = [_max_plan_id(job, resume) + 1 if lead else None]
+        dist.broadcast_object_list(box, src=0)
+        plan = plan.model_copy(update={"plan_id": int(box[0])})
     if plan.plan_id is None:
         plan = plan.model_copy(update={"plan_id": 0})
+    link: ControllerLink | None = None
+    controller_proc = None
     if lead and job.adaptive:
-        adapter = Adapter(
-            base_state=base_state,
-            profile=profile,
-            steps=job.steps,
-            config=config,
-            policy=_make_policy(job, profile, config),
-            optimizer_state_factor=2.0 if job.optimizer == "adamw" else 1.0,
+        endpoint = job.controller_endpoint
+        if endpoint is None:  # under torchrun: no launcher of ours, start the controller here
+            controller_proc, endpoint = spawn_controller_process()
+        link = ControllerLink(endpoint)
+        link.start_round(
+            {
+                "base_state": base_state,
+                "profile": profile,
+                "config": config,
+                "plan": plan,
+                "steps": job.steps,
+                "start_step": start_step,
+                "optimizer_state_factor": 2.0 if job.optimizer == "adamw" else 1.0,
+                "checkpoint_dir": job.checkpoint_dir,
+                "checkpoint_every": job.checkpoint_every,
+                "log_path": _controller_log_path(job),
+            }
         )
 
     spec = OptimizerSpec(
@@ -557,45 +581,102 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         norm_block=job.norm_block,
         exact=job.exact,
     )
-    metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
+    metrics = MetricsWriter(
+        job.metrics_out if lead else None,
+        append=resume is not None or restart_count > 0 or elastic_round,
+    )
+    resumed: dict[str, Any] | None = None
     if resume is not None:
         state = ckpt.restore(resume, set(worker.owned_layers))
         worker.load_layer_state_dict(state)
-        if lead:
-            before = [str(d) for d in resume.manifest.get("devices") or []]
-            metrics.write(
-                "restart",
-                start_step,
-                path=str(resume.path),
-                plan_id=plan.plan_id,
-                devices=list(job.devices),
-                lost_devices=sorted(set(before) - set(job.devices)),
-                joined_devices=sorted(set(job.devices) - set(before)) if before else [],
+        before = [str(d) for d in resume.manifest.get("devices") or []]
+        resumed = {
+            "step": start_step,
+            "path": str(resume.path),
+            "devices": list(job.devices),
+            "checkpoint_devices": before,
+            "checkpoint_batch": resume.plan.global_batch,
+            "data_position": int(resume.data_position),
+        }
+    if lead and (resume is not None or restart_count > 0):
+        # every restart of the ranks (--max-restarts, elastic rounds) and every resumed run is
+        # recorded, also before the first checkpoint (then from step 0, path None)
+        before = resumed["checkpoint_devices"] if resumed else []
+        logged = [
+            int(e["step"])
+            for e in (
+                read_metrics(job.metrics_out) if Path(job.metrics_out or "").is_file() else []
             )
+            if e.get("event") == "step"
+        ]
+        done_before = max(logged) + 1 if logged else 0
+        metrics.write(
+            "restart",
+            start_step,
+            path=resumed["path"] if resumed else None,
+            restart_count=restart_count,
+            plan_id=plan.plan_id,
+            devices=list(job.devices),
+            lost_devices=sorted(set(before) - set(job.devices)),
+            joined_devices=sorted(set(job.devices) - set(before)) if before else [],
+            batch=job.batch,
+            checkpoint_batch=resumed["checkpoint_batch"] if resumed else None,
+            data_position=sampler.position(start_step),
+            resumed_from_step=start_step,
+            steps_done_before=done_before,
+            redone_steps=max(done_before - start_step, 0),
+        )
+        if resumed is None:
+            what = "restarted from step 0 (no checkpoint yet)"
+        else:
+            batch_note = (
+                f"global batch {resumed['checkpoint_batch']} -> {job.batch}, "
+                if resumed["checkpoint_batch"] != job.batch
+                else ""
+            )
+            what = (
+                f"resumed from step {start_step} of {resumed['path']} ({batch_note}data "
+                f"position {resumed['data_position']} samples)"
+            )
+        print(
+            f"hetrain: {what} on {len(job.devices)} devices ({', '.join(job.devices)})"
+            + (f"; restart {restart_count}" if restart_count else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     if lead:
         metrics.write(
             "plan",
             start_step,
             plan_id=plan.plan_id,
             plan=plan.to_json_dict(),
+            device_type=worker.device.type,
+            backend=dist.get_backend(),
             speed_flops=dict(zip(base_state.ids, base_state.speed_flops.tolist(), strict=True)),
             kappa_s=dict(zip(base_state.ids, base_state.kappa_s.tolist(), strict=True)),
         )
 
     progress = _Progress(job.steps, start_step) if (lead and job.progress) else None
-    next_plan_id = int(plan.plan_id) + 1
     replans = 0
-    adapt_time_s = 0.0  # rank 0's time in the adapter (estimates + planner), all steps
+    adapt_time_s = 0.0  # rank 0's time talking to the controller (post + poll), all steps
     timelines: list[dict[str, Any]] = []
     last_loss = float("nan")
     step_times: list[float] = []
     watchdog = Watchdog(job.hang_timeout_s, rank=rank) if job.hang_timeout_s else None
+    # under an elastic agent (torchrun, --max-restarts) SIGTERM asks for a graceful stop; until
+    # here it killed at once (nothing to save yet)
+    stop = StopRequest().install() if "TORCHELASTIC_RUN_ID" in os.environ else StopRequest()
+    stopped_code: int | None = None
     if watchdog is not None:
         watchdog.start()
     try:
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
             x, y = job.task.train.batch(sampler.indices(step))
+            if worker.device.type == "cuda":
+                # one pinned host buffer and an asynchronous copy per step (the engine's
+                # per-micro-batch slices are then already on the GPU)
+                x, y = _to_device(x, worker.device), _to_device(y, worker.device)
             result = worker.step(x, y, step)
             if watchdog is not None:
                 watchdog.beat(step)
@@ -605,12 +686,17 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     result.iteration_time_s,
                     result.send_recv_time_s,
                     result.sync_time_s,
+                    1.0 if stop.requested else 0.0,
                 ],
                 dtype=torch.float64,
+                device=coll,
             )
-            rows = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
+            # the step's measurements; they also carry each rank's stop request (SIGTERM), so
+            # every rank learns of one at the same step, without another collective
+            rows = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
             dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
+            stopping = any(r[4] > 0 for r in table)
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
             )
@@ -629,6 +715,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     loss=result.loss,
                     iteration_time_s=iteration_time_s,
                     plan_id=plan.plan_id,
+                    world_size=world,
                     global_batch=plan.global_batch,
                     shares=[g.batch for g in plan.groups],
                     lr=spec.lr_at(step),
@@ -640,50 +727,48 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 )
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
-                if adapter is not None and step + 1 < job.steps:
+                if link is not None and step + 1 < job.steps and not stopping:
                     t_adapt = time.perf_counter()
-                    adapter.observe(
-                        plan, {d: r[0] for d, r in zip(job.devices, table, strict=True)}
+                    link.post(
+                        step,
+                        {
+                            "plan_id": plan.plan_id,
+                            "iteration_time_s": iteration_time_s,
+                            "compute_time_s": {
+                                d: r[0] for d, r in zip(job.devices, table, strict=True)
+                            },
+                            "send_recv_time_s": {
+                                d: r[2] for d, r in zip(job.devices, table, strict=True)
+                            },
+                            "sync_time_s": {
+                                d: r[3] for d, r in zip(job.devices, table, strict=True)
+                            },
+                        },
                     )
-                    decision = adapter.decide(step + 1, plan)
+                    decision = link.poll(int(plan.plan_id))
                     adapt_time_s += time.perf_counter() - t_adapt
-            if job.adaptive and world > 1:
-                # a one-element flag every step; the plan object only when it changed
-                flag = torch.tensor([1 if (lead and decision is not None) else 0])
+            if job.adaptive and world > 1 and not stopping:
+                # a one-element flag every step; the plan object only when it changed: every
+                # rank switches at the same step
+                flag = torch.tensor([1 if (lead and decision is not None) else 0], device=coll)
                 dist.broadcast(flag, src=0)
                 box = [None]
                 if int(flag.item()):
                     if lead:
-                        new = decision.plan.model_copy(update={"plan_id": next_plan_id})
-                        box = [new.to_json_dict()]
+                        box = [decision.plan.to_json_dict()]
                     dist.broadcast_object_list(box, src=0)
                 if box[0] is not None:
                     new_plan = plan_from_dict(box[0], "<re-plan>")
                     migration = worker.apply_plan(new_plan)
                     if lead:
-                        metrics.write(
-                            "replan",
-                            step + 1,
-                            plan_id=new_plan.plan_id,
-                            old_plan_id=plan.plan_id,
-                            reason=decision.reason,
-                            current_time_s=decision.current_time_s,
-                            predicted_time_s=decision.predicted_time_s,
-                            migration_estimate_s=decision.migration_time_s,
-                            migration_time_s=migration.time_s,
-                            structure_changed=decision.structure_changed,
-                            shares=[g.batch for g in new_plan.groups],
-                        )
+                        _report_replan(metrics, progress, decision, step + 1, plan, migration)
                         metrics.write(
                             "plan", step + 1, plan_id=new_plan.plan_id, plan=new_plan.to_json_dict()
                         )
                     plan = new_plan
-                    next_plan_id += 1
                     replans += 1
-            if (
-                job.checkpoint_dir
-                and job.checkpoint_every > 0
-                and (step + 1) % job.checkpoint_every == 0
+            if job.checkpoint_dir and (
+                stopping or (job.checkpoint_every > 0 and (step + 1) % job.checkpoint_every == 0)
             ):
                 with watchdog.suspended() if watchdog is not None else nullcontext():
                     path = ckpt.save(
@@ -703,11 +788,29 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
+            if stopping:
+                # a graceful stop (spot warning, or the agents restarting the group for a
+                # device that joins): every rank checkpointed this same step; the next round
+                # resumes here without redoing a step
+                if lead:
+                    metrics.write("stop", step + 1, reason="SIGTERM", world_size=world)
+                stopped_code = EXIT_STOPPED if stop.requested else EXIT_STOPPED_BY_PEER
+                break
     finally:
         if watchdog is not None:
             watchdog.stop()
         if progress is not None:
             progress.close()
+        if link is not None:
+            link.close()
+        if controller_proc is not None:
+            try:
+                controller_proc.wait(timeout=10)
+            except Exception:
+                controller_proc.kill()
+    if stopped_code is not None:
+        metrics.close()
+        raise SystemExit(stopped_code)
 
     # ---- end: gather, evaluate, export ---------------------------------------------------------
     full = worker.full_state_dict()
@@ -729,6 +832,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     summary = {
         "steps": job.steps,
         "start_step": start_step,
+        "trained_steps": job.steps - start_step,
+        "resumed": resumed,
+        "restarts": restart_count,
         "final_loss": last_loss,
         "metrics": quality,
         "quality": job.task.quality_line(quality),
@@ -743,6 +849,83 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Tensors of ``obj`` (nested tuple/list/dict) on ``device``: pinned host memory and a
+    non-blocking copy (CUDA); other values unchanged."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and device.type == "cuda":
+            return obj.pin_memory().to(device, non_blocking=True)
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _max_plan_id(job: TrainJob, resume) -> int:
+    """The highest plan id of the checkpoint and of the metrics file so far (-1: none)."""
+    ids = [int(resume.plan.plan_id or 0)] if resume is not None else [-1]
+    path = Path(job.metrics_out) if job.metrics_out else None
+    if path is not None and path.is_file():
+        ids += [int(e["plan_id"]) for e in read_metrics(path) if e.get("plan_id") is not None]
+    return max(ids)
+
+
+_CURRENT_LAYER: list[str | None] = [None]
+
+
+def current_layer() -> str | None:
+    """``"L (Class)"`` of the layer whose forward this rank is in (set by hooks of
+    :func:`_track_layers`; stays set when that forward raised), else None."""
+    return _CURRENT_LAYER[0]
+
+
+def _track_layers(model: nn.Module) -> None:
+    """Forward hooks on each layer of the chain that record which one is running, so that a
+    rank's failure names its layer (``rank 1 (w1), layer 3 (Linear): ...``)."""
+    if not isinstance(model, nn.Sequential):
+        return
+    for i, layer in enumerate(model):
+        label = f"{i} ({type(layer).__name__})"
+
+        def enter(_m, _args, label=label):
+            _CURRENT_LAYER[0] = label
+
+        def leave(_m, _args, _out):
+            _CURRENT_LAYER[0] = None
+
+        layer.register_forward_pre_hook(enter)
+        layer.register_forward_hook(leave)
+
+
+def _controller_log_path(job: TrainJob) -> str | None:
+    """The controller's per-step predictions (JSONL): ``controller.jsonl`` beside the
+    metrics."""
+    if job.metrics_out:
+        return str(Path(job.metrics_out).with_name("controller.jsonl"))
+    if job.run_dir:
+        return str(Path(job.run_dir) / "controller.jsonl")
+    return None
+
+
+def _report_replan(metrics, progress, decision: Decision, step: int, old: Plan, migration) -> None:
+    """Rank 0: the ``replan`` metrics record and one console line (step, why, shares before
+    and after, predicted iteration time before and after)."""
+    metrics.write(
+        "replan",
+        step,
+        old_plan_id=old.plan_id,
+        migration_time_s=migration.time_s,
+        **decision.to_json_dict(),
+    )
+    line = "hetrain: " + decision.console_line(step)
+    if progress is not None:
+        progress.print(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _base_state(
@@ -795,6 +978,10 @@ class _Progress:
 
     def update(self, step: int, loss: float, it: float, plan_id: int | None) -> None:
         self._p.update(self._task, completed=step + 1, loss=loss, it=it, plan=plan_id)
+
+    def print(self, line: str) -> None:
+        """A line above the bar."""
+        self._p.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         self._p.stop()

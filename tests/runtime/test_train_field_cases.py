@@ -1,0 +1,169 @@
+"""Issue 11, runtime failures that must become clear answers (cases 1-4); each test failed on
+the code before the fix."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import hetrain
+from hetrain.cli import main
+from hetrain.runtime import checkpoint as ckpt
+from hetrain.runtime.data import GlobalBatchSampler, example_task
+from hetrain.runtime.launch import RANK_ERRORS_FILE, LaunchError
+from hetrain.runtime.metrics import read_metrics
+
+
+def _train(tmp_path, *args: str) -> int:
+    return main(
+        [
+            "train",
+            "--example",
+            "digits",
+            "--workers",
+            "2",
+            "--no-progress",
+            "--no-report",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            *args,
+        ]
+    )
+
+
+def test_resume_with_another_global_batch_keeps_the_data_position(tmp_path, capfd):
+    """Case 1: B=64 for 4 steps, then B=32 up to step 8: the second run continues at sample
+    position 256 of the stream (no sample skipped or repeated) under a plan for B=32."""
+    assert _train(tmp_path, "--batch", "64", "--steps", "4", "--checkpoint-every", "4") == 0
+    assert _train(tmp_path, "--batch", "32", "--steps", "8", "--checkpoint-every", "4") == 0
+    out = capfd.readouterr()
+    assert "global batch 64 -> 32" in out.err
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    restart = [e for e in events if e["event"] == "restart"][-1]
+    assert (restart["step"], restart["checkpoint_batch"], restart["batch"]) == (4, 64, 32)
+    assert restart["data_position"] == 4 * 64
+    steps = [e for e in events if e["event"] == "step" and e["step"] >= 4]
+    assert [e["step"] for e in steps] == [4, 5, 6, 7]
+    assert all(e["global_batch"] == 32 for e in steps)
+    last = ckpt.load_latest(tmp_path / "ck")
+    assert last.step == 8 and last.data_position == 4 * 64 + 4 * 32
+    # the samples of steps 4..7 at B=32 are stream positions 256..383: what B=64 would have
+    # read at its steps 4 and 5
+    n = len(example_task("digits").train)
+    resumed = GlobalBatchSampler(n, 32, 0, offset=4 * 64 - 4 * 32)
+    original = GlobalBatchSampler(n, 64, 0)
+    got = np.concatenate([resumed.indices(t) for t in range(4, 8)])
+    want = np.concatenate([original.indices(4), original.indices(5)])
+    assert np.array_equal(got, want)
+
+
+def _wrong_width_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(12, 4))
+
+
+def test_the_first_failing_rank_is_the_one_line(tmp_path):
+    """Case 2: layer 3 expects 12 inputs, gets 16; it runs on rank 1 (second stage)."""
+    x = torch.randn(64, 8)
+    y = torch.randint(0, 4, (64,))
+    plan = {
+        "groups": [
+            {"devices": ["w0", "w1"], "stages": [[0, 2], [2, 4]], "microbatch_size": 4, "batch": 8}
+        ]
+    }
+    with pytest.raises(LaunchError) as info:
+        hetrain.train(
+            model=_wrong_width_model(),
+            dataset=(x, y),
+            loss_fn=F.cross_entropy,
+            workers=2,
+            steps=2,
+            batch=8,
+            plan=plan,
+            run_dir=tmp_path / "run",
+        )
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith("rank 1 (w1), layer 3 (Linear): RuntimeError: mat1 and mat2"), line
+    rows = [json.loads(r) for r in (tmp_path / "run" / RANK_ERRORS_FILE).read_text().splitlines()]
+    mine = [r for r in rows if r["rank"] == 1]
+    assert mine and "Traceback (most recent call last)" in mine[0]["traceback"]
+
+
+def test_data_set_smaller_than_the_batch_wraps(tmp_path):
+    """Case 3: 10 samples, global batch 16, 2 ranks: start-up calibration and training read
+    through the sampler, which wraps (every sample once per epoch)."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 8)
+    y = torch.randint(0, 4, (10,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    result = hetrain.train(
+        model=model,
+        dataset=(x, y),
+        loss_fn=F.cross_entropy,
+        workers=2,
+        steps=3,
+        batch=16,
+        run_dir=tmp_path / "run",
+    )
+    events = read_metrics(result["metrics_path"])
+    assert [e["global_batch"] for e in events if e["event"] == "step"] == [16, 16, 16]
+
+
+def test_resumed_run_says_what_it_resumed(tmp_path, capfd):
+    """Case 4: the console and the metrics say what was resumed, from which step, on which
+    devices, and how many steps this run trained."""
+    assert _train(tmp_path, "--steps", "4", "--checkpoint-every", "2") == 0
+    capfd.readouterr()
+    assert _train(tmp_path, "--steps", "6", "--checkpoint-every", "2") == 0
+    out = capfd.readouterr()
+    assert "trained 2 steps (steps 4-5, resumed from step 4)" in out.out
+    assert "resumed from step 4 of" in out.err and "on 2 devices (w0, w1)" in out.err
+    restart = [
+        e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "restart"
+    ]
+    assert restart[-1]["step"] == 4 and restart[-1]["devices"] == ["w0", "w1"]
+
+
+class _FailOnce:
+    """A loss that raises once (the first call in any rank), as a transient fault would."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __call__(self, out, target):
+        if not self.marker.exists():
+            self.marker.touch()
+            raise RuntimeError("injected transient fault")
+        return F.cross_entropy(out, target)
+
+
+def test_restart_before_the_first_checkpoint_is_recorded(tmp_path):
+    """Case 4: a restart (``--max-restarts``) before any checkpoint writes a ``restart`` event
+    (from step 0, no checkpoint path)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = torch.randint(0, 4, (64,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    result = hetrain.train(
+        model=model,
+        dataset=(x, y),
+        loss_fn=_FailOnce(tmp_path / "failed-once"),
+        workers=2,
+        steps=3,
+        batch=16,
+        run_dir=tmp_path / "run",
+        max_restarts=1,
+    )
+    events = read_metrics(result["metrics_path"])
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["step"] == 0 and restarts[0]["path"] is None
+    assert restarts[0]["restart_count"] == 1
+    assert [e["step"] for e in events if e["event"] == "step"][-3:] == [0, 1, 2]
