@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetrain._text import plural
 from hetrain.errors import InputError
 
 DEMO_SLOWDOWN_FACTOR = 3.0
@@ -90,6 +91,7 @@ def run_train(
     report: bool = True,
     progress: bool = True,
     json_out: bool = False,
+    tensorboard: bool = False,
 ) -> int:
     """Run ``hetrain train``; returns the exit status (0 ok, 1 a rank failed, 2 bad input is
     raised as :class:`InputError`)."""
@@ -124,6 +126,7 @@ def run_train(
         checkpoint_every=checkpoint_every,
         out=out,
         hang_timeout_s=hang_timeout_s,
+        tensorboard=tensorboard,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm
@@ -201,7 +204,8 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
         return
     wall = summary.get("launch_wall_time_s", summary.get("wall_time_s", 0.0))
     print(
-        f"trained {summary['steps']} steps on {len(job.devices)} ranks in {wall:.1f}s; "
+        f"trained {plural(summary['steps'], 'step')} on {plural(len(job.devices), 'rank')} "
+        f"in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
     )
     print(f"quality: {summary['quality']}")

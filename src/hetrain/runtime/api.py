@@ -242,6 +242,7 @@ def build_job(
     progress: bool = False,
     devices: Sequence[str] | None = None,
     hang_timeout_s: float | None = None,
+    tensorboard: bool = False,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -253,9 +254,14 @@ def build_job(
         InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
             BatchNorm or dropout (results would depend on the plan), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
-            bad ``--slowdown``, unreadable trace/cluster/plan files.
+            bad ``--slowdown``, unreadable trace/cluster/plan files, ``tensorboard`` without
+            the ``tensorboard`` package.
     """
     d = task.defaults
+    if tensorboard:
+        from hetrain.runtime.metrics import check_tensorboard
+
+        check_tensorboard()
     nnodes = _positive_int("--nnodes", nnodes)
     steps = _positive_int("--steps", steps if steps is not None else d.get("steps", 100))
     lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
@@ -389,6 +395,7 @@ def build_job(
         progress=progress,
         example=task.name,
         hang_timeout_s=hang_timeout_s,
+        tensorboard=bool(tensorboard),
     )
 
 
@@ -407,6 +414,8 @@ def train(
     lr: float = 1e-3,
     run_dir: str | Path | None = None,
     load_into_model: bool = True,
+    report: bool = True,
+    tensorboard: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
@@ -427,13 +436,19 @@ def train(
             ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` (it must be an
             ``nn.Sequential``) when done.
+        report: write the report into ``run_dir`` when done: ``iteration_time.png`` (plan
+            changes marked), ``timeline_step<N>.png`` (one iteration per group) and
+            ``report.txt`` (:func:`hetrain.report.run_report.write_report`).
+        tensorboard: also write TensorBoard event files next to ``metrics.jsonl`` (needs the
+            ``tensorboard`` package: ``pip install 'hetrain[tensorboard]'``).
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``, ...).
 
     Returns:
         rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,
-        ``wall_time_s``, ``model_path``, ``metrics_path``.
+        ``wall_time_s``, ``model_path``, ``metrics_path`` and, with ``report``,
+        ``report_files`` (the plots written).
 
     Raises:
         InputError: bad configuration (before any process starts).
@@ -452,9 +467,14 @@ def train(
         optimizer=optimizer,
         lr=lr,
         run_dir=run_dir,
+        tensorboard=tensorboard,
         **options,
     )
     summary = run_job(job)
+    if report and summary and job.metrics_out and job.run_dir:
+        from hetrain.report.run_report import write_report
+
+        summary["report_files"] = write_report(job.metrics_out, job.run_dir)["files"]
     if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
         state = torch.load(summary["model_path"], weights_only=True)
         model.load_state_dict(

@@ -44,7 +44,7 @@ from hetrain.runtime.adapt import (
     propose_plan,
 )
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
-from hetrain.runtime.metrics import MetricsWriter
+from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -75,6 +75,8 @@ class TrainJob:
         progress: show a rich progress bar on rank 0.
         hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
             :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
+        tensorboard: rank 0 also writes TensorBoard event files next to ``metrics_out``
+            (:class:`hetrain.runtime.metrics.TensorBoardSink`).
     """
 
     task: Task
@@ -108,6 +110,7 @@ class TrainJob:
     timeline_steps: int = 1
     example: str | None = None
     hang_timeout_s: float | None = None
+    tensorboard: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,7 +483,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         grad_clip_norm=job.grad_clip_norm,
         autocast_bf16=job.bf16,
     )
-    metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
+    sinks = []
+    if lead and job.tensorboard and job.metrics_out:
+        sinks.append(TensorBoardSink(Path(job.metrics_out).parent))
+    metrics = MetricsWriter(
+        job.metrics_out if lead else None, append=resume is not None, sinks=sinks
+    )
     if resume is not None:
         state = ckpt.restore(resume, set(worker.owned_layers))
         worker.load_layer_state_dict(state)
