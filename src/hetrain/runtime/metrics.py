@@ -136,7 +136,8 @@ class TensorBoardSink:
     - ``step``: ``train/loss``, ``train/iteration_time_s``, ``train/lr``, ``train/grad_norm``,
       ``plan/plan_id``, ``plan/global_batch`` and ``shares/group<g>`` (``b_g``, samples);
     - ``replan``: ``plan/predicted_time_s`` and ``plan/migration_time_s``;
-    - ``end``: every validation metric as ``val/<name>`` (e.g. ``val/val_loss``) and
+    - ``end``: every validation metric as ``val/<name>`` without a ``val_`` prefix (``val_loss``
+      -> ``val/loss``, ``val_accuracy`` -> ``val/accuracy``) and
       ``run/wall_time_s``.
 
     Raises:
@@ -171,7 +172,7 @@ class TensorBoardSink:
                 self._scalar(f"plan/{key}", record.get(key), step)
         elif event == "end":
             for name, value in (record.get("metrics") or {}).items():
-                self._scalar(f"val/{name}", value, step)
+                self._scalar(f"val/{name.removeprefix('val_')}", value, step)
             self._scalar("run/wall_time_s", record.get("wall_time_s"), step)
         else:
             return
