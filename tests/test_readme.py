@@ -230,3 +230,20 @@ def _check_output(command: ReadmeCommand, stdout: str, workdir: Path) -> None:
         assert sum(e["event"] == "step" for e in events) == int(TRAIN_STEPS)
         for name in ("model.pt", "iteration_time.png"):  # what the README says it writes
             assert (metrics.parent / name).stat().st_size > 0, name
+
+
+def _user_docs() -> list[Path]:
+    return [README, ROOT / "examples" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_user_docs_cite_only_files_the_repository_ships() -> None:
+    """README, examples/README.md and docs/ never send the reader to SPEC.md (not in the
+    repository; docs/model.md states the model), and every docs page or repository file they
+    name in backquotes exists."""
+    for doc in _user_docs():
+        text = doc.read_text(encoding="utf-8")
+        assert not re.search(r"\bSPEC\b", text), f"{doc.relative_to(ROOT)} cites SPEC"
+        for ref in re.findall(
+            r"`((?:docs|examples|bench|src|tests)/[\w./-]+\.(?:md|py|yaml))`", text
+        ):
+            assert (ROOT / ref).exists(), f"{doc.relative_to(ROOT)} names {ref}, not shipped"
