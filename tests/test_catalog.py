@@ -238,3 +238,9 @@ def test_the_extract_gives_the_figures_of_the_full_data():
             for d in (DATA, FULL_DATA)
         ]  # fmt: skip
         assert prices[0] == prices[1]
+
+
+def test_the_extract_names_its_sources():
+    text = (DATA / "README.md").read_text(encoding="utf-8")
+    for folder in ("sailor", "gavel", "spot-prices-aws", "pipedream-profiles"):
+        assert f"`{folder}/`" in text and (DATA / folder).is_dir()

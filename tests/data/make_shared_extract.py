@@ -37,8 +37,8 @@ def _copy_attribution(src: Path, folder: str) -> None:
 
 
 def main(src: Path) -> None:
-    if OUT.exists():
-        shutil.rmtree(OUT)
+    for old in OUT.glob("*/"):  # the folders are remade; README.md (attribution) is kept
+        shutil.rmtree(old)
     sailor = src / "sailor"
     llm = json.loads((sailor / "llm_info.json").read_text())
     _dump(OUT / "sailor" / "llm_info.json", {SAILOR_MODEL: {"1": llm[SAILOR_MODEL]["1"]}})
@@ -79,6 +79,8 @@ def main(src: Path) -> None:
         dst = _mk(OUT / "pipedream-profiles") / name
         shutil.copyfile(src / "pipedream-profiles" / name, dst)
     _copy_attribution(src, "pipedream-profiles")
+    # two_nodes_slow.yaml uses one bandwidth of this set: its license and provenance only
+    _copy_attribution(src, "dtfm-aws-interregion")
 
 
 def _mk(path: Path) -> Path:
