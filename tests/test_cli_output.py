@@ -66,3 +66,22 @@ def test_simulate_prints_money_budget_and_slots_with_units(capsys) -> None:
 def test_profile_says_layers_in_the_plural(tmp_path, capsys) -> None:
     assert main(["profile", "--example", "digits", "--out", str(tmp_path / "d.json")]) == 0
     assert re.search(r"wrote \S+: 6 layers, ", capsys.readouterr().out)
+
+
+def test_train_console_shows_every_replan(tmp_path, monkeypatch, capfd) -> None:
+    """The README's promise: the progress output shows every re-plan (one line each, the same
+    plans as the ``replan`` events of the metrics). The demo dynamics slow w1 at step 10 of 30,
+    which makes the controller re-plan."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "30", "--no-report"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out  # rank 0 is a child process
+    events = [json.loads(x) for x in (tmp_path / "runs/digits/metrics.jsonl").open()]
+    replans = [e for e in events if e["event"] == "replan"]
+    assert replans, "the demo slow-down should make the controller re-plan"
+    lines = re.findall(r"^step (\d+): plan (\d+) -> (\d+) \(", out, re.M)
+    assert [tuple(map(int, x)) for x in lines] == [
+        (e["step"], e["old_plan_id"], e["plan_id"]) for e in replans
+    ]

@@ -608,6 +608,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                         metrics.write(
                             "plan", step + 1, plan_id=new_plan.plan_id, plan=new_plan.to_json_dict()
                         )
+                        if progress is not None:  # the console shows every re-plan
+                            progress.note(
+                                f"step {step + 1}: plan {plan.plan_id} -> {new_plan.plan_id} "
+                                f"({decision.reason}); shares "
+                                f"{[g.batch for g in new_plan.groups]}"
+                            )
                     plan = new_plan
                     next_plan_id += 1
                     replans += 1
@@ -720,6 +726,10 @@ class _Progress:
 
     def update(self, step: int, loss: float, it: float, plan_id: int | None) -> None:
         self._p.update(self._task, completed=step + 1, loss=loss, it=it, plan=plan_id)
+
+    def note(self, text: str) -> None:
+        """Print one line above the bar (e.g. a re-plan)."""
+        self._p.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         self._p.stop()
