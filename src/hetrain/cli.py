@@ -18,7 +18,9 @@ from hetrain.errors import InputError
 
 app = typer.Typer(
     name="hetrain",
-    help="Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train.",
+    help="Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train, "
+    "profile. The model hetrain plans with (cost model, controller, file formats) is described "
+    "in docs/model.md.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -46,10 +48,7 @@ def _main_options(
         ),
     ] = False,
 ) -> None:
-    """Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train.
-
-    The model hetrain plans with (cost model, controller, file formats): docs/model.md.
-    """
+    """Options of ``hetrain`` itself (before the command): ``--version``."""
 
 
 ClusterOpt = Annotated[
