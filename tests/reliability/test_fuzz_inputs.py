@@ -449,12 +449,17 @@ def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     on. Start-up in a real process is covered by :func:`_run_cli_subprocess` and the subprocess
     tests of ``tests/test_cli_bad_input.py``."""
     import contextlib
+    import signal
     import traceback
 
     from hetrain.cli import main
 
+    def hang(signum, frame):  # a run that hangs fails the test, as the subprocess timeout did
+        raise TimeoutError(f"hetrain {' '.join(args)} ran longer than {CLI_TIMEOUT_S} s")
+
     out, err = io.StringIO(), io.StringIO()
-    old = Path.cwd()
+    old_cwd, old_handler = Path.cwd(), signal.signal(signal.SIGALRM, hang)
+    signal.alarm(CLI_TIMEOUT_S)
     try:
         os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -464,7 +469,9 @@ def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                 traceback.print_exc(file=err)
                 code = 1
     finally:
-        os.chdir(old)
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_handler)
+        os.chdir(old_cwd)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
