@@ -85,3 +85,12 @@ def test_train_console_shows_every_replan(tmp_path, monkeypatch, capfd) -> None:
     assert [tuple(map(int, x)) for x in lines] == [
         (e["step"], e["old_plan_id"], e["plan_id"]) for e in replans
     ]
+
+
+def test_error_counts_use_the_singular_for_one(tmp_path, capsys) -> None:
+    cluster = tmp_path / "one.yaml"
+    cluster.write_text("devices: [{id: a, tflops: 1, memory_gib: 4, nic_gbps: 10}]\n")
+    argv = ["train", "--example", "digits", "--cluster", str(cluster), "--workers", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "expected 1 rank, one per device of the cluster file, got 2" in err

@@ -116,7 +116,7 @@ def run_simulate(
             "--slots",
             "",
             f"expected an integer between 1 and {max_slots} (at most {MAX_DEVICE_SLOTS:.0e} "
-            f"device-slots for {len(spec.devices)} devices), got {slots}",
+            f"device-slots for {plural(len(spec.devices), 'device')}), got {slots}",
         )
     if policy not in POLICY_NAMES and plan is None:
         raise InputError(
@@ -136,7 +136,7 @@ def run_simulate(
         raise InputError(
             str(trace),
             "available",
-            f"expected some device available in some of the {slots} slots (all are 0)",
+            f"expected some device available in some of the {plural(slots, 'slot')} (all are 0)",
         )
     if not budgets:
         _check_model_fits(spec.state(), profile, config, str(model))

@@ -148,7 +148,8 @@ def run_train(
             raise InputError(
                 str(plan),
                 "groups[].devices",
-                f"expected {world} devices (torchrun world size), the plan names {len(devices)}",
+                f"expected {plural(world, 'device')} (torchrun world size), the plan names "
+                f"{len(devices)}",
             )
         job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
         summary = run_worker(job)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan, plan_from_dict
@@ -319,7 +320,7 @@ def build_job(
             raise InputError(
                 "--workers",
                 "",
-                f"expected {len(device_ids)} ranks, one per device of the cluster file, "
+                f"expected {plural(len(device_ids), 'rank')}, one per device of the cluster file, "
                 f"got {workers * nnodes}",
             )
     else:
