@@ -61,9 +61,13 @@ def test_train_writes_the_report(trained_run) -> None:
     files = [Path(f) for f in summary["report_files"]]
     assert run_dir / "iteration_time.png" in files
     assert any(f.name.startswith("timeline_step") for f in files)
+    import matplotlib.image
+
     for f in files:
         data = f.read_bytes()
         assert f.parent == run_dir and data.startswith(PNG_MAGIC) and len(data) > 1000, f
+        pixels = matplotlib.image.imread(f)  # decodes: a whole, valid PNG
+        assert pixels.ndim == 3 and min(pixels.shape[:2]) > 100 and pixels.std() > 0, f
     report = (run_dir / "report.txt").read_text()
     assert f"steps: {STEPS}," in report
     assert (run_dir / "model.pt").stat().st_size > 0
