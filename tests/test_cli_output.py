@@ -70,17 +70,20 @@ def test_profile_says_layers_in_the_plural(tmp_path, capsys) -> None:
 
 def test_train_console_shows_every_replan(tmp_path, monkeypatch, capfd) -> None:
     """The README's promise: the progress output shows every re-plan (one line each, the same
-    plans as the ``replan`` events of the metrics). The demo dynamics slow w1 at step 10 of 30,
-    which makes the controller re-plan."""
+    plans as the ``replan`` events of the metrics). w1 becomes 10x slower at step 8 of 40 (a
+    trace), which makes the controller re-plan even on a loaded machine."""
     import json
 
     monkeypatch.chdir(tmp_path)
-    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "30", "--no-report"]
+    trace = tmp_path / "slow.csv"
+    trace.write_text("slot,device,speed_factor\n8,w1,0.1\n")
+    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "40", "--no-report",
+            "--trace", str(trace)]  # fmt: skip
     assert main(argv) == 0
     out = capfd.readouterr().out  # rank 0 is a child process
     events = [json.loads(x) for x in (tmp_path / "runs/digits/metrics.jsonl").open()]
     replans = [e for e in events if e["event"] == "replan"]
-    assert replans, "the demo slow-down should make the controller re-plan"
+    assert replans, "a 10x slow-down of w1 should make the controller re-plan"
     lines = re.findall(r"^step (\d+): plan (\d+) -> (\d+) \(", out, re.M)
     assert [tuple(map(int, x)) for x in lines] == [
         (e["step"], e["old_plan_id"], e["plan_id"]) for e in replans
