@@ -1,5 +1,5 @@
-"""The ``hetrain`` command line (SPEC §7): ``plan``, ``evaluate``, ``simulate``, ``train``,
-``profile``.
+"""The ``hetrain`` command line (docs/model.md §7): ``plan``, ``evaluate``, ``simulate``,
+``train``, ``profile``.
 
 Each command's body lives in :mod:`hetrain.commands` and is imported only when that command
 runs; only ``train`` and ``profile`` import torch. Any bad input (an
@@ -18,15 +18,43 @@ from hetrain.errors import InputError
 
 app = typer.Typer(
     name="hetrain",
-    help="Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train.",
+    help="Train one DNN on heterogeneous, changing devices: plan, evaluate, simulate, train, "
+    "profile. The model hetrain plans with (cost model, controller, file formats) is described "
+    "in docs/model.md.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
 
-ClusterOpt = Annotated[Path, typer.Option("--cluster", help="cluster file (YAML/JSON, SPEC §7)")]
-ModelOpt = Annotated[Path, typer.Option("--model", help="model profile (JSON, SPEC §7)")]
+
+def _print_version(value: bool) -> None:
+    if value:
+        from hetrain import __version__
+
+        print(f"hetrain {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="print hetrain's version and exit",
+        ),
+    ] = False,
+) -> None:
+    """Options of ``hetrain`` itself (before the command): ``--version``."""
+
+
+ClusterOpt = Annotated[
+    Path, typer.Option("--cluster", help="cluster file (YAML/JSON, docs/model.md §7)")
+]
+ModelOpt = Annotated[Path, typer.Option("--model", help="model profile (JSON, docs/model.md §7)")]
 BatchOpt = Annotated[int, typer.Option("--batch", help="global batch B (samples per iteration)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only")]
 OptStateOpt = Annotated[
@@ -83,10 +111,16 @@ def plan(
     model: ModelOpt,
     batch: BatchOpt,
     optimizer_state_factor: OptStateOpt = 2.0,
-    v: Annotated[float, typer.Option("--V", help="weight V of the iteration time")] = 1.0,
+    v: Annotated[
+        float, typer.Option("--V", help="weight V of the iteration time in V*T + sum_j Q_j y_j")
+    ] = 1.0,
     queue: Annotated[
         list[str] | None,
-        typer.Option("--queue", help="virtual queue backlog, e.g. money=Q (repeatable)"),
+        typer.Option(
+            "--queue",
+            help="virtual queue backlog Q_j, money=Q or energy=Q, in seconds per USD or per J "
+            "(repeatable)",
+        ),
     ] = None,
     schedule: Annotated[str, typer.Option("--schedule", help="1f1b or gpipe")] = "1f1b",
     norm_block: NormBlockOpt = None,
@@ -115,12 +149,13 @@ def evaluate(
     cluster: ClusterOpt,
     model: ModelOpt,
     batch: BatchOpt,
-    plan: Annotated[Path, typer.Option("--plan", help="plan file (JSON, SPEC §7)")],
+    plan: Annotated[Path, typer.Option("--plan", help="plan file (JSON, docs/model.md §7)")],
     optimizer_state_factor: OptStateOpt = 2.0,
     norm_block: NormBlockOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Print SPEC §3's figures for a given plan (exit 1 if some device runs out of memory)."""
+    """Print the figures of docs/model.md §3 for a given plan (exit 1 if some device runs out of
+    memory)."""
     from hetrain.commands.plan import run_evaluate
 
     raise typer.Exit(
@@ -146,7 +181,9 @@ def simulate(
     cluster: ClusterOpt,
     model: ModelOpt,
     batch: BatchOpt,
-    trace: Annotated[Path | None, typer.Option("--trace", help="trace CSV (SPEC §7)")] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="trace CSV (docs/model.md §7)")
+    ] = None,
     slots: Annotated[int, typer.Option("--slots", help="number of slots (iterations)")] = 100,
     policy: Annotated[
         str,
@@ -158,7 +195,11 @@ def simulate(
     v: Annotated[float, typer.Option("--V", help="weight V of the iteration time")] = 1.0,
     budget: Annotated[
         list[str] | None,
-        typer.Option("--budget", help="long-run budget per iteration, money=X or energy=X"),
+        typer.Option(
+            "--budget",
+            help="long-run budget per iteration, money=X (USD/iteration) or energy=X "
+            "(J/iteration); repeatable",
+        ),
     ] = None,
     optimizer_state_factor: OptStateOpt = 2.0,
     csv_out: Annotated[
@@ -216,10 +257,20 @@ def train(
     ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="iterations to run")] = None,
     plan: Annotated[Path | None, typer.Option("--plan", help="fixed plan (no re-planning)")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    batch: Annotated[int | None, typer.Option("--batch", help="global batch B")] = None,
-    lr: Annotated[float | None, typer.Option("--lr")] = None,
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw")] = None,
+    seed: Annotated[
+        int, typer.Option("--seed", help="seed of the initial weights and the data order")
+    ] = 0,
+    batch: Annotated[
+        int | None,
+        typer.Option("--batch", help="global batch B, samples per iteration (default: example's)"),
+    ] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option("--lr", help="peak learning rate (default: the example's, e.g. 3e-3 charlm)"),
+    ] = None,
+    optimizer: Annotated[
+        str | None, typer.Option("--optimizer", help="sgd or adamw (default: the example's)")
+    ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 or float64")] = "float32",
     slowdown: Annotated[
         list[str] | None, typer.Option("--slowdown", help="DEVICE=FACTOR (repeatable)")
@@ -231,9 +282,22 @@ def train(
         Path | None, typer.Option("--cluster", help="cluster file the local ranks emulate")
     ] = None,
     metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSONL file")] = None,
-    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir")] = None,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every")] = 0,
-    max_restarts: Annotated[int, typer.Option("--max-restarts")] = 0,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint-dir", help="folder of the checkpoints; a run resumes from its latest"
+        ),
+    ] = None,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option("--checkpoint-every", help="checkpoint every N steps (0 = never)"),
+    ] = 0,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts", help="restart the ranks this often after a failure (elastic)"
+        ),
+    ] = 0,
     hang_timeout: Annotated[
         float | None,
         typer.Option("--hang-timeout", help="seconds without a finished step = rank failed"),
@@ -265,7 +329,10 @@ def train(
     warmup_steps: Annotated[
         int | None, typer.Option("--warmup-steps", help="linear LR warm-up steps")
     ] = None,
-    weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
+    weight_decay: Annotated[
+        float | None,
+        typer.Option("--weight-decay", help="weight decay (default: the example's)"),
+    ] = None,
     momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum")] = 0.0,
     nnodes: Annotated[int, typer.Option("--nnodes", help="nodes (each runs this command)")] = 1,
     rdzv_endpoint: Annotated[
@@ -286,7 +353,17 @@ def train(
         ),
     ] = True,
     report: Annotated[bool, typer.Option("--report/--no-report", help="plots at the end")] = True,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    progress: Annotated[
+        bool, typer.Option("--progress/--no-progress", help="show a progress bar")
+    ] = True,
+    tensorboard: Annotated[
+        bool,
+        typer.Option(
+            "--tensorboard",
+            help="also write TensorBoard event files next to metrics.jsonl "
+            "(needs pip install 'hetrain[tensorboard]')",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
@@ -332,6 +409,7 @@ def train(
             report=report,
             progress=progress,
             json_out=json_out,
+            tensorboard=tensorboard,
         )
     )
 
@@ -374,9 +452,11 @@ def profile(
     link: Annotated[
         bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")
     ] = True,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="seed of the random weights and inputs profiled")
+    ] = 0,
 ) -> None:
-    """Build a SPEC §7 model profile from an example model (FLOPs, activation and param bytes)."""
+    """Build a model profile (docs/model.md §7) of an example: FLOPs, activation and param bytes."""
     from hetrain.commands.profile import run_profile
 
     raise typer.Exit(

@@ -44,7 +44,9 @@ def test_charlm_block_matches_the_transformer_formula():
     ex = EXAMPLES["charlm"]
     torch.manual_seed(0)
     prof = profile_chain(ex.build(), ex.make_input(2))
-    t, c, v = 64, 128, 96
+    from hetrain.models.charlm import CHARLM  # the trained example's sizes (64 wide)
+
+    t, c, v = CHARLM.block_size, CHARLM.n_embd, CHARLM.vocab_size
     block = prof.layers[1]
     # 2·T·(3C² + C² + 8C²) for the linears + 4·T²·C for QKᵀ and AV (sdpa, counted non-causal)
     assert block.fwd_flops == 2 * t * 12 * c * c + 4 * t * t * c

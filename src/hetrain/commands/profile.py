@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain._io import check_output_path
+from hetrain._text import plural
 from hetrain.errors import InputError
 
 MAX_PROFILE_BATCH = 4096
@@ -125,7 +126,7 @@ def run_profile(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n", encoding="utf-8")
     print(
-        f"wrote {out}: {profile.num_layers} layers, "
+        f"wrote {out}: {plural(profile.num_layers, 'layer')}, "
         f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
         f"{sum(ly.param_bytes for ly in profile.layers) / 2**20:.4g} MiB parameters"
     )

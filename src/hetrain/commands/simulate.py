@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hetrain._io import MIN_POSITIVE, check_output_path
+from hetrain._text import energy_per_iteration, money_per_iteration, plural
 from hetrain.cluster import ClusterSpec, ClusterState, load_cluster
 from hetrain.errors import InputError, NoFeasiblePlanError, no_fit_input_error
 from hetrain.profile import ProfileArrays, load_profile
@@ -122,7 +123,7 @@ def run_simulate(
             "--slots",
             "",
             f"expected an integer between 1 and {max_slots} (at most {MAX_DEVICE_SLOTS:.0e} "
-            f"device-slots for {len(spec.devices)} devices), got {slots}",
+            f"device-slots for {plural(len(spec.devices), 'device')}), got {slots}",
         )
     if policy not in POLICY_NAMES and plan is None:
         raise InputError(
@@ -148,7 +149,7 @@ def run_simulate(
         raise InputError(
             str(trace),
             "available",
-            f"expected some device available in some of the {slots} slots (all are 0)",
+            f"expected some device available in some of the {plural(slots, 'slot')} (all are 0)",
         )
     if not budgets:
         _check_model_fits(spec.state(), profile, config, str(model))
@@ -226,16 +227,20 @@ def _check_model_fits(
 def _print_report(summary: dict, batch: int) -> None:
     t = summary["mean_iteration_time_s"]
     lb = summary["mean_lower_bound_s"]
-    print(f"policy {summary['policy']}, {summary['slots']} slots, batch B = {batch}")
+    print(f"policy {summary['policy']}, {plural(summary['slots'], 'slot')}, batch B = {batch}")
     if t is None:
         print("infeasible: no slot had a plan that fits")
         return
     ratio = t / lb if lb else math.inf
     print(f"mean iteration time {t:.6g} s  (lower bound {lb:.6g} s, ratio {ratio:.3f})")
     cost = summary["mean_cost"]
-    line = f"mean cost per iteration: money {cost['money']:.6g}, energy {cost['energy']:.6g} J"
+    line = (
+        f"mean cost per iteration: money {money_per_iteration(cost['money'])}, "
+        f"energy {energy_per_iteration(cost['energy'])}"
+    )
     print(line)
     for name, budget in summary["budgets"].items():
-        print(f"budget {name} {budget:.6g} per iteration: mean {cost[name]:.6g} "
+        unit = money_per_iteration if name == "money" else energy_per_iteration
+        print(f"budget {name} {unit(budget)}: mean {unit(cost[name])} "
               f"({cost[name] / budget:.3f} of budget)")  # fmt: skip
     print(f"plan changes {summary['plan_changes']}, infeasible slots {summary['infeasible_slots']}")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hetrain._text import plural
 from hetrain.errors import InputError
 
 DEMO_SLOWDOWN_FACTOR = 3.0
@@ -92,6 +93,7 @@ def run_train(
     report: bool = True,
     progress: bool = True,
     json_out: bool = False,
+    tensorboard: bool = False,
 ) -> int:
     """Run ``hetrain train``; returns the exit status (0 ok, 1 a rank failed, 2 bad input is
     raised as :class:`InputError`)."""
@@ -128,6 +130,7 @@ def run_train(
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
         exact=exact,
+        tensorboard=tensorboard,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm
@@ -157,7 +160,8 @@ def run_train(
             raise InputError(
                 str(plan),
                 "groups[].devices",
-                f"expected {world} devices (torchrun world size), the plan names {len(devices)}",
+                f"expected {plural(world, 'device')} (torchrun world size), the plan names "
+                f"{len(devices)}",
             )
         job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
         try:
@@ -246,13 +250,13 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
     span = f"steps {start}-{summary['steps'] - 1}, " if start else ""
     ranks = len(job.devices)
     print(
-        f"trained {trained} steps ({span}resumed from step {start}) "
+        f"trained {plural(trained, 'step')} ({span}resumed from step {start}) "
         if start
-        else f"trained {trained} steps ",
+        else f"trained {plural(trained, 'step')} ",
         end="",
     )
     print(
-        f"on {ranks} rank{'s' if ranks != 1 else ''} in {wall:.1f}s; "
+        f"on {plural(ranks, 'rank')} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
     )
     if summary.get("dp_even"):

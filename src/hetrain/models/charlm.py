@@ -17,13 +17,27 @@ from torch.nn import functional as F
 @dataclass(frozen=True)
 class CharGPTConfig:
     """Sizes of :func:`char_gpt`: ``vocab_size`` tokens, context ``block_size`` tokens,
-    ``n_layer`` blocks of width ``n_embd`` with ``n_head`` attention heads."""
+    ``n_layer`` blocks of width ``n_embd`` with ``n_head`` attention heads. The defaults are
+    the ``charlm`` example (:data:`CHARLM`)."""
 
     vocab_size: int = 96
     block_size: int = 64
     n_layer: int = 4
-    n_embd: int = 128
+    n_embd: int = 64
     n_head: int = 4
+
+    def describe(self) -> str:
+        """One line: ``"4 blocks, 64 wide, 4 heads, context 64, vocabulary 96"``."""
+        return (
+            f"{self.n_layer} blocks, {self.n_embd} wide, {self.n_head} heads, "
+            f"context {self.block_size}, vocabulary {self.vocab_size}"
+        )
+
+
+#: The model of the ``charlm`` example, the one source of its sizes: ``hetrain train --example
+#: charlm`` trains it and ``hetrain profile --example charlm`` profiles it (96 symbols: newline
+#: and printable ASCII).
+CHARLM = CharGPTConfig(vocab_size=96, block_size=64, n_layer=4, n_embd=64, n_head=4)
 
 
 class Embedding(nn.Module):
@@ -78,6 +92,7 @@ class Head(nn.Module):
 
 
 def char_gpt(cfg: CharGPTConfig | None = None) -> nn.Sequential:
-    """Build the chain ``[Embedding, Block × n_layer, Head]`` for ``cfg`` (default sizes)."""
-    cfg = cfg or CharGPTConfig()
+    """Build the chain ``[Embedding, Block × n_layer, Head]`` for ``cfg`` (default: the
+    ``charlm`` example, :data:`CHARLM`)."""
+    cfg = cfg or CHARLM
     return nn.Sequential(Embedding(cfg), *[Block(cfg) for _ in range(cfg.n_layer)], Head(cfg))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hetrain.models.charlm import CharGPTConfig, char_gpt
+from hetrain.models.charlm import CHARLM, CharGPTConfig, char_gpt
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def _images(shape: tuple[int, ...]):
 
 
 def _charlm() -> nn.Sequential:
-    return char_gpt()
+    return char_gpt(CHARLM)  # the model hetrain train --example charlm trains
 
 
 def _digits() -> nn.Sequential:
@@ -76,7 +76,10 @@ GPT2_SMALL = CharGPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_embd
 
 EXAMPLES: dict[str, ExampleModel] = {
     "charlm": ExampleModel(
-        "charlm", "character-level GPT (4 blocks, 128 wide, context 64)", _charlm, _tokens(96, 64)
+        "charlm",
+        f"character-level GPT ({CHARLM.describe()})",
+        _charlm,
+        _tokens(CHARLM.vocab_size, CHARLM.block_size),
     ),
     "digits": ExampleModel("digits", "small CNN for 8x8 digits", _digits, _images((1, 8, 8))),
     "gpt2-small": ExampleModel(

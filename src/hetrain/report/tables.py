@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from hetrain._text import energy_per_iteration, money_per_iteration
 from hetrain.costmodel import PlanEvaluation
 from hetrain.plan import Plan
 
@@ -67,8 +68,8 @@ def summary_lines(evaluation: PlanEvaluation, batch: int) -> list[str]:
         f"+ sync {evaluation.sync_time_s:.6g} s)",
         f"lower bound T_LB = {evaluation.lower_bound_s:.6g} s for B = {batch}; "
         f"T / T_LB = {evaluation.ratio_to_lower_bound:.4f}",
-        f"cost per iteration: money {evaluation.cost['money']:.6g}, "
-        f"energy {evaluation.cost['energy']:.6g} J",
+        f"cost per iteration: money {money_per_iteration(evaluation.cost['money'])}, "
+        f"energy {energy_per_iteration(evaluation.cost['energy'])}",
         "fits in memory: " + ("yes" if evaluation.fits else "NO"),
     ]
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan, plan_from_dict
@@ -244,6 +245,7 @@ def build_job(
     hang_timeout_s: float | None = None,
     norm_block: int | None = None,
     exact: bool = False,
+    tensorboard: bool = False,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -256,9 +258,14 @@ def build_job(
             that does not divide the global batch or a plan's shares/micro-batches (BatchNorm,
             ``norm_block``; ``exact`` refuses uncovered random ops at run time), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
-            bad ``--slowdown``, unreadable trace/cluster/plan files.
+            bad ``--slowdown``, unreadable trace/cluster/plan files, ``tensorboard`` without
+            the ``tensorboard`` package.
     """
     d = task.defaults
+    if tensorboard:
+        from hetrain.runtime.metrics import check_tensorboard
+
+        check_tensorboard()
     nnodes = _positive_int("--nnodes", nnodes)
     steps = _positive_int("--steps", steps if steps is not None else d.get("steps", 100))
     lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
@@ -316,7 +323,7 @@ def build_job(
             raise InputError(
                 "--workers",
                 "",
-                f"expected {len(device_ids)} ranks, one per device of the cluster file, "
+                f"expected {plural(len(device_ids), 'rank')}, one per device of the cluster file, "
                 f"got {workers * nnodes}",
             )
     else:
@@ -416,6 +423,7 @@ def build_job(
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
         exact=bool(exact),
+        tensorboard=bool(tensorboard),
     )
 
 
@@ -434,6 +442,8 @@ def train(
     lr: float = 1e-3,
     run_dir: str | Path | None = None,
     load_into_model: bool = True,
+    report: bool = True,
+    tensorboard: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
@@ -454,6 +464,11 @@ def train(
             ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` (it must be an
             ``nn.Sequential``) when done.
+        report: write the report into ``run_dir`` when done: ``iteration_time.png`` (plan
+            changes marked), ``timeline_step<N>.png`` (one iteration per group) and
+            ``report.txt`` (:func:`hetrain.report.run_report.write_report`).
+        tensorboard: also write TensorBoard event files next to ``metrics.jsonl`` (needs the
+            ``tensorboard`` package: ``pip install 'hetrain[tensorboard]'``).
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
@@ -463,7 +478,8 @@ def train(
 
     Returns:
         rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,
-        ``wall_time_s``, ``model_path``, ``metrics_path``.
+        ``wall_time_s``, ``model_path``, ``metrics_path`` and, with ``report``,
+        ``report_files`` (the plots written).
 
     Raises:
         InputError: bad configuration (before any process starts).
@@ -485,9 +501,14 @@ def train(
         optimizer=optimizer,
         lr=lr,
         run_dir=run_dir,
+        tensorboard=tensorboard,
         **options,
     )
     summary = run_job(job, max_restarts=max_restarts)
+    if report and summary and job.metrics_out and job.run_dir:
+        from hetrain.report.run_report import write_report
+
+        summary["report_files"] = write_report(job.metrics_out, job.run_dir)["files"]
     if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
         state = torch.load(summary["model_path"], weights_only=True)
         model.load_state_dict(

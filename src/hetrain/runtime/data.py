@@ -271,7 +271,7 @@ class Task:
 
 # ---- charlm ----------------------------------------------------------------------------------
 
-CHARLM_BLOCK_SIZE = 64
+CHARLM_BLOCK_SIZE = 64  # = hetrain.models.charlm.CHARLM.block_size
 _CHAR_REPLACE = {"’": "'", "‘": "'", "“": '"', "”": '"', "…": ".", "—": "-", "–": "-"}
 
 
@@ -310,7 +310,8 @@ def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
     character (a unigram model scores about 3.1, uniform guessing ln 96 = 4.56). ``text``
     replaces the default text (``--data FILE``).
     """
-    from hetrain.models import CharGPTConfig, char_gpt
+    from hetrain.models import char_gpt
+    from hetrain.models.charlm import CHARLM
 
     tokens = encode_chars(charlm_text() if text is None else text)
     if len(tokens) < 20 * (CHARLM_BLOCK_SIZE + 1):
@@ -318,9 +319,7 @@ def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
             "--data", "", f"expected at least {20 * (CHARLM_BLOCK_SIZE + 1)} characters"
         )
     split = int(0.9 * len(tokens))
-    cfg = CharGPTConfig(
-        vocab_size=len(charlm_vocab()), block_size=CHARLM_BLOCK_SIZE, n_layer=4, n_embd=64
-    )
+    cfg = CHARLM  # the one source of the example's sizes (hetrain profile uses it too)
     train = CharWindows(tokens[:split], cfg.block_size)
     val_all = CharWindows(tokens[split:], cfg.block_size)
     # fixed, evenly spaced validation windows (deterministic, independent of the seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetrain._text import plural
 from hetrain.errors import InputError
 from hetrain.plan import Plan
 
@@ -113,8 +114,8 @@ def build_layout(
         raise InputError(
             source,
             "groups[].devices",
-            f"expected the plan to name all {len(devices)} ranks of the world "
-            f"(world size {len(devices)}), it names {len(plan.devices)} devices",
+            f"expected the plan to name all {plural(len(devices), 'rank')} of the world "
+            f"(world size {len(devices)}), it names {plural(len(plan.devices), 'device')}",
         )
     if plan.global_batch <= 0:
         raise InputError(source, "groups[].batch", "expected a global batch > 0, got 0")

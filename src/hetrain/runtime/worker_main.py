@@ -42,7 +42,7 @@ from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
 from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
-from hetrain.runtime.metrics import MetricsWriter, read_metrics
+from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -110,6 +110,8 @@ class TrainJob:
         controller_endpoint: ``host:port`` of the controller's store
             (:class:`~hetrain.runtime.adapt.ControllerThread` of the launching process); None
             under ``torchrun``: rank 0 then starts the controller process itself.
+        tensorboard: rank 0 also writes TensorBoard event files next to ``metrics_out``
+            (:class:`hetrain.runtime.metrics.TensorBoardSink`).
     """
 
     task: Task
@@ -146,6 +148,7 @@ class TrainJob:
     norm_block: int | None = None
     exact: bool = False
     controller_endpoint: str | None = None
+    tensorboard: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,9 +584,13 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         norm_block=job.norm_block,
         exact=job.exact,
     )
+    sinks = []
+    if lead and job.tensorboard and job.metrics_out:
+        sinks.append(TensorBoardSink(Path(job.metrics_out).parent))
     metrics = MetricsWriter(
         job.metrics_out if lead else None,
         append=resume is not None or restart_count > 0 or elastic_round,
+        sinks=sinks,
     )
     resumed: dict[str, Any] | None = None
     if resume is not None:

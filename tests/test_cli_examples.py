@@ -1,0 +1,47 @@
+"""``hetrain profile --example X`` describes exactly the model ``hetrain train --example X``
+trains: same layers, same parameter count, for every example ``train`` offers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetrain.cli import main
+from hetrain.models.registry import EXAMPLES as PROFILE_EXAMPLES
+from hetrain.runtime.data import EXAMPLES as TRAIN_EXAMPLES
+from hetrain.runtime.data import example_task
+
+
+def test_every_train_example_can_be_profiled() -> None:
+    assert set(TRAIN_EXAMPLES) <= set(PROFILE_EXAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_EXAMPLES))
+def test_profile_describes_the_trained_model(name: str, tmp_path: Path, capsys) -> None:
+    out = tmp_path / f"{name}.json"
+    assert main(["profile", "--example", name, "--out", str(out), "--batch", "2"]) == 0
+    capsys.readouterr()
+    profile = json.loads(out.read_text())
+    model = example_task(name).build_model()
+    layers = list(model.children())
+    assert len(profile["layers"]) == len(layers)
+    profiled_params = sum(
+        ly["param_bytes"] + ly.get("frozen_param_bytes", 0) for ly in profile["layers"]
+    ) + sum(s["bytes"] for s in profile.get("shared", []))
+    trained_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert profiled_params == trained_params, (name, profiled_params / 4, trained_params / 4)
+    # per layer too: layer l of the profile is child l of the trained chain
+    for ly, child in zip(profile["layers"], layers, strict=True):
+        assert ly["param_bytes"] + ly.get("frozen_param_bytes", 0) == sum(
+            p.numel() * p.element_size() for p in child.parameters()
+        ), ly["name"]
+
+
+def test_charlm_description_states_the_trained_width() -> None:
+    from hetrain.models.charlm import CHARLM
+
+    model = example_task("charlm").build_model()
+    assert model[0].tok.embedding_dim == CHARLM.n_embd
+    assert f"{CHARLM.n_embd} wide" in PROFILE_EXAMPLES["charlm"].description
