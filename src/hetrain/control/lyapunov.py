@@ -156,7 +156,7 @@ class LyapunovController:
             ``None`` (default): no wall-clock limit up to ``exact_search_devices`` available
             devices, so that decisions are reproducible from the same measurements (a budget
             makes the search depend on the machine's load), and 1 s above.
-        exact_search_devices: see ``search_time_budget_s`` (default 8).
+        exact_search_devices: see ``search_time_budget_s`` (default 16).
         incremental_above: with more available devices than this, searches are rationed (one
             per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
             replaced by an interchangeable spare (else its group is dropped) and unused devices
@@ -189,7 +189,7 @@ class LyapunovController:
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
         search_time_budget_s: float | None = None,
-        exact_search_devices: int = 8,
+        exact_search_devices: int = 16,
         incremental_above: int = 128,
         search_devices_per_slot: float = 4.0,
         persistence_threshold: float = 0.1,
