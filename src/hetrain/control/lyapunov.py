@@ -156,7 +156,7 @@ class LyapunovController:
             ``None`` (default): no wall-clock limit up to ``exact_search_devices`` available
             devices, so that decisions are reproducible from the same measurements (a budget
             makes the search depend on the machine's load), and 1 s above.
-        exact_search_devices: see ``search_time_budget_s`` (default 8).
+        exact_search_devices: see ``search_time_budget_s`` (default 16).
         incremental_above: with more available devices than this, searches are rationed (one
             per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
             replaced by an interchangeable spare (else its group is dropped) and unused devices
@@ -189,7 +189,7 @@ class LyapunovController:
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
         search_time_budget_s: float | None = None,
-        exact_search_devices: int = 8,
+        exact_search_devices: int = 16,
         incremental_above: int = 128,
         search_devices_per_slot: float = 4.0,
         persistence_threshold: float = 0.1,
@@ -238,6 +238,7 @@ class LyapunovController:
         self.queue_warm_start = bool(queue_warm_start)
         self.pool_size = 8
         self._warm_started = False
+        self._reset_ref = False
         self._prev_available: np.ndarray | None = None
         self.reference_time_s: float | None = None
         self._time_sum_s = 0.0
@@ -320,6 +321,11 @@ class LyapunovController:
         weights = self.queue_weights()
         proposal = self._propose(step, observed, weights)
         decision = self._gate(step, self._current, proposal, observed, weights)
+        if self._reset_ref or decision.structure_changed:
+            t_lb = lower_bound_s(observed, self.profile, self.config.batch)
+            _, t_pred = self._rebalance(decision.plan, observed)
+            self._ref_ratio = t_pred / t_lb if t_lb > 0 else math.inf
+            self._reset_ref = False
         if decision.structure_changed and self._current is not None:
             self.switches += 1
         self._current = decision.plan
@@ -373,6 +379,7 @@ class LyapunovController:
             "ref_available": arr(self._ref_available),
             "ref_price": arr(self._ref_price),
             "ref_ratio": finite(self._ref_ratio),
+            "reset_ref": self._reset_ref,
             "ref_weights": dict(self._ref_weights),
             "choice_weights": dict(self._choice_weights),
             "last_search_slot": self._last_search_slot,
@@ -418,6 +425,7 @@ class LyapunovController:
         self._ref_price = arr(data["ref_price"], float)
         ratio = data["ref_ratio"]
         self._ref_ratio = math.inf if ratio is None else float(ratio)
+        self._reset_ref = bool(data.get("reset_ref", False))
         self._ref_weights = dict(data["ref_weights"])
         self._choice_weights = dict(data["choice_weights"])
         self._last_search_slot = int(data["last_search_slot"])
@@ -704,11 +712,14 @@ class LyapunovController:
         # the known structures are re-weighed every slot on small clusters (a few share solves);
         # above ``incremental_above`` devices only when something changed
         cheap = int(available.sum()) <= self.incremental_above and len(self._pool) > 0
-        if searched or extra or moved or current is None or cheap:
-            self._choice_weights = dict(weights)
+        changed = searched or bool(extra) or moved or current is None
+        if changed or cheap:
+            if changed:
+                self._choice_weights = dict(weights)
             choice = self._choose(current, observed, weights, extra)
-            _, t_pred = self._rebalance(choice, observed)
-            self._ref_ratio = t_pred / t_lb if t_lb > 0 else math.inf
+            # the drift reference moves only with a search or an applied new structure
+            # (re-weighing the pool every slot must not hide a drift that calls for a search)
+            self._reset_ref = self._reset_ref or changed
         else:
             choice = current
         return choice
