@@ -124,8 +124,15 @@ class Chain:
         return hashlib.sha256(repr((self.layer_names, items)).encode()).hexdigest()[:16]
 
     def layer_modules(self, layer: int) -> list[nn.Module]:
-        """Modules whose mode checks (dropout, BatchNorm) apply to ``layer``."""
+        """The modules that run in ``layer`` (its child, its block, or the leaf modules of
+        the prefix/suffix)."""
         raise NotImplementedError
+
+    def __getitem__(self, layer: int) -> nn.Module:
+        """Layer ``layer`` as one module (the child or block itself; a ``ModuleList`` of the
+        prefix's/suffix's leaf modules)."""
+        mods = self.layer_modules(layer)
+        return mods[0] if len(mods) == 1 else nn.ModuleList(mods)
 
     def stage_forward(self, start: int, end: int, x: Any, inputs: Any) -> Any:
         """Run layers ``[start, end)`` on one micro-batch: ``x`` is what the previous stage

@@ -10,9 +10,11 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.runtime.cutting import Chain, cut_module
 from hetrain.runtime.data_parallel import (
@@ -34,7 +37,9 @@ from hetrain.runtime.data_parallel import (
 from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
+from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
 from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
+from hetrain.runtime.randomness import InvariantRandomness
 from hetrain.runtime.stages import P2P, Timers, run_stage, schedule_ops
 
 
@@ -100,40 +105,16 @@ class MigrationResult:
     time_s: float
 
 
-def check_exact_layers(layers: nn.Sequential | Chain, *, randomness: bool = False) -> None:
-    """Refuse layers whose training result depends on how the batch is split or on random
-    numbers, unless plan-invariant randomness handles them (``randomness=True``): BatchNorm in
-    training mode (batch statistics), dropout with ``p > 0``, attention dropout, RReLU.
-    Tied (shared) tensors are accepted (SPEC v3 §2: they live on every stage that uses them).
+def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
+    """Check that ``layers`` can be trained exactly and return its chain. Dropout and
+    BatchNorm are accepted (:mod:`hetrain.runtime.randomness` makes random draws
+    plan-invariant, :mod:`hetrain.runtime.norm` handles BatchNorm) and so are tied tensors
+    (SPEC v3 §2: a shared tensor lives on every stage that uses it).
 
     Raises:
-        ValueError: naming the layer index, the sub-module path and the class.
+        InputError: not a module or an empty chain.
     """
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.dropout import _DropoutNd
-
-    chain = cut_module(layers) if not isinstance(layers, Chain) else layers
-    for index in range(chain.num_layers):
-        for top in chain.layer_modules(index):
-            for name, module in top.named_modules():
-                if not module.training:
-                    continue
-                where = f"layer {index} ({name or type(top).__name__}: {type(module).__name__})"
-                if isinstance(module, _BatchNorm):
-                    raise ValueError(
-                        f"{where}: BatchNorm depends on the micro-batch, so hybrid/pipeline "
-                        "training could not equal single-device training; use GroupNorm/"
-                        "LayerNorm or eval()"
-                    )
-                if not randomness and (
-                    (isinstance(module, _DropoutNd) and module.p > 0)
-                    or (isinstance(module, nn.MultiheadAttention) and module.dropout > 0)
-                    or isinstance(module, nn.RReLU)
-                ):
-                    raise ValueError(
-                        f"{where}: random numbers in training (dropout) differ between plans; "
-                        "set p=0 or call eval() on it"
-                    )
+    return layers if isinstance(layers, Chain) else cut_module(layers)
 
 
 def _plan_digest(plan: Plan) -> str:
@@ -201,14 +182,19 @@ class Worker:
         allow_unused_ranks: accept ranks whose device the plan does not name.
         bucket_cap_bytes: largest gradient bucket all-reduced at once.
         overlap_grad_sync: start a bucket's all-reduce during the stage's last backward.
-        randomness: optional plan-invariant randomness (object with ``forward_context(step,
-            start, end, layers)``); with it, dropout is accepted.
+        seed: key of the plan-invariant random draws (:mod:`hetrain.runtime.randomness`).
+        norm_block: BatchNorm norm block ``G`` (ghost batch norm, :mod:`hetrain.runtime.norm`);
+            None = statistics per micro-batch (results depend on the plan).
+        exact: refuse (``InputError``) random ops that cannot be made plan-invariant instead
+            of warning once.
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
         InputError: the plan names unknown devices, does not cover the layers, or its device
             count differs from the world size (raised on every rank, no hang).
-        ValueError: BatchNorm/dropout layers (:func:`check_exact_layers`), bad options.
+        InputError: a share or micro-batch size not a multiple of ``norm_block``; with
+            ``exact``, a random op that cannot be made plan-invariant.
+        ValueError: bad options, ranks given different plans or models.
     """
 
     def __init__(
@@ -228,7 +214,9 @@ class Worker:
         allow_unused_ranks: bool = False,
         bucket_cap_bytes: int = 64 * 2**20,
         overlap_grad_sync: bool = True,
-        randomness: Any = None,
+        seed: int = 0,
+        norm_block: int | None = None,
+        exact: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
@@ -248,8 +236,6 @@ class Worker:
         _check_agreement(gathered, mine, ("plan", "model structure"))
         gathered = [g[0] for g in gathered]
         self.device_id = str(device_id)
-        self.randomness = randomness
-        check_exact_layers(chain, randomness=randomness is not None)
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
         self.bucket_cap_bytes = int(bucket_cap_bytes)
@@ -258,6 +244,24 @@ class Worker:
             plan, tuple(gathered), chain.num_layers, require_all=not allow_unused_ranks
         )
         self.chain = chain
+        # --- plan-invariant randomness and BatchNorm (randomness.py, norm.py) ---
+        self.exact = bool(exact)
+        self.randomness = InvariantRandomness(chain.module, seed=seed, exact=exact)
+        self.norm = NormBlocks(chain.module, norm_block)
+        self._norm_layers = [
+            i
+            for i in range(chain.num_layers)
+            if any(batchnorm_modules(m) for m in chain.layer_modules(i))
+        ]
+        self._random_reported = False
+        _check_norm_plan(self.layout, norm_block)
+        static = self.randomness.static_problems()
+        if static and self.exact:
+            raise InputError("model", "random op", f"{static[0]} (--exact)")
+        if self.rank == 0:
+            for line in static[:1] + [self.norm.startup_message() or ""]:
+                if line:
+                    print(f"hetrain: warning: {line}", file=sys.stderr, flush=True)
         self.module = chain.module.to(dtype=dtype)
         # keep the tensor index current (``.to`` keeps parameter objects; buffers may change)
         chain._index_tensors()
@@ -336,6 +340,57 @@ class Worker:
         self._buckets: list[Bucket] = shared_buckets(self.layout, trainable_shared) + layer_buckets
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
+        self._norm_sets = self._norm_owner_sets()
+
+    def _norm_modules(self, indices: Sequence[int]) -> list[nn.Module]:
+        return [m for i in indices for m in self.chain.layer_modules(i)]
+
+    def _norm_owner_sets(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """BatchNorm layers grouped by their owners (all groups, idle included), in layer
+        order; their process groups are created here, in the same order on every rank."""
+        sets: dict[tuple[int, ...], list[int]] = {}
+        for index in self._norm_layers:
+            sets.setdefault(tuple(sorted(self.layout.owners[index])), []).append(index)
+        for ranks in sets:
+            if len(ranks) > 1:
+                self._groups.get(ranks, "norm")
+        return list(sets.items())
+
+    def _sync_norm_stats(self, active: bool) -> None:
+        """Update BatchNorm running statistics once per step from the statistics of all
+        groups (:meth:`NormBlocks.step_tensor` summed among each layer's owners)."""
+        for ranks, indices in self._norm_sets:
+            if self.rank not in ranks:
+                continue
+            modules = self._norm_modules(indices)
+            flat = self.norm.step_tensor(modules, active=active).to(self.device)
+            if len(ranks) > 1:
+                dist.all_reduce(flat, group=self._groups.get(ranks, "norm"))
+            self.norm.apply_step(modules, flat)
+
+    def _forward_context(self, offset: int, step: int) -> Callable[[int, int], Any]:
+        """Per micro-batch forward context: rows ``[offset + start, offset + end)`` of the
+        global batch at iteration ``step`` (plan-invariant randomness, ghost BatchNorm)."""
+
+        def enter(start: int, end: int) -> contextlib.ExitStack:
+            rows = torch.arange(offset + start, offset + end, dtype=torch.int64)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.randomness.forward(step=step, sample_index=rows))
+            stack.enter_context(self.norm.forward())
+            return stack
+
+        return enter
+
+    def _report_random_problems(self) -> None:
+        """A random op that is not plan-invariant ran on some rank this step: warn once (each
+        rank that saw it), or with ``exact`` raise the same InputError on every rank."""
+        self._random_reported = True
+        mine = self.randomness.problems
+        if self.exact:
+            what = mine[0] if mine else "another rank ran a random op hetrain cannot make invariant"
+            raise InputError("model", "random op", f"{what} (--exact)")
+        if mine:
+            print(f"hetrain: warning: {mine[0]}; results depend on the plan", file=sys.stderr)
 
     def _bucket_params(self) -> list[list[nn.Parameter]]:
         out = []
@@ -446,15 +501,6 @@ class Worker:
                 if k == len(group.ranks) - 1:
                     y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
                 s0, s1 = stage
-                offset = group.offset
-                on_forward = None
-                if self.randomness is not None:
-
-                    def on_forward(start: int, end: int) -> Any:
-                        return self.randomness.forward_context(
-                            step, offset + start, offset + end, (s0, s1)
-                        )
-
                 try:
                     loss_part, count_part, sum_mode = run_stage(
                         stage_forward=lambda xin, mb: self.chain.stage_forward(s0, s1, xin, mb),
@@ -473,13 +519,14 @@ class Worker:
                         emulation=self.emulation,
                         autocast_dtype=self.autocast_dtype,
                         before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
-                        on_forward=on_forward,
+                        forward_context=self._forward_context(group.offset, step),
                     )
                 except BaseException:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
         sync_time_s, sync_bytes = grad_sync.finish()
+        self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for unit in self.optimizers:
@@ -488,9 +535,13 @@ class Worker:
                     if p.grad is not None:
                         sq += p.grad.detach().to(torch.float64).pow(2).sum()
         flag = torch.ones((), dtype=torch.float64, device=self.device) if sum_mode else zero
-        reduced = torch.stack([loss_part, sq, count_part, flag])
+        random_problem = float(bool(self.randomness.problems) and not self._random_reported)
+        rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
+        reduced = torch.stack([loss_part, sq, count_part, flag, rflag])
         dist.all_reduce(reduced)
-        loss, sqnorm, count, mode = reduced.tolist()
+        loss, sqnorm, count, mode, random_problems = reduced.tolist()
+        if random_problems > 0:
+            self._report_random_problems()
         scale = 1.0
         if mode > 0:  # (sum, count) losses: divide by the count of the whole global batch
             if count <= 0:
@@ -562,6 +613,7 @@ class Worker:
         dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
         _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
+        _check_norm_plan(new, self.norm.norm_block)
         old = self.layout
         transfers: list[tuple[Unit, int, int]] = [
             (t.layer, t.src, t.dst) for t in plan_transfers(old, new)
@@ -712,6 +764,13 @@ class Worker:
                 groups = opt.state_dict()["param_groups"]
                 opt.load_state_dict({"state": ostate, "param_groups": groups})
             self.optimizers[unit] = opt
+
+
+def _check_norm_plan(layout: Layout, norm_block: int | None) -> None:
+    """InputError (every rank) if a group's share or micro-batch size is not a multiple of the
+    norm block (:func:`hetrain.runtime.norm.check_plan_norm_block`)."""
+    groups = [(g.index, g.batch, g.microbatch_size) for g in layout.groups]
+    check_plan_norm_block(groups, norm_block)
 
 
 def gather_measurements(result: StepResult) -> list[dict[str, Any]]:

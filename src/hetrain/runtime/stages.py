@@ -274,7 +274,7 @@ def run_stage(
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
     before_last_backward: Callable[[], None] | None = None,
-    on_forward: Callable[[int, int], Any] | None = None,
+    forward_context: Callable[[int, int], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Run one stage's forward/backward operations of one step.
 
@@ -289,8 +289,9 @@ def run_stage(
     ``(sum, count)`` losses (SPEC §5): the sum is back-propagated unscaled and the engine divides
     every gradient by the global batch's count (one all-reduce) afterwards. Gradients accumulate
     into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
-    gradient all-reduces during it); ``on_forward(start, end)`` may return a context manager
-    entered around each forward (plan-invariant randomness keyed by the global sample rows).
+    gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows
+    relative to the group) wraps each micro-batch's forward (plan-invariant randomness and ghost
+    BatchNorm, engine.py).
     """
     first = prev_rank is None
     last = next_rank is None
@@ -314,7 +315,7 @@ def run_stage(
             mb_inputs = _slice_rows(inputs, start, end)
             _sync(device)
             t0 = time.perf_counter()
-            ctx = on_forward(start, end) if on_forward is not None else None
+            ctx = forward_context(start, end) if forward_context is not None else None
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.bfloat16,

@@ -1,0 +1,465 @@
+"""Plan-invariant randomness: every random draw of the model depends only on the key
+``(seed, step, global sample index, module path, call number)`` and the element's index within
+the sample, never on the device, the micro-batch or the plan (docs/runtime.md "Randomness";
+SPEC v3 §5 "Randomness").
+
+Interface (the engine's side):
+
+    rng = InvariantRandomness(model, seed=0, exact=False)   # once; model = the FULL model
+    for line in rng.static_problems(): warn or refuse         # start-up (module types)
+    with rng.forward(step=t, sample_index=rows):            # around ONE micro-batch forward
+        y = stage(x)                                         # rows: LongTensor[n], global rows
+    rng.problems                                             # uncovered random ops seen so far
+
+``forward`` pushes a :class:`torch.overrides.TorchFunctionMode` that replaces ``F.dropout``,
+``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``, ``F.rrelu`` (and the
+``torch.dropout`` family) and ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (computed
+by ATen's math kernel with an explicit per-sample ``dropout_mask``) by draws from a
+counter-based hash, and global module forward hooks that keep the innermost module's path (its
+name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
+sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
+
+Draws: ``u = splitmix64(splitmix64(key(seed, step, path, call) + sample * φ) + (j + 1) * φ')``,
+53 bits -> ``[0, 1)`` (Steele, Lea, Flood, *Fast splittable pseudorandom number generators*,
+OOPSLA 2014), on int64 tensors with wrap-around arithmetic and masked logical shifts, so CPU and
+GPU give the same numbers. Backward reuses the forward's masks (autograd keeps them).
+
+A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
+``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
+naming the module. Random ops that are not intercepted (``torch.rand*``, ``bernoulli``,
+``normal_``, ``multinomial``, dropout inside ``nn.MultiheadAttention``, ...) are recorded in
+:attr:`InvariantRandomness.problems`: by name when called at the top level of a forward, and in
+any case by a change of torch's global generator state during the forward (cheap; also done when
+the mode is off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hetrain.errors import InputError
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_GOLDEN2 = 0xD1B54A32D192ED03
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+_ALPHA_SELU = 1.7580993408473766  # -SELU alpha * scale, as in ATen's alpha_dropout
+
+
+def _signed(u: int) -> int:
+    """uint64 value -> the int64 with the same bits."""
+    u &= _M64
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def splitmix64_int(z: int) -> int:
+    """The splitmix64 finaliser on a Python int (mod 2^64), the reference for the tensor one."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser on an int64 tensor read as uint64 (wrap-around multiply), equal
+    bit for bit to :func:`splitmix64_int` on CPU and GPU."""
+    z = (z ^ _srl(z, 30)) * _signed(_C1)
+    z = (z ^ _srl(z, 27)) * _signed(_C2)
+    return z ^ _srl(z, 31)
+
+
+def path_hash(path: str) -> int:
+    """Stable 64-bit hash of a module path (blake2b; Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
+
+
+def draw_key(seed: int, step: int, path: str, call: int) -> int:
+    """The 64-bit key of one draw site: ``(seed, step, module path, call number)``."""
+    z = splitmix64_int(int(seed) * _GOLDEN + 0x243F6A8885A308D3)
+    z = splitmix64_int(z ^ (int(step) * _GOLDEN2 & _M64))
+    z = splitmix64_int(z ^ path_hash(path))
+    return splitmix64_int(z + int(call) * _GOLDEN)
+
+
+def uniform_per_sample(
+    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float64 numbers of ``shape``, whose dim 0 holds the samples
+    ``sample_index`` (``n`` rows, or ``n * r`` rows flattened sample-major): element ``j`` of
+    sample ``s`` (row-major within the sample) gets ``U(key, s, j)``.
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    n = int(sample_index.numel())
+    shape = tuple(int(d) for d in shape)
+    if not shape or n == 0 or shape[0] % n:
+        raise InputError(
+            "model",
+            "random op",
+            f"a tensor of shape {list(shape)} has no sample dimension of {n} rows in dim 0; "
+            "hetrain draws randomness per sample",
+        )
+    per_sample = math.prod(shape) // n
+    device = device if device is not None else sample_index.device
+    rows = sample_index.to(device=device, dtype=torch.int64)
+    ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
+    j = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN2)
+    z = splitmix64(ks[:, None] + j[None, :])
+    return (_srl(z, 11).to(torch.float64) * 2.0**-53).reshape(shape)
+
+
+# -------------------------------------------------------------------------------- arguments
+def _bind(args: tuple, kwargs: dict, names: Sequence[str], defaults: dict[str, Any]) -> dict:
+    out = dict(defaults)
+    out.update(zip(names, args, strict=False))
+    out.update(kwargs)
+    return out
+
+
+_DROPOUT_NAMES = ("input", "p", "training", "inplace")
+_DROPOUT_DEFAULTS = {"p": 0.5, "training": True, "inplace": False}
+_TORCH_DROPOUT_NAMES = ("input", "p", "train")
+
+# kind: (feature noise, alpha dropout)
+_F_DROPOUTS: dict[Callable, tuple[bool, bool, int | None]] = {
+    F.dropout: (False, False, None),
+    F.alpha_dropout: (False, True, None),
+    F.dropout1d: (True, False, 3),
+    F.dropout2d: (True, False, None),
+    F.dropout3d: (True, False, 5),
+    F.feature_alpha_dropout: (True, True, None),
+}
+_TORCH_DROPOUTS: dict[Callable, tuple[bool, bool, int | None]] = {
+    torch.dropout: (False, False, None),
+    torch.alpha_dropout: (False, True, None),
+    torch.feature_dropout: (True, False, None),
+    torch.feature_alpha_dropout: (True, True, None),
+}
+
+_UNCOVERED_NAMES = {
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "randperm",
+    "bernoulli",
+    "bernoulli_",
+    "multinomial",
+    "normal",
+    "normal_",
+    "poisson",
+    "uniform_",
+    "random_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "native_dropout",
+    "rrelu_with_noise",
+    "gumbel_softmax",
+    "multi_head_attention_forward",
+}
+
+
+def _rng_states() -> list[torch.Tensor]:
+    """torch's global generator states (CPU, and the current CUDA device when initialised)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+class InvariantRandomness:
+    """Plan-invariant random draws for one model (see the module docstring).
+
+    Args:
+        model: the full model (or its list of layers); module paths are its ``named_modules``
+            names (layer ``l`` of a list is ``"{l}"``), the same on every rank and plan.
+        seed: the run's seed (key part).
+        exact: refuse uncovered random ops (the engine raises :class:`InputError`) instead of
+            warning.
+        active: ``True``/``False`` force the interception on/off; ``None`` (default): on when
+            some module in training mode has dropout (``_DropoutNd``/``RReLU``/
+            ``MultiheadAttention`` with ``p > 0`` or a float attribute named ``*dropout*`` /
+            ``*pdrop*`` > 0, as Hugging Face attention modules have), or ``exact``. Off, a
+            forward costs only the generator-state check (which finds, but cannot name, an
+            uncovered random op).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        *,
+        seed: int = 0,
+        exact: bool = False,
+        active: bool | None = None,
+    ) -> None:
+        root = model if isinstance(model, nn.Module) else nn.ModuleList(list(model))
+        self.root = root
+        self.seed = int(seed)
+        self.exact = bool(exact)
+        self._force_active = active
+        self._paths: dict[int, str] = {}
+        for name, module in root.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(module), name)
+        self.problems: list[str] = []
+        # ATen warns once that an explicit SDPA dropout mask is "for testing"; here it is the
+        # point (the warning surfaces after the caller's SDPA call, so a local filter misses it)
+        warnings.filterwarnings("ignore", message="Dropout mask should only be used")
+        # state of the current forward
+        self._stack: list[str] = []
+        self._calls: dict[str, int] = {}
+        self._step = 0
+        self._rows: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------------------- start-up
+    def is_active(self) -> bool:
+        """Whether :meth:`forward` pushes the interception mode (see ``active``)."""
+        if self._force_active is not None:
+            return self._force_active
+        if self.exact:  # refusing needs the op's name: intercept always
+            return True
+        for module in self.root.modules():
+            if not module.training:
+                continue
+            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                return True
+            if isinstance(module, nn.RReLU):
+                return True
+            for attr, value in vars(module).items():
+                low = attr.lower()
+                if ("dropout" in low or "pdrop" in low) and isinstance(value, float) and value > 0:
+                    return True
+        return False
+
+    def static_problems(self) -> list[str]:
+        """Module types whose random draws cannot be made invariant (in training mode):
+        ``nn.MultiheadAttention(dropout > 0)`` (its dropout runs inside
+        ``F.multi_head_attention_forward``, out of reach of the mode). One line each."""
+        out = []
+        for name, module in self.root.named_modules():
+            if module.training and isinstance(module, nn.MultiheadAttention) and module.dropout:
+                out.append(
+                    f"{name or type(module).__name__}: nn.MultiheadAttention(dropout="
+                    f"{module.dropout}) draws its attention dropout inside "
+                    "F.multi_head_attention_forward, which hetrain cannot make plan-invariant"
+                )
+        return out
+
+    # ----------------------------------------------------------------------------- forward
+    @contextlib.contextmanager
+    def forward(self, *, step: int, sample_index: torch.Tensor) -> Iterator[None]:
+        """Context for one micro-batch's forward: samples ``sample_index`` (int64 ``[n]``, the
+        rows of the global batch, in the order of dim 0) at iteration ``step``."""
+        before = _rng_states()
+        if not self.is_active():
+            yield
+            self._check_states(before, [])
+            return
+        self._step = int(step)
+        self._rows = sample_index.reshape(-1).to(torch.int64)
+        self._stack = []
+        self._calls = {}
+        seen: list[str] = []
+        mode = _Mode(self, seen)
+        pre = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+        post = nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True)
+        try:
+            with mode:
+                yield
+        finally:
+            pre.remove()
+            post.remove()
+            self._stack = []
+            self._rows = None
+        self._check_states(before, seen)
+
+    def _check_states(self, before: list[torch.Tensor], seen: list[str]) -> None:
+        after = _rng_states()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        for item in seen:
+            if item not in self.problems:
+                self.problems.append(item)
+        if changed and not seen:
+            what = "a random op hetrain does not intercept drew from torch's global generator"
+            if what not in self.problems:
+                self.problems.append(what)
+
+    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        path = self._paths.get(id(module))
+        if path is None:
+            parent = self._stack[-1] if self._stack else ""
+            path = f"{parent}/{type(module).__name__}"
+        self._stack.append(path)
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def current_path(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def next_key(self) -> tuple[int, str]:
+        """Key of the next draw in the innermost module (advances its call counter)."""
+        path = self.current_path()
+        call = self._calls.get(path, 0)
+        self._calls[path] = call + 1
+        return draw_key(self.seed, self._step, path, call), path
+
+    def uniform(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Uniform ``[0, 1)`` float64 draws of ``shape`` for the next draw site."""
+        assert self._rows is not None
+        key, path = self.next_key()
+        try:
+            return uniform_per_sample(key, self._rows, shape, device)
+        except InputError as exc:
+            raise InputError("model", path or "<root>", exc.expected) from None
+
+
+def _dropout(
+    rng: InvariantRandomness,
+    x: torch.Tensor,
+    p: float,
+    training: bool,
+    inplace: bool,
+    feature: bool,
+    alpha: bool,
+) -> torch.Tensor:
+    """Dropout as ATen's ``_dropout_impl`` (same scaling, alpha-dropout affine correction), with
+    the keep mask ``u >= p`` from :meth:`InvariantRandomness.uniform`."""
+    if p < 0 or p > 1:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0 or x.numel() == 0:
+        return x
+    shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2) if feature else tuple(x.shape)
+    keep = rng.uniform(shape, x.device) >= p
+    if p == 1:
+        return x.mul_(0) if inplace else x * 0
+    noise = keep.to(x.dtype)
+    if alpha:
+        a = 1.0 / math.sqrt((_ALPHA_SELU**2 * p + 1) * (1 - p))
+        b = (noise - 1) * (_ALPHA_SELU * a) + _ALPHA_SELU * a * p
+        noise = noise * a
+        return x.mul_(noise).add_(b) if inplace else x * noise + b
+    noise = noise / (1 - p)
+    return x.mul_(noise) if inplace else x * noise
+
+
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
+
+
+def _sdpa(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with ``dropout_p > 0``: ATen's math kernel
+    (``_scaled_dot_product_attention_math``, the reference the fused kernels are tested
+    against) with an explicit per-sample ``dropout_mask`` of the attention weights' shape."""
+    a = _bind(args, kwargs, _SDPA_NAMES, _SDPA_DEFAULTS)
+    if a["dropout_p"] <= 0:
+        return func(*args, **kwargs)
+    q, k = a["query"], a["key"]
+    shape = (*q.shape[:-1], k.shape[-2])
+    keep = rng.uniform(shape, q.device) >= a["dropout_p"]
+    mask = a["attn_mask"]
+    if mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
+        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+            mask.logical_not(), float("-inf")
+        )
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        q,
+        k,
+        a["value"],
+        mask,
+        float(a["dropout_p"]),
+        bool(a["is_causal"]),
+        keep,
+        scale=a["scale"],
+        enable_gqa=bool(kwargs.get("enable_gqa", False)),
+    )
+    return out
+
+
+def _rrelu(rng: InvariantRandomness, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``F.rrelu`` in training: negative inputs times ``a ~ U(lower, upper)`` per element."""
+    a = _bind(
+        args,
+        kwargs,
+        ("input", "lower", "upper", "training", "inplace"),
+        {"lower": 1.0 / 8, "upper": 1.0 / 3, "training": False, "inplace": False},
+    )
+    x = a["input"]
+    if not a["training"]:
+        slope = (a["lower"] + a["upper"]) / 2
+        return F.leaky_relu(x, slope, a["inplace"])
+    u = rng.uniform(tuple(x.shape), x.device)
+    slope = (a["lower"] + (a["upper"] - a["lower"]) * u).to(x.dtype)
+    out = torch.where(x >= 0, x, x * slope)
+    return x.copy_(out) if a["inplace"] else out
+
+
+class _Mode(TorchFunctionMode):
+    """Replaces the random functions for one micro-batch forward (see module docstring)."""
+
+    def __init__(self, rng: InvariantRandomness, seen: list[str]) -> None:
+        super().__init__()
+        self.rng = rng
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        kind = _F_DROPOUTS.get(func)
+        if kind is not None:
+            a = _bind(args, kwargs, _DROPOUT_NAMES, _DROPOUT_DEFAULTS)
+            x = a["input"]
+            feature, alpha, batched_ndim = kind
+            if feature and x.dim() < (batched_ndim or 3):
+                raise InputError(
+                    "model",
+                    self.rng.current_path() or "<root>",
+                    f"{func.__name__} on an unbatched input of shape {list(x.shape)}; "
+                    "hetrain draws randomness per sample",
+                )
+            return _dropout(self.rng, x, a["p"], a["training"], a["inplace"], feature, alpha)
+        kind = _TORCH_DROPOUTS.get(func)
+        if kind is not None:
+            a = _bind(args, kwargs, _TORCH_DROPOUT_NAMES, {})
+            return _dropout(self.rng, a["input"], a["p"], a["train"], False, *kind[:2])
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(self.rng, func, args, kwargs)
+        if func is F.rrelu or func is torch.rrelu:
+            return _rrelu(self.rng, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _UNCOVERED_NAMES and (
+            name != "multi_head_attention_forward" or _mha(args, kwargs)
+        ):
+            where = self.rng.current_path() or "<root>"
+            self.seen.append(
+                f"{where}: {name} draws random numbers hetrain cannot make plan-invariant"
+            )
+        return func(*args, **kwargs)
+
+
+def _mha(args: tuple, kwargs: dict) -> bool:
+    """Whether an ``F.multi_head_attention_forward`` call draws dropout (``dropout_p`` is
+    argument 10, ``training`` argument 13)."""
+    p = kwargs.get("dropout_p", args[10] if len(args) > 10 else 0.0)
+    training = kwargs.get("training", args[13] if len(args) > 13 else True)
+    return bool(training) and float(p) > 0
