@@ -200,7 +200,9 @@ def simulate(
 
 @app.command()
 def train(
-    example: Annotated[str, typer.Option("--example", help="charlm or digits")] = "charlm",
+    example: Annotated[
+        str, typer.Option("--example", help="charlm, digits, gpt2, bert or resnet")
+    ] = "charlm",
     workers: Annotated[
         int | None,
         typer.Option("--workers", help="local ranks w0..w{N-1} (default 4, or the cluster size)"),
@@ -272,12 +274,16 @@ def train(
     report: Annotated[bool, typer.Option("--report/--no-report", help="plots at the end")] = True,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    size: Annotated[
+        str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
+    ] = "tiny",
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
 
     raise typer.Exit(
         run_train(
+            size=size,
             example=example,
             workers=workers,
             steps=steps,

@@ -528,6 +528,18 @@ class ModuleCut(Chain):
             flat[k] = t
         return tree_unflatten(flat, spec)
 
+    def verify(self, example_inputs: Any) -> None:
+        """Run every layer as its own stage on ``example_inputs`` (no gradients) so that a cut
+        that cannot be captured fails here, before any process starts.
+
+        Raises:
+            CaptureError: naming the op and the stage.
+        """
+        with torch.no_grad():
+            x = None
+            for layer in range(self.num_layers):
+                x = self.stage_forward(layer, layer + 1, x, example_inputs)
+
     def stage_forward(self, start: int, end: int, x: Any, inputs: Any) -> Any:
         run = _Run(
             start=start,

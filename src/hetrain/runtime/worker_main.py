@@ -43,7 +43,7 @@ from hetrain.runtime.adapt import (
     predict_iteration_time_s,
     propose_plan,
 )
-from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
+from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs, task_chain
 from hetrain.runtime.metrics import MetricsWriter
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
@@ -322,7 +322,8 @@ def _measure_device(
         reps = []
         for _ in range(3):
             t0 = time.perf_counter()
-            task.loss_fn(model(x), y).backward()
+            value = task.loss_fn(model(x), y)  # a mean, or (sum, count)
+            (value[0] if isinstance(value, tuple) else value).backward()
             dt = time.perf_counter() - t0
             time.sleep((factor - 1.0) * dt)
             reps.append(dt * factor)
@@ -389,7 +390,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
 
     torch.manual_seed(job.seed)
     model = job.task.build_model()
-    num_layers = len(model)
+    chain = task_chain(job.task, model)  # any module, cut into layers (runtime/cutting.py)
+    num_layers = chain.num_layers
     fingerprint = ckpt.model_fingerprint(model)
     sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed)
     emu = EmulationSchedule(job)
@@ -409,7 +411,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     config = _training_config(job)
     if job.adaptive or job.plan is None:
         x0, _ = job.task.train.batch(np.arange(2))
-        profile = _profile(model, cast_inputs(x0, torch.float32))
+        profile = _profile(chain, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
     if plan is None and resume is not None and set(resume.plan.devices) == set(job.devices):
         plan = resume.plan
@@ -469,7 +471,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         lr_schedule=lr_multiplier(job),
     )
     worker = Worker(
-        model,
+        chain,
         plan,
         device_id,
         job.task.loss_fn,
@@ -479,6 +481,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         dtype=dtype,
         grad_clip_norm=job.grad_clip_norm,
         autocast_bf16=job.bf16,
+        seed=job.seed,
     )
     metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
     if resume is not None:
@@ -648,6 +651,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(full, out)
+    hf_dir = _export_pretrained(final, job)
     wall = time.perf_counter() - wall0
     summary = {
         "steps": job.steps,
@@ -662,10 +666,22 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "wall_time_s": wall,
         "mean_iteration_time_s": float(np.mean(step_times)) if step_times else None,
         "model_path": str(out) if out is not None else None,
+        "pretrained_dir": hf_dir,
     }
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
     return summary
+
+
+def _export_pretrained(model: nn.Module, job: TrainJob) -> str | None:
+    """A Hugging Face model is also saved with ``save_pretrained`` into ``run_dir/model``
+    (config + safetensors; ``AutoModel...from_pretrained(run_dir/model)`` loads it without
+    hetrain). Returns the folder, or None for other models or without a run folder."""
+    if job.run_dir is None or not hasattr(model, "save_pretrained"):
+        return None
+    folder = Path(job.run_dir) / "model"
+    model.to(torch.float32).save_pretrained(folder)
+    return str(folder)
 
 
 def _base_state(
