@@ -201,8 +201,8 @@ def simulate(
 @app.command()
 def train(
     example: Annotated[
-        str, typer.Option("--example", help="charlm, digits, gpt2, bert or resnet")
-    ] = "charlm",
+        str, typer.Option("--example", help="gpt2 (default), bert, resnet, charlm or digits")
+    ] = "gpt2",
     workers: Annotated[
         int | None,
         typer.Option("--workers", help="local ranks w0..w{N-1} (default 4, or the cluster size)"),
@@ -277,6 +277,7 @@ def train(
     size: Annotated[
         str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
     ] = "tiny",
+    norm_block: NormBlockOpt = None,
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
@@ -284,6 +285,7 @@ def train(
     raise typer.Exit(
         run_train(
             size=size,
+            norm_block=norm_block,
             example=example,
             workers=workers,
             steps=steps,
@@ -333,7 +335,10 @@ def train(
 def profile(
     example: Annotated[
         str,
-        typer.Option("--example", help="charlm, digits, gpt2-small, bert-base or resnet50"),
+        typer.Option(
+            "--example",
+            help="charlm, digits, gpt2-small, bert-base, resnet50, or gpt2, bert, resnet (HF)",
+        ),
     ] = "charlm",
     out: Annotated[Path | None, typer.Option("--out", help="write the profile JSON here")] = None,
     batch: Annotated[int, typer.Option("--batch", help="samples used to profile")] = 8,
@@ -363,12 +368,20 @@ def profile(
         bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")
     ] = True,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    size: Annotated[
+        str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
+    ] = "base",
+    model: Annotated[
+        str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
+    ] = None,
 ) -> None:
     """Build a SPEC §7 model profile from an example model (FLOPs, activation and param bytes)."""
     from hetrain.commands.profile import run_profile
 
     raise typer.Exit(
         run_profile(
+            size=size,
+            model=model,
             example=example,
             out=out,
             batch=batch,

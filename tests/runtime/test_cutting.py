@@ -100,6 +100,13 @@ def test_a_module_that_cannot_be_captured_names_the_op_and_suggests_layers():
         chain.verify(torch.randn(2, 4))
 
 
+def test_a_norm_block_not_dividing_the_batch_exits_2(capsys):
+    code = main(["train", "--example", "resnet", "--batch", "30", "--norm-block", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--norm-block" in err and "divisor of the global batch B=30" in err and "got 4" in err
+
+
 @pytest.fixture
 def factories(tmp_path, monkeypatch):
     (tmp_path / "userfactories.py").write_text(

@@ -55,7 +55,8 @@ def _task(example: str, model: str | None, data: Path | None, size: str = "tiny"
 def run_train(
     *,
     size: str = "tiny",
-    example: str = "charlm",
+    norm_block: int | None = None,
+    example: str = "gpt2",
     workers: int | None = None,
     steps: int | None = None,
     plan: Path | None = None,
@@ -125,6 +126,7 @@ def run_train(
         checkpoint_every=checkpoint_every,
         out=out,
         hang_timeout_s=hang_timeout_s,
+        norm_block=norm_block,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm

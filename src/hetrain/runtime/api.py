@@ -248,6 +248,7 @@ def build_job(
     progress: bool = False,
     devices: Sequence[str] | None = None,
     hang_timeout_s: float | None = None,
+    norm_block: int | None = None,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -353,6 +354,15 @@ def build_job(
                 f"{', '.join(device_ids)}); missing {', '.join(missing)}",
             )
     batch = _positive_int("--batch", batch if batch is not None else d.get("batch", 32))
+    if norm_block is not None:
+        norm_block = _positive_int("--norm-block", norm_block)
+        if batch % norm_block:
+            raise InputError(
+                "--norm-block",
+                "",
+                f"expected a divisor of the global batch B={batch} (BatchNorm statistics over "
+                f"blocks of G samples), got {norm_block}",
+            )
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
     microbatch_size = _positive_int(
@@ -398,6 +408,7 @@ def build_job(
         progress=progress,
         example=task.name,
         hang_timeout_s=hang_timeout_s,
+        norm_block=norm_block,
     )
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hetrain.errors import InputError
@@ -238,7 +238,9 @@ class _MetaMode(TorchDispatchMode):
             flat = [self._to_meta(a) if isinstance(a, torch.Tensor) else a for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
             try:
-                return func(*args, **kwargs)
+                # outer modes (a FLOP counter) must not see this shape-only replay
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
             except CaptureError:
                 raise
             except Exception as exc:

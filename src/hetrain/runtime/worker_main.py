@@ -108,6 +108,7 @@ class TrainJob:
     timeline_steps: int = 1
     example: str | None = None
     hang_timeout_s: float | None = None
+    norm_block: int | None = None  # BatchNorm norm block G (ghost batch norm, runtime/norm.py)
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ def _training_config(job: TrainJob):
         optimizer_state_factor=o,
         schedule=job.schedule or "1f1b",
         sync_overlap=True,
+        norm_block=job.norm_block,
     )
 
 
@@ -482,6 +484,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         grad_clip_norm=job.grad_clip_norm,
         autocast_bf16=job.bf16,
         seed=job.seed,
+        norm_block=job.norm_block,
     )
     metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
     if resume is not None:
