@@ -359,10 +359,18 @@ def profile(
         int, typer.Option("--workers", help="with --measure: devices w0.. in the cluster file")
     ] = 4,
     microbatch_sizes: Annotated[
-        str, typer.Option("--microbatch-sizes", help="with --measure: sizes to time, e.g. 1,2,4,8")
-    ] = "1,2,4,8",
-    repeats: Annotated[int, typer.Option("--repeats", help="timed passes (median)")] = 5,
-    warmup: Annotated[int, typer.Option("--warmup", help="untimed passes first")] = 2,
+        str | None,
+        typer.Option(
+            "--microbatch-sizes",
+            help="with --measure: sizes to time (default 1,2,4,8; 1,2 for the large examples)",
+        ),
+    ] = None,
+    repeats: Annotated[
+        int | None, typer.Option("--repeats", help="timed passes (median; default 5, large 2)")
+    ] = None,
+    warmup: Annotated[
+        int | None, typer.Option("--warmup", help="untimed passes first (default 2, large 1)")
+    ] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads while timing")] = 1,
     link: Annotated[
         bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")

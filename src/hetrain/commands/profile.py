@@ -50,9 +50,9 @@ def run_profile(
     device: str = "auto",
     cluster_out: Path | None = None,
     workers: int = 4,
-    microbatch_sizes: str = "1,2,4,8",
-    repeats: int = 5,
-    warmup: int = 2,
+    microbatch_sizes: str | None = None,
+    repeats: int | None = None,
+    warmup: int | None = None,
     threads: int = 1,
     link: bool = True,
     seed: int = 0,
@@ -93,6 +93,12 @@ def run_profile(
         raise InputError(
             "--example", "", f"expected one of {', '.join(sorted(EXAMPLES))}, got {example!r}"
         )
+    # --measure defaults: the large published shapes get a light setting (about 1-2 minutes on
+    # one CPU thread); heavier settings are opt-in through the options
+    large = EXAMPLES[example].large
+    microbatch_sizes = microbatch_sizes or ("1,2" if large else "1,2,4,8")
+    repeats = repeats if repeats is not None else (2 if large else 5)
+    warmup = warmup if warmup is not None else (1 if large else 2)
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
@@ -245,14 +251,25 @@ def _measure(
     model = ex.build()
     model.train()
     gen = torch.Generator().manual_seed(seed + 1)
-    times = time_layers(
-        model,
-        lambda n: ex.make_input(n, gen),
-        sizes,
-        warmup=warmup,
-        repeats=repeats,
-        threads=threads,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("[bold]timing layers"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} passes"),
+        TimeRemainingColumn(),
+        transient=False,
+    ) as bar:
+        task_id = bar.add_task("timing", total=(warmup + repeats) * len(sizes))
+        times = time_layers(
+            model,
+            lambda n: ex.make_input(n, gen),
+            sizes,
+            warmup=warmup,
+            repeats=repeats,
+            threads=threads,
+            progress=lambda done, total: bar.update(task_id, completed=done, total=total),
+        )
     try:
         fit = fit_device(profile, times)
     except ValueError as exc:  # e.g. timings too noisy on a busy machine
