@@ -333,3 +333,51 @@ def test_tied_weights_stay_tied_and_one_tensor_in_the_export(tmp_path):
     results = run_ranks(_train, 4, tmp_path, args=("gpt2", plans, []), timeout_s=240)
     state = results[0][1]
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+def _save_then_resume(rank, world, plans):
+    """3 steps under ``plans[0]``, per-rank ``layer_state_dict`` (each tensor once, the tied
+    one under ``shared.``), then fresh weights under ``plans[1]`` load the merged dict and run
+    2 more steps."""
+    _, data_fn, loss_fn, _ = MODELS["gpt2"]
+    data = data_fn()
+
+    def make(plan):
+        torch.manual_seed(0 if plan is plans[0] else 5)  # resumed from other initial weights
+        model = _gpt2()
+        chain = cut_module(model, data[0][:2])
+        return Worker(
+            chain,
+            plan_from_dict(plan),
+            f"w{rank}",
+            loss_fn,
+            SPEC,
+            dtype=torch.float64,
+            grad_clip_norm=CLIP,
+        )
+
+    worker = make(plans[0])
+    losses = [worker.step(*_batch(data, t), t).loss for t in range(3)]
+    mine = {k: v.clone() for k, v in worker.layer_state_dict().items()}
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, mine)
+    merged = {k: v for part in parts for k, v in part.items()}
+    worker = make(plans[1])
+    worker.load_layer_state_dict(merged)
+    losses += [worker.step(*_batch(data, t), t).loss for t in range(3, STEPS)]
+    return losses, worker.full_state_dict(), sorted(mine)
+
+
+def test_checkpoint_holds_the_tied_tensor_once_and_resumes_exactly(tmp_path):
+    plans = _plans(6)
+    results = run_ranks(
+        _save_then_resume, 4, tmp_path, args=([plans["pipeline-4"][0], plans["hybrid"][0]],)
+    )
+    ref_losses, ref_state = _plain_loop("gpt2")
+    keys = [k for r in results for k in r[2]]
+    assert keys.count("shared.transformer.wte.weight") == 1  # saved once across the world
+    assert "optim.shared.transformer.wte.weight.exp_avg" in keys
+    for losses, _, _ in results:
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(results[0][1][key], value, rtol=1e-9, atol=1e-12, msg=key)

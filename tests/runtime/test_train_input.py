@@ -106,7 +106,7 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     assert code == 2 and "w5" in err
 
 
-def test_batchnorm_model_is_refused_before_launch(tmp_path):
+def test_batchnorm_norm_block_not_dividing_the_batch_is_refused_before_launch(tmp_path):
     import torch
     from torch import nn
 
@@ -115,7 +115,8 @@ def test_batchnorm_model_is_refused_before_launch(tmp_path):
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     data = (torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    with pytest.raises(InputError, match="BatchNorm"):
+    # BatchNorm trains (norm.py); a norm block must divide the global batch
+    with pytest.raises(InputError, match="--norm-block.*divisor of the global batch B=8"):
         hetrain.train(
             model=model,
             dataset=data,
@@ -124,5 +125,6 @@ def test_batchnorm_model_is_refused_before_launch(tmp_path):
             steps=2,
             batch=8,
             run_dir=tmp_path / "run",
+            norm_block=3,
         )
     assert not (tmp_path / "run").exists()
