@@ -369,7 +369,7 @@ def profile(
         int | None, typer.Option("--repeats", help="timed passes (median; default 5, large 2)")
     ] = None,
     warmup: Annotated[
-        int | None, typer.Option("--warmup", help="untimed passes first (default 2, large 1)")
+        int | None, typer.Option("--warmup", help="untimed passes first (default 2, large 0)")
     ] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads while timing")] = 1,
     link: Annotated[

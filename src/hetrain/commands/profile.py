@@ -98,7 +98,7 @@ def run_profile(
     large = EXAMPLES[example].large
     microbatch_sizes = microbatch_sizes or ("1,2" if large else "1,2,4,8")
     repeats = repeats if repeats is not None else (2 if large else 5)
-    warmup = warmup if warmup is not None else (1 if large else 2)
+    warmup = warmup if warmup is not None else (0 if large else 2)
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
