@@ -132,6 +132,9 @@ def factories(tmp_path, monkeypatch):
 
             def nothing():
                 return None
+
+            def good():
+                return {"model": gpt2_model("tiny"), "dataset": _data(), "loss_fn": loss}
             """
         )
     )
@@ -153,3 +156,18 @@ def test_bad_models_exit_2_with_one_line(factories, capsys, factory, words):
     assert len(err.splitlines()) == 1, err
     for w in words:
         assert w in err
+
+
+def test_profile_of_a_factory_module_lists_the_tied_tensor(factories, tmp_path, capsys):
+    from hetrain.profile import load_profile
+
+    out = tmp_path / "prof.json"
+    code = main(["profile", "--model", "userfactories:good", "--batch", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    prof = load_profile(out)
+    assert prof.num_layers == 6  # prefix, 4 GPT-2 blocks, suffix
+    (tied,) = prof.shared
+    assert tied.name == "transformer.wte.weight" and tied.layers == [0, 5]
+    assert tied.bytes == 256 * 64 * 4
+    # a block's boundary carries the hidden states (8 tokens x 64) and the position ids
+    assert prof.layers[1].activation_bytes == 8 * 64 * 4 + 8 * 8 / 2
