@@ -237,6 +237,13 @@ def train(
     data: Annotated[
         Path | None, typer.Option("--data", help="text file for --example charlm")
     ] = None,
+    norm_block: Annotated[
+        int | None,
+        typer.Option("--norm-block", help="BatchNorm statistics over blocks of G samples"),
+    ] = None,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="refuse random ops that depend on the plan")
+    ] = False,
     schedule: Annotated[str | None, typer.Option("--schedule", help="1f1b or gpipe")] = None,
     microbatch_size: Annotated[
         int | None, typer.Option("--microbatch-size", help="μ of the plans chosen online")
@@ -277,7 +284,6 @@ def train(
     size: Annotated[
         str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
     ] = "tiny",
-    norm_block: NormBlockOpt = None,
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
@@ -285,7 +291,6 @@ def train(
     raise typer.Exit(
         run_train(
             size=size,
-            norm_block=norm_block,
             example=example,
             workers=workers,
             steps=steps,
@@ -303,6 +308,8 @@ def train(
             checkpoint_every=checkpoint_every,
             max_restarts=max_restarts,
             hang_timeout_s=hang_timeout,
+            norm_block=norm_block,
+            exact=exact,
             model=model,
             data=data,
             schedule=schedule,

@@ -232,3 +232,30 @@ def test_without_norm_block_running_stats_are_averaged_over_replicas(tmp_path, c
             expected = (getattr(replicas[0], key) + getattr(replicas[1], key)) / 2
             torch.testing.assert_close(state[key], expected, rtol=1e-9, atol=1e-12)
         assert int(state["num_batches_tracked"]) == 2  # round((2 + 1) / 2)
+
+
+def test_hf_resnet_ghost_batchnorm_is_plan_invariant():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(cfg).double().train()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for splits in [[(0, 8)], [(0, 2), (2, 8)], [(0, 4), (4, 6), (6, 8)]]:
+        model.load_state_dict(start)
+        norm = NormBlocks(model, 2)
+        parts = []
+        for s, e in splits:
+            with norm.forward():
+                parts.append(model(x[s:e]).logits)
+        norm.apply_step([model], norm.step_tensor([model], active=True))
+        runs.append((torch.cat(parts), {k: v.clone() for k, v in model.state_dict().items()}))
+    for out, state in runs[1:]:
+        torch.testing.assert_close(out, runs[0][0], rtol=1e-9, atol=1e-12)
+        for key, value in state.items():
+            torch.testing.assert_close(value, runs[0][1][key], rtol=1e-9, atol=1e-12)
+    moved = [k for k in start if "running_var" in k and not torch.equal(start[k], runs[0][1][k])]
+    assert len(moved) == len(NormBlocks(model, 2).modules) == 6  # stem, 2 basic blocks, shortcut

@@ -344,3 +344,21 @@ def test_worker_refuses_multihead_attention_dropout_with_exact(tmp_path):
 
     message = run_ranks(fn, 1, tmp_path)[0]
     assert message is not None and "2.self_attn: nn.MultiheadAttention(dropout=0.1)" in message
+
+
+def test_sdpa_causal_and_grouped_query_attention_with_dropout():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 6, 2, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(3, 2, 6, 2, dtype=torch.float64, generator=g) for _ in range(2))
+    rng = InvariantRandomness(nn.Identity(), seed=9, active=True)
+    with rng.forward(step=0, sample_index=torch.arange(3)):
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.5, is_causal=True, enable_gqa=True
+        )
+    keep = uniform_per_sample(draw_key(9, 0, "", 0), torch.arange(3), (3, 4, 6, 6)) >= 0.5
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    s = (q @ kk.transpose(-1, -2) / math.sqrt(2)).masked_fill(~causal, float("-inf"))
+    torch.testing.assert_close(
+        out, (torch.softmax(s, -1) * keep / 0.5) @ vv, rtol=1e-12, atol=1e-14
+    )

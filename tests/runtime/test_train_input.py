@@ -106,7 +106,7 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     assert code == 2 and "w5" in err
 
 
-def test_batchnorm_norm_block_not_dividing_the_batch_is_refused_before_launch(tmp_path):
+def test_bad_norm_block_is_refused_before_launch(tmp_path):
     import torch
     from torch import nn
 
@@ -115,16 +115,34 @@ def test_batchnorm_norm_block_not_dividing_the_batch_is_refused_before_launch(tm
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     data = (torch.randn(32, 4), torch.randint(0, 2, (32,)))
-    # BatchNorm trains (norm.py); a norm block must divide the global batch
-    with pytest.raises(InputError, match="--norm-block.*divisor of the global batch B=8"):
-        hetrain.train(
-            model=model,
-            dataset=data,
-            loss_fn=nn.functional.cross_entropy,
-            workers=2,
-            steps=2,
-            batch=8,
-            run_dir=tmp_path / "run",
-            norm_block=3,
-        )
-    assert not (tmp_path / "run").exists()
+    kw = dict(model=model, dataset=data, loss_fn=nn.functional.cross_entropy, steps=2)
+    with pytest.raises(InputError, match="--norm-block: 3 does not divide the global batch 8"):
+        hetrain.train(workers=2, batch=8, norm_block=3, **kw)
+    plan = {
+        "groups": [
+            {"devices": ["w0"], "stages": [[0, 3]], "microbatch_size": 4, "batch": 4},
+            {"devices": ["w1"], "stages": [[0, 3]], "microbatch_size": 2, "batch": 4},
+        ]
+    }
+    with pytest.raises(InputError, match=r"--plan: groups\[1\]: share 4 and micro-batch size 2"):
+        hetrain.train(workers=2, batch=8, plan=plan, norm_block=4, **kw)
+
+
+def test_cli_norm_block_that_does_not_divide_the_batch_exits_2(capsys):
+    code, err = _run(capsys, "--norm-block", "5", "--batch", "32", "--exact")
+    assert (
+        code == 2 and err == "hetrain: error: --norm-block: 5 does not divide the global batch 32"
+    )
+
+
+def test_exact_refuses_multihead_attention_dropout_before_launch():
+    import torch
+    from torch import nn
+
+    import hetrain
+    from hetrain.errors import InputError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.TransformerEncoderLayer(4, 2, 8, dropout=0.1))
+    data = (torch.randn(16, 3, 4), torch.randn(16, 3, 4))
+    with pytest.raises(InputError, match=r"1\.self_attn: nn\.MultiheadAttention\(dropout=0\.1\)"):
+        hetrain.train(model=model, dataset=data, loss_fn=nn.functional.mse_loss, exact=True)

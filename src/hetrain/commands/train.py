@@ -55,7 +55,6 @@ def _task(example: str, model: str | None, data: Path | None, size: str = "tiny"
 def run_train(
     *,
     size: str = "tiny",
-    norm_block: int | None = None,
     example: str = "gpt2",
     workers: int | None = None,
     steps: int | None = None,
@@ -73,6 +72,8 @@ def run_train(
     checkpoint_every: int = 0,
     max_restarts: int = 0,
     hang_timeout_s: float | None = None,
+    norm_block: int | None = None,
+    exact: bool = False,
     model: str | None = None,
     data: Path | None = None,
     schedule: str | None = None,
@@ -127,6 +128,7 @@ def run_train(
         out=out,
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
+        exact=exact,
     )
     if grad_clip_norm is not None:
         options["grad_clip_norm"] = grad_clip_norm
@@ -185,7 +187,8 @@ def run_train(
         )
     except LaunchError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
-        return 1
+        # bad input found by the ranks (e.g. --exact refusing a random op): exit 2
+        return 2 if "failed: InputError: " in str(exc) else 1
     if summary:
         summary["launch_wall_time_s"] = time.perf_counter() - t0
         _print_summary(summary, job, report, json_out)

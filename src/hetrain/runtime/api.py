@@ -249,6 +249,7 @@ def build_job(
     devices: Sequence[str] | None = None,
     hang_timeout_s: float | None = None,
     norm_block: int | None = None,
+    exact: bool = False,
 ) -> TrainJob:
     """Validate a run's configuration and return the :class:`TrainJob` every rank runs.
 
@@ -257,8 +258,9 @@ def build_job(
     caller), else ``w0 … w{N-1}`` for ``N = workers * nnodes``.
 
     Raises:
-        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a model with
-            BatchNorm or dropout (results would depend on the plan), a plan naming
+        InputError: any bad value: counts < 1, unknown optimizer/dtype/schedule, a norm block
+            that does not divide the global batch or a plan's shares/micro-batches (BatchNorm,
+            ``norm_block``; ``exact`` refuses uncovered random ops at run time), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files.
     """
@@ -339,6 +341,12 @@ def build_job(
     # captured is reported before any process starts (runtime/cutting.py)
     num_layers = task_chain(task, built, verify=True).num_layers
     chain = built
+    if exact:  # random ops that cannot be made plan-invariant (hetrain.runtime.randomness)
+        from hetrain.runtime.randomness import InvariantRandomness
+
+        static = InvariantRandomness(built, exact=True).static_problems()
+        if static:
+            raise InputError(task.name, "model", f"{static[0]} (--exact)")
     if checkpoint_dir is not None:
         _check_checkpoint_dir(Path(checkpoint_dir), chain)
     if plan_obj is not None:
@@ -354,21 +362,28 @@ def build_job(
                 f"{', '.join(device_ids)}); missing {', '.join(missing)}",
             )
     batch = _positive_int("--batch", batch if batch is not None else d.get("batch", 32))
-    if norm_block is not None:
-        norm_block = _positive_int("--norm-block", norm_block)
-        if batch % norm_block:
-            raise InputError(
-                "--norm-block",
-                "",
-                f"expected a divisor of the global batch B={batch} (BatchNorm statistics over "
-                f"blocks of G samples), got {norm_block}",
-            )
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
     microbatch_size = _positive_int(
         "--microbatch-size",
         microbatch_size if microbatch_size is not None else d.get("microbatch_size", 8),
     )
+    if norm_block is not None:  # BatchNorm norm block G (hetrain.runtime.norm)
+        norm_block = _positive_int("--norm-block", norm_block)
+        if batch % norm_block:
+            raise InputError(
+                "--norm-block",
+                "",
+                f"{norm_block} does not divide the global batch {batch}",
+            )
+        if plan_obj is not None:
+            from hetrain.runtime.norm import check_plan_norm_block
+
+            groups = [(i, g.batch, g.microbatch_size) for i, g in enumerate(plan_obj.groups)]
+            try:
+                check_plan_norm_block(groups, norm_block)
+            except InputError as exc:
+                raise InputError(plan_source, exc.field, exc.expected) from None
     slow = parse_slowdown(slowdown, device_ids)
     trace_rows = None
     if trace is not None:
@@ -409,6 +424,7 @@ def build_job(
         example=task.name,
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
+        exact=bool(exact),
     )
 
 
@@ -455,7 +471,9 @@ def train(
             default cut.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``, ...).
+            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
+            ``norm_block`` (BatchNorm norm block ``G``), ``exact`` (refuse random ops that
+            cannot be made plan-invariant), ...).
 
     Returns:
         rank 0's summary: ``final_loss``, ``metrics`` (validation), ``replans``, ``final_plan``,

@@ -221,6 +221,21 @@ class InvariantRandomness:
         self._paths: dict[int, str] = {}
         for name, module in root.named_modules(remove_duplicate=False):
             self._paths.setdefault(id(module), name)
+        # modules that may draw: (module, attributes holding a probability), found once
+        self._candidates: list[tuple[nn.Module, tuple[str, ...]]] = []
+        for module in root.modules():
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                self._candidates.append((module, ("p",)))
+            elif isinstance(module, nn.RReLU):
+                self._candidates.append((module, ("upper",)))
+            else:
+                attrs = tuple(
+                    k
+                    for k, v in vars(module).items()
+                    if ("dropout" in k.lower() or "pdrop" in k.lower()) and isinstance(v, float)
+                )
+                if attrs:
+                    self._candidates.append((module, attrs))
         self.problems: list[str] = []
         # ATen warns once that an explicit SDPA dropout mask is "for testing"; here it is the
         # point (the warning surfaces after the caller's SDPA call, so a local filter misses it)
@@ -238,17 +253,11 @@ class InvariantRandomness:
             return self._force_active
         if self.exact:  # refusing needs the op's name: intercept always
             return True
-        for module in self.root.modules():
-            if not module.training:
-                continue
-            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+        for module, attrs in self._candidates:
+            if module.training and any(
+                isinstance(v := getattr(module, a, 0), (int, float)) and v > 0 for a in attrs
+            ):
                 return True
-            if isinstance(module, nn.RReLU):
-                return True
-            for attr, value in vars(module).items():
-                low = attr.lower()
-                if ("dropout" in low or "pdrop" in low) and isinstance(value, float) and value > 0:
-                    return True
         return False
 
     def static_problems(self) -> list[str]:

@@ -73,6 +73,8 @@ class TrainJob:
         checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
         out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
         progress: show a rich progress bar on rank 0.
+        norm_block: BatchNorm norm block ``G`` (ghost batch norm) or None (per micro-batch);
+        exact: refuse random ops that cannot be made plan-invariant (docs/runtime.md).
         hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
             :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
     """
@@ -108,7 +110,8 @@ class TrainJob:
     timeline_steps: int = 1
     example: str | None = None
     hang_timeout_s: float | None = None
-    norm_block: int | None = None  # BatchNorm norm block G (ghost batch norm, runtime/norm.py)
+    norm_block: int | None = None
+    exact: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,6 +488,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         autocast_bf16=job.bf16,
         seed=job.seed,
         norm_block=job.norm_block,
+        exact=job.exact,
     )
     metrics = MetricsWriter(job.metrics_out if lead else None, append=resume is not None)
     if resume is not None:
