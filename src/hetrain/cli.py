@@ -250,7 +250,9 @@ def simulate(
 
 @app.command()
 def train(
-    example: Annotated[str, typer.Option("--example", help="charlm or digits")] = "charlm",
+    example: Annotated[
+        str, typer.Option("--example", help="gpt2 (default), bert, resnet, charlm or digits")
+    ] = "gpt2",
     workers: Annotated[
         int | None,
         typer.Option("--workers", help="local ranks w0..w{N-1} (default 4, or the cluster size)"),
@@ -365,12 +367,16 @@ def train(
         ),
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+    size: Annotated[
+        str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
+    ] = "tiny",
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
 
     raise typer.Exit(
         run_train(
+            size=size,
             example=example,
             workers=workers,
             steps=steps,
@@ -423,7 +429,10 @@ def train(
 def profile(
     example: Annotated[
         str,
-        typer.Option("--example", help="charlm, digits, gpt2-small, bert-base or resnet50"),
+        typer.Option(
+            "--example",
+            help="charlm, digits, gpt2-small, bert-base, resnet50, or gpt2, bert, resnet (HF)",
+        ),
     ] = "charlm",
     out: Annotated[Path | None, typer.Option("--out", help="write the profile JSON here")] = None,
     batch: Annotated[int, typer.Option("--batch", help="samples used to profile")] = 8,
@@ -444,10 +453,18 @@ def profile(
         int, typer.Option("--workers", help="with --measure: devices w0.. in the cluster file")
     ] = 4,
     microbatch_sizes: Annotated[
-        str, typer.Option("--microbatch-sizes", help="with --measure: sizes to time, e.g. 1,2,4,8")
-    ] = "1,2,4,8",
-    repeats: Annotated[int, typer.Option("--repeats", help="timed passes (median)")] = 5,
-    warmup: Annotated[int, typer.Option("--warmup", help="untimed passes first")] = 2,
+        str | None,
+        typer.Option(
+            "--microbatch-sizes",
+            help="with --measure: sizes to time (default 1,2,4,8; 1,2 for the large examples)",
+        ),
+    ] = None,
+    repeats: Annotated[
+        int | None, typer.Option("--repeats", help="timed passes (median; default 5, large 2)")
+    ] = None,
+    warmup: Annotated[
+        int | None, typer.Option("--warmup", help="untimed passes first (default 2, large 0)")
+    ] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads while timing")] = 1,
     link: Annotated[
         bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")
@@ -455,12 +472,20 @@ def profile(
     seed: Annotated[
         int, typer.Option("--seed", help="seed of the random weights and inputs profiled")
     ] = 0,
+    size: Annotated[
+        str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
+    ] = "base",
+    model: Annotated[
+        str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
+    ] = None,
 ) -> None:
     """Build a model profile (docs/model.md §7) of an example: FLOPs, activation and param bytes."""
     from hetrain.commands.profile import run_profile
 
     raise typer.Exit(
         run_profile(
+            size=size,
+            model=model,
             example=example,
             out=out,
             batch=batch,

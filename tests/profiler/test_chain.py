@@ -33,11 +33,17 @@ def test_mlp_flops_and_bytes_by_hand():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_shared_parameter_counted_once():
+def test_shared_parameter_listed_once_and_frozen_bytes_apart():
     lin = nn.Linear(8, 8, bias=False)
-    model = nn.Sequential(lin, nn.Tanh(), lin)
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    model = nn.Sequential(lin, nn.Tanh(), frozen, lin)
     prof = profile_chain(model, torch.randn(2, 8))
-    assert [ly.param_bytes for ly in prof.layers] == [256, 0, 0]
+    assert [ly.param_bytes for ly in prof.layers] == [0, 0, 0, 0]  # the tied tensor: shared
+    assert [ly.frozen_param_bytes for ly in prof.layers] == [0, 0, (64 + 8) * 4, 0]
+    assert [(s.name, s.bytes, s.layers, s.frozen) for s in prof.shared] == [
+        ("0.weight", 256, [0, 3], False)
+    ]
 
 
 def test_charlm_block_matches_the_transformer_formula():

@@ -51,12 +51,14 @@ def run_profile(
     device: str = "auto",
     cluster_out: Path | None = None,
     workers: int = 4,
-    microbatch_sizes: str = "1,2,4,8",
-    repeats: int = 5,
-    warmup: int = 2,
+    microbatch_sizes: str | None = None,
+    repeats: int | None = None,
+    warmup: int | None = None,
     threads: int = 1,
     link: bool = True,
     seed: int = 0,
+    size: str = "base",
+    model: str | None = None,
 ) -> int:
     """Profile example ``example`` and write/print the profile; returns the exit status.
 
@@ -80,10 +82,24 @@ def run_profile(
     from hetrain.models.registry import EXAMPLES
     from hetrain.profiler import profile_chain
 
+    if model is not None or example in HF_EXAMPLES:
+        if measure:
+            raise InputError(
+                "--measure", "", "timing is available for the chain examples (charlm, digits)"
+            )
+        if out is not None:
+            check_output_path("--out", out)
+        return _profile_module(example, model, size, batch, out, seed)
     if example not in EXAMPLES:
         raise InputError(
             "--example", "", f"expected one of {', '.join(sorted(EXAMPLES))}, got {example!r}"
         )
+    # --measure defaults: the large published shapes get a light setting (about 1-2 minutes on
+    # one CPU thread); heavier settings are opt-in through the options
+    large = EXAMPLES[example].large
+    microbatch_sizes = microbatch_sizes or ("1,2" if large else "1,2,4,8")
+    repeats = repeats if repeats is not None else (2 if large else 5)
+    warmup = warmup if warmup is not None else (0 if large else 2)
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
@@ -137,6 +153,81 @@ def run_profile(
     )
 
 
+HF_EXAMPLES = ("gpt2", "bert", "resnet")
+
+
+def hf_example(example: str, size: str, batch: int, seed: int = 0):
+    """``(model, inputs, description)`` of a Hugging Face example of ``size``: GPT-2 / BERT on
+    token windows (1024 / 512 tokens for ``base``, 64 otherwise), ResNet on images (224x224 RGB
+    for ``base``, 32x32 grey otherwise); random weights and inputs from ``seed``."""
+    import torch
+
+    from hetrain.models import hf
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    base = size == "base"
+    if example == "gpt2":
+        model = hf.gpt2_model(size, dropout=0.1)
+        seq, vocab = (1024, 50257) if base else (64, hf.BYTE_VOCAB)
+        inputs = torch.randint(0, vocab, (batch, seq), generator=gen)
+        what = "Hugging Face GPT2LMHeadModel" + (" (GPT-2 small)" if base else f" ({size})")
+    elif example == "bert":
+        model = hf.bert_model(size, dropout=0.1)
+        seq, vocab = (512, 30522) if base else (64, hf.BYTE_VOCAB + 1)
+        inputs = torch.randint(1, vocab, (batch, seq), generator=gen)
+        what = "Hugging Face BertForMaskedLM" + (" (BERT-base)" if base else f" ({size})")
+    else:
+        model = hf.resnet_model(size)
+        shape = (3, 224, 224) if base else (1, 32, 32)
+        inputs = torch.randn((batch, *shape), generator=gen)
+        what = "Hugging Face ResNetForImageClassification" + (" (ResNet-50)" if base else "")
+    model.train()
+    return model, inputs, f"{what}, cut at its blocks"
+
+
+def _profile_module(example, model_spec, size, batch, out, seed) -> int:
+    """Profile a Hugging Face example or a ``--model`` factory's module on the CPU (cut into
+    layers as in training, runtime/cutting.py)."""
+    import numpy as np
+    import torch
+
+    from hetrain.models.hf import _size
+    from hetrain.profiler import profile_chain
+
+    if model_spec is not None:
+        from hetrain.runtime.api import task_from_factory
+        from hetrain.runtime.data import task_chain
+
+        task = task_from_factory(model_spec)
+        torch.manual_seed(seed)
+        module = task.build_model()
+        inputs, _ = task.train.batch(np.arange(min(batch, len(task.train))))
+        chain = task_chain(task, module, verify=True)
+        name, label = model_spec, model_spec
+    else:
+        module, inputs, what = hf_example(example, _size(size), batch, seed)
+        from hetrain.runtime.cutting import cut_module
+
+        chain = cut_module(module, inputs[:1], source=f"--example {example}")
+        name, label = f"{example}-{size}", f"{example} {size} ({what}; cpu)"
+    profile = profile_chain(chain, inputs, name=label)
+    text = json.dumps(profile.to_json_dict(), indent=1)
+    if out is None:
+        print(text)
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    shared = sum(t.bytes for t in profile.shared)
+    print(
+        f"wrote {out}: {name}: {profile.num_layers} layers, "
+        f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
+        f"{(sum(ly.param_bytes for ly in profile.layers) + shared) / 2**20:.4g} MiB parameters "
+        f"({shared / 2**20:.4g} MiB shared by {len(profile.shared)} tied tensor(s))"
+    )
+    return 0
+
+
 def _measure(
     ex,
     profile,
@@ -162,18 +253,30 @@ def _measure(
     model = ex.build()
     model.train()
     gen = torch.Generator().manual_seed(seed + 1)
-    times = time_layers(
-        model,
-        lambda n: ex.make_input(n, gen),
-        sizes,
-        warmup=warmup,
-        repeats=repeats,
-        threads=threads,
-    )
-    # chains of 2, L/2 and L layers (the one-layer stages are time_layers' own): λ vs κ
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
     num_layers = len(list(model))
+    with Progress(
+        TextColumn("[bold]timing layers"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} passes"),
+        TimeRemainingColumn(),
+        transient=False,
+    ) as bar:
+        task_id = bar.add_task("timing", total=(warmup + repeats) * len(sizes))
+        times = time_layers(
+            model,
+            lambda n: ex.make_input(n, gen),
+            sizes,
+            warmup=warmup,
+            repeats=repeats,
+            threads=threads,
+            progress=lambda done, total: bar.update(task_id, completed=done, total=total),
+        )
+    # chains of 2, L/2 and L layers (the one-layer stages are time_layers' own): λ vs κ
     stage_times = None
     if num_layers > 1:
+        print("timing stages of 2, L/2 and L layers (λ vs κ) ...", file=sys.stderr)
         stage_times = time_stages(
             model,
             lambda n: ex.make_input(n, gen),

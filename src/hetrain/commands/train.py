@@ -32,7 +32,7 @@ def demo_trace_rows(devices: list[str], steps: int) -> list:
     return [TraceRow(slot=steps // 3, device=devices[1], speed_factor=1.0 / DEMO_SLOWDOWN_FACTOR)]
 
 
-def _task(example: str, model: str | None, data: Path | None):
+def _task(example: str, model: str | None, data: Path | None, size: str = "tiny"):
     from hetrain.runtime.api import task_from_factory
     from hetrain.runtime.data import charlm_task, example_task
 
@@ -50,12 +50,13 @@ def _task(example: str, model: str | None, data: Path | None):
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(str(data), "", f"cannot read text ({type(exc).__name__})") from None
         return charlm_task(text=text)
-    return example_task(example)
+    return example_task(example, size)
 
 
 def run_train(
     *,
-    example: str = "charlm",
+    size: str = "tiny",
+    example: str = "gpt2",
     workers: int | None = None,
     steps: int | None = None,
     plan: Path | None = None,
@@ -100,7 +101,7 @@ def run_train(
     from hetrain.runtime.api import build_job, run_job
     from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
 
-    task = _task(example, model, data)
+    task = _task(example, model, data, size)
     name = task.name if model is None else "model"
     run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"

@@ -19,7 +19,6 @@ shapes only, so the module may live on the ``meta`` device (no memory, no comput
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,13 +29,10 @@ from hetrain.profile import LayerProfile, ModelProfile
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Sequence) and not isinstance(obj, str):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
+    """The tensors of a pytree (tuple, dict, ``ModelOutput``), in pytree order."""
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -48,16 +44,15 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def _detach_for_next(obj: Any, requires_grad: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        out = obj.detach()
+    from torch.utils._pytree import tree_map_only
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach()
         if requires_grad and out.is_floating_point():
             out.requires_grad_(True)
         return out
-    if isinstance(obj, tuple):
-        return tuple(_detach_for_next(o, requires_grad) for o in obj)
-    if isinstance(obj, list):
-        return [_detach_for_next(o, requires_grad) for o in obj]
-    return obj
+
+    return tree_map_only(torch.Tensor, one, obj)
 
 
 def _sdpa_fwd(query_shape, key_shape, value_shape, *args: Any, **kwargs: Any) -> int:
@@ -83,61 +78,73 @@ def _custom_flop_formulas() -> dict[Any, Any]:
     return out
 
 
-def profile_chain(model: nn.Sequential, example_input: Any, *, name: str = "model") -> ModelProfile:
-    """Measure the SPEC §7 profile of ``model`` (one layer per child) on ``example_input``.
+def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> ModelProfile:
+    """Measure the SPEC §7 profile of ``model`` on ``example_input``.
 
     Args:
-        model: the chain; child ``l`` receives child ``l-1``'s output. Put it in the mode it
-            trains in (the function does not change it).
-        example_input: the first child's input, a tensor (or tuple of tensors) whose first
-            dimension is the batch ``N >= 1``; on the same device as ``model``.
+        model: an ``nn.Sequential`` (one layer per child), or a
+            :class:`~hetrain.runtime.cutting.Chain` of any module (layer ``l`` runs with
+            ``stage_forward(l, l + 1, ...)``, SPEC §5 cut). Put it in the mode it trains in.
+        example_input: the model's input, a tensor (or pytree of tensors) whose first dimension
+            is the batch ``N >= 1``; on the same device as ``model``.
         name: the profile's ``name``.
 
     Returns:
-        A validated :class:`~hetrain.profile.ModelProfile` with ``len(model)`` layers named
-        ``"{l}:{ClassName}"``; FLOPs and bytes per sample, ``param_bytes`` per layer.
+        A validated :class:`~hetrain.profile.ModelProfile`: FLOPs and bytes per sample;
+        ``activation_bytes`` counts every tensor crossing the boundary after the layer (masks
+        and position ids included); ``param_bytes`` the layer's own trainable parameters,
+        ``frozen_param_bytes`` its own parameters without gradient; a tensor used by two or more
+        layers (tied weights) is listed once in ``shared`` (SPEC v3 §2) and in no layer.
 
     Raises:
-        ValueError: ``model`` has no children, the batch dimension is missing, or a layer's
+        ValueError: ``model`` has no layers, the batch dimension is missing, or a layer's
             output holds no floating-point tensor (nothing to back-propagate).
     """
-    children = list(model)  # not .children(): it skips a module used twice
-    if not children:
+    from hetrain.profile import SharedTensorProfile
+    from hetrain.runtime.cutting import Chain, cut_module
+
+    if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("profile_chain: the model has no layers (children)")
+    chain = model if isinstance(model, Chain) else cut_module(model, example_input)
     first = _tensors(example_input)
     if not first or first[0].dim() == 0:
         raise ValueError("profile_chain: example_input needs a leading batch dimension")
     batch = int(first[0].shape[0])
     custom = _custom_flop_formulas()
-    seen_params: set[int] = set()
+    shared = chain.shared
     layers: list[LayerProfile] = []
-    x = _detach_for_next(example_input, requires_grad=False)
-    for idx, child in enumerate(children):
-        params = list(child.parameters())
-        param_keys = {_storage_key(p) for p in params}
-        param_bytes = 0
-        for p in params:
-            key = _storage_key(p)
-            if key not in seen_params:
-                seen_params.add(key)
-                param_bytes += _nbytes(p)
+    x: Any = None
+    for idx in range(chain.num_layers):
+        names = chain.layer_tensors[idx]
+        params = [chain.tensors[n] for n in names if chain.is_param[n]]
+        param_keys = {_storage_key(p) for p in params if p.device.type != "meta"}
+        param_ids = {id(p) for p in params}
+        own = [n for n in names if chain.is_param[n] and n not in shared]
+        trainable = sum(_nbytes(chain.tensors[n]) for n in own if not chain.frozen(n))
+        frozen = sum(_nbytes(chain.tensors[n]) for n in own if chain.frozen(n))
         saved: dict[int, int] = {}
 
-        def pack(t: torch.Tensor, saved=saved, param_keys=param_keys) -> torch.Tensor:
-            key = _storage_key(t)
-            if key not in param_keys:
-                saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        def pack(t: torch.Tensor, saved=saved, keys=param_keys, ids=param_ids) -> Any:
+            if id(t) in ids:
+                return t
+            key = id(t) if t.device.type == "meta" else _storage_key(t)
+            if key not in keys:
+                size = t.numel() * t.element_size()
+                if t.device.type != "meta":
+                    size = t.untyped_storage().nbytes()
+                saved[key] = max(saved.get(key, 0), size)
             return t
 
         with (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             FlopCounterMode(display=False, custom_mapping=custom) as fwd_counter,
         ):
-            y = child(x)
+            y = chain.stage_forward(idx, idx + 1, x, example_input)
         outs = [t for t in _tensors(y) if t.is_floating_point()]
         if not outs:
             raise ValueError(
-                f"profile_chain: layer {idx} ({type(child).__name__}) has no floating-point output"
+                f"profile_chain: layer {idx} ({chain.layer_names[idx]}) has no floating-point "
+                "output"
             )
         grads = [t for t in outs if t.requires_grad]
         with FlopCounterMode(display=False, custom_mapping=custom) as bwd_counter:
@@ -147,14 +154,27 @@ def profile_chain(model: nn.Sequential, example_input: Any, *, name: str = "mode
             p.grad = None
         layers.append(
             LayerProfile(
-                name=f"{idx}:{type(child).__name__}",
+                name=chain.layer_names[idx]
+                if not isinstance(chain.module, nn.Sequential)
+                else f"{idx}:{type(chain.module[idx]).__name__}",
                 fwd_flops=fwd_counter.get_total_flops() / batch,
                 bwd_flops=bwd_counter.get_total_flops() / batch,
                 activation_bytes=sum(_nbytes(t) for t in _tensors(y)) / batch,
                 activation_memory_bytes=sum(saved.values()) / batch,
-                param_bytes=float(param_bytes),
+                param_bytes=float(trainable),
+                frozen_param_bytes=float(frozen),
             )
         )
         x = _detach_for_next(y, requires_grad=True)
         del y, outs, grads, saved
-    return ModelProfile(name=name, layers=layers)
+    shared_list = [
+        SharedTensorProfile(
+            name=n,
+            bytes=float(_nbytes(chain.tensors[n])),
+            layers=list(ls),
+            frozen=chain.frozen(n),
+        )
+        for n, ls in shared.items()
+        if chain.is_param[n]
+    ]
+    return ModelProfile(name=name, layers=layers, shared=shared_list)

@@ -45,6 +45,7 @@ def time_layers(
     warmup: int = 2,
     repeats: int = 5,
     threads: int | None = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LayerTimes:
     """Time every layer's forward and backward, per micro-batch size: ``warmup`` untimed
     rounds, then the median of ``repeats`` timed ones (a round = one pass per size, sizes
@@ -55,7 +56,7 @@ def time_layers(
     gradients on, as inside a pipeline), then the backward of each layer in reverse order with
     the gradient the next layer produced (ones for the last). ``threads`` sets
     ``torch.set_num_threads`` for the measurement (1 = what one local rank gets) and restores
-    it afterwards.
+    it afterwards. ``progress(done, total)`` is called after every pass (a progress bar).
 
     Raises:
         ValueError: empty ``microbatch_sizes``, a size < 1, ``repeats < 1`` or ``warmup < 0``.
@@ -78,6 +79,9 @@ def time_layers(
         for rep in range(warmup + repeats):
             for i, mu in enumerate(microbatch_sizes):
                 f_s, b_s = _one_pass(children, make_input(mu), device)
+                if progress is not None:
+                    total = (warmup + repeats) * len(microbatch_sizes)
+                    progress(rep * len(microbatch_sizes) + i + 1, total)
                 if rep >= warmup:
                     for l_idx in range(len(children)):
                         runs_f[i][l_idx].append(f_s[l_idx])

@@ -126,6 +126,7 @@ def task_from_objects(
     val_dataset: Any = None,
     evaluate: Callable | None = None,
     name: str = "model",
+    layers: Sequence[str] | None = None,
 ) -> Task:
     """A :class:`Task` for a user's chain and data. Every rank deep-copies ``model`` (ranks are
     forked, so all start from its current weights). Without ``evaluate``, the validation
@@ -140,7 +141,7 @@ def task_from_objects(
     if not callable(loss_fn):
         raise InputError("loss_fn", "", "expected a callable (outputs, targets) -> mean loss")
 
-    def build() -> nn.Sequential:
+    def build() -> nn.Module:
         return copy.deepcopy(chain)
 
     def default_eval(m: nn.Module, dtype: torch.dtype) -> dict[str, float]:
@@ -156,6 +157,7 @@ def task_from_objects(
         loss_fn=loss_fn,
         evaluate=evaluate or (default_eval if val is not None else None),
         quality_metric="val_loss" if evaluate is None and val is not None else None,
+        layers=list(layers) if layers is not None else None,
     )
 
 
@@ -182,9 +184,13 @@ def task_from_factory(spec: str) -> Task:
             val_dataset=made.get("val_dataset"),
             evaluate=made.get("evaluate"),
             name=spec,
+            layers=made.get("layers"),
         )
     raise InputError(
-        "--model", spec, "expected the factory to return a Task or {'model', 'dataset', 'loss_fn'}"
+        "--model",
+        spec,
+        f"expected the factory to return a Task or {{'model', 'dataset', 'loss_fn'}}, got "
+        f"{type(made).__name__}",
     )
 
 
@@ -331,18 +337,21 @@ def build_job(
         device_ids = [f"w{i}" for i in range(n)]
 
     torch.manual_seed(seed)
-    chain = task.build_model()
-    num_layers = len(chain)
-    from hetrain.runtime.engine import check_exact_layers
+    built = task.build_model()
+    if not isinstance(built, nn.Module):
+        raise InputError(
+            task.name, "model", f"expected the factory to build an nn.Module, got {type(built)}"
+        )
+    from hetrain.runtime.data import task_chain
 
-    try:  # tied tensors across layers: refused before any process starts
-        check_exact_layers(chain)
-    except ValueError as exc:
-        raise InputError(task.name, "model", str(exc)) from None
+    # any module is cut into layers here, so a bad cut point or a module that cannot be
+    # captured is reported before any process starts (runtime/cutting.py)
+    num_layers = task_chain(task, built, verify=True).num_layers
+    chain = built
     if exact:  # random ops that cannot be made plan-invariant (hetrain.runtime.randomness)
         from hetrain.runtime.randomness import InvariantRandomness
 
-        static = InvariantRandomness(chain, exact=True).static_problems()
+        static = InvariantRandomness(built, exact=True).static_problems()
         if static:
             raise InputError(task.name, "model", f"{static[0]} (--exact)")
     if checkpoint_dir is not None:
@@ -444,16 +453,21 @@ def train(
     load_into_model: bool = True,
     report: bool = True,
     tensorboard: bool = False,
+    layers: Sequence[str] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
     ``dataset`` with hetrain's runtime on local worker processes, adapting the plan online.
 
     Args:
-        model: the chain; its current weights are the starting point on every rank.
+        model: any ``nn.Module`` (cut into layers at its blocks, SPEC §5: every block of every
+            ``ModuleList``/``Sequential`` of two or more blocks of one class, plus a prefix and
+            a suffix layer), an ``nn.Sequential`` (one layer per child) or a list of blocks;
+            its current weights are the starting point on every rank.
         dataset: ``(inputs, targets)`` tensors ``(N, ...)``, a ``TensorDataset``, or any
             map-style data set of ``(input, target)`` pairs.
-        loss_fn: ``(outputs, targets) -> scalar`` mean over the samples given.
+        loss_fn: ``(outputs, targets) -> scalar`` mean over the samples given, or ``->
+            (sum, count)`` (token-level means with masking: divided by the global count).
         val_dataset / evaluate: validation data, and optionally ``(model, dtype) -> {metric:
             value}``; the default reports the mean ``loss_fn`` on ``val_dataset``.
         cluster: a cluster file (path/dict/ClusterSpec) whose devices the local ranks emulate
@@ -462,13 +476,14 @@ def train(
         steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
         run_dir: folder for metrics, report and the exported ``state_dict`` (default
             ``./runs/<name>``).
-        load_into_model: load the trained weights into ``model`` (it must be an
-            ``nn.Sequential``) when done.
+        load_into_model: load the trained weights into ``model`` when done.
         report: write the report into ``run_dir`` when done: ``iteration_time.png`` (plan
             changes marked), ``timeline_step<N>.png`` (one iteration per group) and
             ``report.txt`` (:func:`hetrain.report.run_report.write_report`).
         tensorboard: also write TensorBoard event files next to ``metrics.jsonl`` (needs the
             ``tensorboard`` package: ``pip install 'hetrain[tensorboard]'``).
+        layers: cut points (module names, e.g. ``["transformer.h.0", ...]``) instead of the
+            default cut.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
@@ -487,7 +502,9 @@ def train(
             own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
             in ``run_dir/rank_errors.jsonl``).
     """
-    task = task_from_objects(model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate)
+    task = task_from_objects(
+        model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate, layers=layers
+    )
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
     options.setdefault("grad_clip_norm", None)
@@ -509,7 +526,7 @@ def train(
         from hetrain.report.run_report import write_report
 
         summary["report_files"] = write_report(job.metrics_out, job.run_dir)["files"]
-    if load_into_model and isinstance(model, nn.Sequential) and summary.get("model_path"):
+    if load_into_model and isinstance(model, nn.Module) and summary.get("model_path"):
         state = torch.load(summary["model_path"], weights_only=True)
         model.load_state_dict(
             {k: v.to(dtype=model.state_dict()[k].dtype) for k, v in state.items()}

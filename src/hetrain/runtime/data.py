@@ -247,6 +247,7 @@ class Task:
     quality_target: float | None = None
     higher_is_better: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
+    layers: list[str] | None = None  # cut points (module names); None = SPEC §5 default cut
 
     def quality_line(self, metrics: dict[str, float]) -> str:
         """One line stating the reached quality against the stated target."""
@@ -411,18 +412,250 @@ def digits_task(seed: int = 0) -> Task:
     )
 
 
-EXAMPLES: dict[str, Callable[[], Task]] = {"charlm": charlm_task, "digits": digits_task}
+# ---- Hugging Face GPT-2, BERT, ResNet (models/hf.py) ----------------------------------------
+
+HF_CONTEXT = 64
 
 
-def example_task(name: str) -> Task:
-    """The example task ``name`` (``charlm`` or ``digits``).
+def pydoc_bytes() -> torch.Tensor:
+    """The ``pydoc_data.topics`` text as UTF-8 bytes ``(n,)`` int64 (vocabulary 256)."""
+    data = charlm_text().encode("utf-8")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
+
+
+def model_logits(out: Any) -> torch.Tensor:
+    """The logits of a model's output (a Hugging Face ``ModelOutput`` or a tensor)."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits ``(N, T, V)`` (or an HF output), targets
+    ``(N, T)``."""
+    logits = model_logits(out)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def masked_lm_loss(out: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked-LM loss as ``(sum, count)`` over the masked tokens (targets ``-100`` elsewhere):
+    the engine divides by the count of the whole global batch (SPEC §5)."""
+    logits = model_logits(out)
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
+    return total, (targets != -100).sum()
+
+
+@dataclass(frozen=True)
+class MaskedWindows:
+    """BERT masked-LM samples over byte windows: sample ``i`` is ``tokens[i : i+T]`` with 15 %
+    of its positions (at least one) replaced by [MASK]; targets are the original bytes there
+    and ``-100`` elsewhere. The masked positions of sample ``i`` depend only on ``(seed, i)``
+    (``numpy.random.default_rng([seed, i])``), not on the plan."""
+
+    tokens: torch.Tensor
+    block_size: int
+    mask_id: int
+    seed: int = 0
+    rate: float = 0.15
+
+    def __len__(self) -> int:
+        return max(len(self.tokens) - self.block_size, 0)
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)[:, None] + torch.arange(self.block_size)
+        win = self.tokens[idx]
+        picked = np.zeros(win.shape, dtype=bool)
+        for row, i in enumerate(np.asarray(indices)):
+            rng = np.random.default_rng([self.seed, int(i)])
+            p = rng.random(self.block_size) < self.rate
+            p[rng.integers(self.block_size)] = True
+            picked[row] = p
+        mask = torch.from_numpy(picked)
+        targets = torch.where(mask, win, torch.full_like(win, -100))
+        inputs = torch.where(mask, torch.full_like(win, self.mask_id), win)
+        return inputs, targets
+
+
+def _byte_split(val_windows: int, make, block: int):
+    tokens = pydoc_bytes()
+    split = int(0.9 * len(tokens))
+    train = make(tokens[:split])
+    val_all = make(tokens[split:])
+    stride = max(len(val_all) // val_windows, 1)
+    starts = np.arange(0, len(val_all), stride)[:val_windows]
+    vx, vy = val_all.batch(starts)
+    return train, TensorSource(vx, vy)
+
+
+def gpt2_task(size: str = "tiny") -> Task:
+    """``--example gpt2``: Hugging Face ``GPT2LMHeadModel`` (:func:`hetrain.models.hf.gpt2_model`,
+    head tied to the embedding, dropout 0.1, ``use_cache=False``) on the bytes of
+    ``pydoc_data.topics`` (context 64). Defaults (tiny): 300 steps of global batch 32, AdamW lr
+    3e-3, 20 warm-up steps, cosine decay, clipping at 1.0. Stated quality: validation loss <=
+    2.3 nats per byte (unigram bytes score about 3.2, uniform ln 256 = 5.5)."""
+    from hetrain.models.hf import gpt2_model
+
+    train, val = _byte_split(256, lambda t: CharWindows(t, HF_CONTEXT), HF_CONTEXT)
+
+    def evaluate(model: nn.Module, dtype: torch.dtype) -> dict[str, float]:
+        loss = _mean_loss(model, lm_loss, val, 64, len(val), dtype)
+        return {"val_loss": loss, "val_bits_per_byte": loss / math.log(2)}
+
+    return Task(
+        name="gpt2",
+        build_model=lambda: gpt2_model(size, 0.1, HF_CONTEXT),
+        train=train,
+        val=val,
+        loss_fn=lm_loss,
+        evaluate=evaluate,
+        quality_metric="val_loss",
+        quality_target=2.3 if size == "tiny" else None,
+        defaults={
+            "steps": 300,
+            "batch": 32,
+            "lr": 3e-3,
+            "optimizer": "adamw",
+            "microbatch_size": 8,
+            "warmup_steps": 20,
+            "grad_clip_norm": 1.0,
+            "weight_decay": 0.01,
+        },
+    )
+
+
+def bert_task(size: str = "tiny") -> Task:
+    """``--example bert``: Hugging Face ``BertForMaskedLM`` (decoder tied to the word
+    embedding, dropout 0.1) on byte windows of ``pydoc_data.topics`` with 15 % masking; the
+    loss is a ``(sum, count)`` over the masked bytes. Quality: masked-byte validation loss."""
+    from hetrain.models.hf import MASK_ID, bert_model
+
+    train, val = _byte_split(256, lambda t: MaskedWindows(t, HF_CONTEXT, MASK_ID), HF_CONTEXT)
+
+    def evaluate(model: nn.Module, dtype: torch.dtype) -> dict[str, float]:
+        total = count = 0.0
+        with torch.no_grad():
+            for start in range(0, len(val), 64):
+                x, y = val.batch(np.arange(start, min(start + 64, len(val))))
+                s, c = masked_lm_loss(model(x), y)
+                total, count = total + float(s), count + float(c)
+        return {"val_loss": total / max(count, 1.0)}
+
+    return Task(
+        name="bert",
+        build_model=lambda: bert_model(size, 0.1, HF_CONTEXT),
+        train=train,
+        val=val,
+        loss_fn=masked_lm_loss,
+        evaluate=evaluate,
+        quality_metric="val_loss",
+        defaults={
+            "steps": 200,
+            "batch": 32,
+            "lr": 2e-3,
+            "optimizer": "adamw",
+            "microbatch_size": 8,
+            "warmup_steps": 20,
+            "grad_clip_norm": 1.0,
+            "weight_decay": 0.01,
+        },
+    )
+
+
+def resnet_task(size: str = "tiny") -> Task:
+    """``--example resnet``: Hugging Face ``ResNetForImageClassification`` (bottleneck blocks,
+    BatchNorm) on scikit-learn's digits upsampled to 32x32 (bilinear), seeded 80/20 split.
+    Quality: validation accuracy. BatchNorm: give ``--norm-block G`` for plan-independent
+    statistics (otherwise per micro-batch)."""
+    from sklearn.datasets import load_digits
+
+    from hetrain.models.hf import resnet_model
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.from_numpy(np.random.default_rng(12345).permutation(len(x)))
+    n_val = len(x) // 5
+    val = TensorSource(x[perm[:n_val]], y[perm[:n_val]])
+    train = TensorSource(x[perm[n_val:]], y[perm[n_val:]])
+
+    def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model_logits(out), targets)
+
+    def evaluate(model: nn.Module, dtype: torch.dtype) -> dict[str, float]:
+        with torch.no_grad():
+            out = model_logits(model(cast_inputs(val.inputs, dtype)))
+            acc = float((out.argmax(-1) == val.targets).float().mean())
+        return {"val_accuracy": acc, "val_loss": float(F.cross_entropy(out, val.targets))}
+
+    return Task(
+        name="resnet",
+        build_model=lambda: resnet_model(size),
+        train=train,
+        val=val,
+        loss_fn=loss,
+        evaluate=evaluate,
+        quality_metric="val_accuracy",
+        higher_is_better=True,
+        defaults={
+            "steps": 150,
+            "batch": 64,
+            "lr": 2e-3,
+            "optimizer": "adamw",
+            "microbatch_size": 16,
+            "warmup_steps": 10,
+            "grad_clip_norm": None,
+            "weight_decay": 0.0,
+        },
+    )
+
+
+EXAMPLES: dict[str, Callable[..., Task]] = {
+    "charlm": charlm_task,
+    "digits": digits_task,
+    "gpt2": gpt2_task,
+    "bert": bert_task,
+    "resnet": resnet_task,
+}
+HF_EXAMPLES = ("gpt2", "bert", "resnet")
+
+
+def example_task(name: str, size: str = "tiny") -> Task:
+    """The example task ``name`` (``charlm``, ``digits``, or the Hugging Face ``gpt2``,
+    ``bert``, ``resnet`` of ``size`` tiny, small or base).
 
     Raises:
-        InputError: unknown name.
+        InputError: unknown name or size.
     """
     if name not in EXAMPLES:
         raise InputError("--example", "", f"expected one of {', '.join(EXAMPLES)}, got {name!r}")
+    if name in HF_EXAMPLES:
+        from hetrain.models.hf import _size
+
+        return EXAMPLES[name](_size(size))
     return EXAMPLES[name]()
+
+
+def task_chain(task: Task, model: nn.Module, *, verify: bool = False) -> Any:
+    """The chain hetrain trains for ``task``'s ``model`` (``hetrain.runtime.cutting``): an
+    ``nn.Sequential`` cut at its children, any other module at its blocks (or ``task.layers``),
+    recorded on two training samples; ``verify`` also runs every layer as its own stage once
+    (bad cuts fail before any process starts).
+
+    Raises:
+        InputError: a bad cut point or a model that cannot be captured.
+    """
+    from hetrain.runtime.cutting import Chain, cut_module
+
+    if isinstance(model, Chain):
+        return model
+    if isinstance(model, nn.Sequential) and task.layers is None:
+        return cut_module(model, source=task.name)
+    x, _ = task.train.batch(np.arange(min(2, len(task.train))))
+    chain = cut_module(model, x, task.layers, source=task.name)
+    if verify and hasattr(chain, "verify"):
+        chain.verify(x)
+    return chain
 
 
 def layer_count(model: nn.Module) -> int:
@@ -430,18 +663,25 @@ def layer_count(model: nn.Module) -> int:
     return len(list(model.children()))
 
 
-def as_chain(model: nn.Module | Sequence[nn.Module], source: str = "model") -> nn.Sequential:
-    """An ``nn.Sequential`` from a chain or a list of blocks.
+def as_chain(model: nn.Module | Sequence[nn.Module], source: str = "model") -> nn.Module:
+    """The model to train: any ``nn.Module`` as it is (cut by :func:`task_chain`), or an
+    ``nn.Sequential`` of a list of blocks.
 
     Raises:
         InputError: not a module or a list of modules, or an empty chain.
     """
+    if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+        return model
     if isinstance(model, nn.Sequential):
         chain = model
     elif isinstance(model, list | tuple) and all(isinstance(m, nn.Module) for m in model):
         chain = nn.Sequential(*model)
     else:
-        raise InputError(source, "", "expected an nn.Sequential or a list of nn.Module blocks")
+        raise InputError(
+            source,
+            "",
+            f"expected a torch.nn.Module or a list of modules, got {type(model).__name__}",
+        )
     if len(chain) == 0:
         raise InputError(source, "", "expected at least one layer")
     return chain

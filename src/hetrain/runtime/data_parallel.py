@@ -35,6 +35,7 @@ class Bucket:
     layers: tuple[int, ...]
     active: tuple[int, ...]
     idle: tuple[int, ...]
+    shared: str | None = None  # a shared (tied) tensor's bucket: its holders (SPEC v3 §3)
 
     @property
     def reduce_ranks(self) -> tuple[int, ...]:
@@ -122,9 +123,30 @@ def _unflatten_into(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
         offset += n
 
 
+def shared_buckets(layout: Layout, shared: dict[str, tuple[int, ...]]) -> list[Bucket]:
+    """One bucket per shared tensor (``name -> layers using it``): its owners are every rank
+    holding one of those layers (a rank once), active ones those of active groups (SPEC v3 §3:
+    the gradient is the sum over all uses in all active groups)."""
+    out = []
+    for name, layers in shared.items():
+        owners: list[int] = []
+        active: list[int] = []
+        for layer in layers:
+            for r in layout.owners[layer]:
+                if r not in owners:
+                    owners.append(r)
+            for r in layout.active_owners[layer]:
+                if r not in active:
+                    active.append(r)
+        idle = tuple(r for r in owners if r not in active)
+        out.append(Bucket((), tuple(active), idle, name))
+    return out
+
+
 class GradientSync:
     """Combine one step's gradients (SPEC §3 sync): all-reduce (sum) of each bucket among its
-    active owners, then broadcast to its idle owners.
+    active owners, then broadcast to its idle owners. Frozen parameters (no gradient) are left
+    out: no hooks, no all-reduce.
 
     Overlap: :meth:`arm` (called just before a stage's last backward) registers
     post-accumulate-grad hooks; a bucket's all-reduce starts asynchronously as soon as all its
@@ -154,7 +176,7 @@ class GradientSync:
         buckets: list[Bucket],
         groups: GroupCache,
         rank: int,
-        layers: nn.Sequential,
+        bucket_params: list[list[nn.Parameter]],
         device: torch.device,
         emulation: Emulation | None,
     ) -> None:
@@ -164,8 +186,8 @@ class GradientSync:
         self.device = device
         self.emulation = emulation
         self.mine = [
-            (b, [p for layer in b.layers for p in layers[layer].parameters()])
-            for b in buckets
+            (b, [p for p in params if p.requires_grad])
+            for b, params in zip(buckets, bucket_params, strict=True)
             if rank in b.active or rank in b.idle
         ]
         self.mine = [(b, params) for b, params in self.mine if params]

@@ -26,7 +26,14 @@ from torch import nn
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.runtime.data_parallel import GradientSync, GroupCache, build_buckets
+from hetrain.runtime.cutting import Chain, cut_module
+from hetrain.runtime.data_parallel import (
+    Bucket,
+    GradientSync,
+    GroupCache,
+    build_buckets,
+    shared_buckets,
+)
 from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
@@ -98,39 +105,22 @@ class MigrationResult:
     time_s: float
 
 
-def check_exact_layers(layers: nn.Sequential) -> None:
-    """Refuse parameters shared by two layers (tied weights cannot live on two stages).
-    Dropout and BatchNorm are accepted: :mod:`hetrain.runtime.randomness` makes random draws
-    plan-invariant and :mod:`hetrain.runtime.norm` handles BatchNorm (docs/runtime.md).
+def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
+    """Check that ``layers`` can be trained exactly and return its chain. Dropout and
+    BatchNorm are accepted (:mod:`hetrain.runtime.randomness` makes random draws
+    plan-invariant, :mod:`hetrain.runtime.norm` handles BatchNorm) and so are tied tensors
+    (SPEC v3 §2: a shared tensor lives on every stage that uses it).
 
     Raises:
-        ValueError: naming the layer index and the tensor's name.
+        InputError: not a module or an empty chain.
     """
-    owner: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-            first = owner.setdefault(id(tensor), index)
-            if first != index:
-                raise ValueError(
-                    f"layer {index} ({name}) shares a tensor with layer {first}: tied weights "
-                    "across layers cannot be split into stages; untie them"
-                )
+    return layers if isinstance(layers, Chain) else cut_module(layers)
 
 
 def _plan_digest(plan: Plan) -> str:
     """Hash of what the engine executes (groups, stages, shares, micro-batches, schedule)."""
     body = json.dumps([plan.schedule, [g.model_dump(mode="json") for g in plan.groups]])
     return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def _structure_digest(layers: nn.Sequential) -> str:
-    """Hash of the chain's layer count, parameter/buffer names, shapes and dtypes."""
-    items = [
-        (i, k, tuple(v.shape), str(v.dtype))
-        for i, layer in enumerate(layers)
-        for k, v in layer.state_dict().items()
-    ]
-    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
 def _check_agreement(gathered: list[Any], mine: tuple, names: tuple[str, ...]) -> None:
@@ -152,32 +142,46 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+Unit = int | str  # a layer's own tensors (its index) or one shared tensor (its name)
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    m = torch.empty_like(t, device="meta")
+    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+
+
+def _real_copy(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(value, requires_grad=t.requires_grad)
+    return value
+
+
 class Worker:
     """One rank of a hybrid data/pipeline-parallel run (SPEC §1, §5).
 
     Args:
-        layers: the full model chain (``nn.Sequential`` or a list of modules, layer ``l`` =
-            child ``l``), built identically (same seed) on every rank; the worker takes it over
-            (converts it to ``dtype``; layers it does not hold become ``meta``).
+        layers: the model: an ``nn.Sequential`` or a list of modules (layer ``l`` = child
+            ``l``), or a :class:`~hetrain.runtime.cutting.Chain` of any module
+            (:func:`~hetrain.runtime.cutting.cut_module`), built identically (same seed) on
+            every rank; the worker takes it over (converts it to ``dtype``; tensors of layers
+            it does not hold become ``meta``).
         plan: the SPEC §7 plan; it must name every rank's device exactly once.
         device_id: this rank's device id in the plan (all ranks exchange theirs).
-        loss_fn: ``(output, target) -> scalar``, the mean over the micro-batch's samples (e.g.
-            ``F.cross_entropy``); the engine scales it by ``rows / B``.
-        optimizer: :class:`OptimizerSpec`, built per layer.
+        loss_fn: ``(output, target) -> scalar`` mean over the micro-batch's samples (e.g.
+            ``F.cross_entropy``; the engine scales it by ``rows / B``), or ``-> (sum, count)``
+            (e.g. masked tokens: the engine divides by the global batch's count, SPEC §5).
+        optimizer: :class:`OptimizerSpec`, built per layer and per shared tensor.
         schedule: ``"1f1b"`` or ``"gpipe"``; None = the plan's ``schedule``.
         emulation: slow-down and link emulation (settable later via :attr:`emulation`).
         dtype: parameter dtype; floating inputs are cast to it.
-        grad_clip_norm: clip the global gradient L2 norm to this (None = no clipping).
+        grad_clip_norm: clip the global gradient L2 norm to this (None = no clipping); each
+            shared tensor counted once.
         autocast_bf16: run forward passes under ``torch.autocast(dtype=bfloat16)``.
         device: torch device of this rank (default: CPU for gloo, the current CUDA device for
             NCCL).
-        allow_unused_ranks: accept ranks whose device the plan does not name (e.g. a device
-            that joins later); they hold nothing until a plan uses them. Default False: the
-            plan must name every rank (world size = the plan's device count).
-        bucket_cap_bytes: largest gradient bucket all-reduced at once (a bucket of
-            consecutive layers with the same owners is split at layer boundaries above it).
-        overlap_grad_sync: start a bucket's all-reduce during the stage's last backward as
-            soon as its gradients are final (same arithmetic; False = after the backward).
+        allow_unused_ranks: accept ranks whose device the plan does not name.
+        bucket_cap_bytes: largest gradient bucket all-reduced at once.
+        overlap_grad_sync: start a bucket's all-reduce during the stage's last backward.
         seed: key of the plan-invariant random draws (:mod:`hetrain.runtime.randomness`).
         norm_block: BatchNorm norm block ``G`` (ghost batch norm, :mod:`hetrain.runtime.norm`);
             None = statistics per micro-batch (results depend on the plan).
@@ -190,15 +194,15 @@ class Worker:
             count differs from the world size (raised on every rank, no hang).
         InputError: a share or micro-batch size not a multiple of ``norm_block``; with
             ``exact``, a random op that cannot be made plan-invariant.
-        ValueError: tied layers (:func:`check_exact_layers`), bad options.
+        ValueError: bad options, ranks given different plans or models.
     """
 
     def __init__(
         self,
-        layers: nn.Sequential | Sequence[nn.Module],
+        layers: nn.Sequential | Sequence[nn.Module] | Chain,
         plan: Plan,
         device_id: str,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, Any], Any],
         optimizer: OptimizerSpec,
         *,
         schedule: str | None = None,
@@ -216,8 +220,7 @@ class Worker:
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Worker needs torch.distributed initialised (init_process_group)")
-        if not isinstance(layers, nn.Sequential):
-            layers = nn.Sequential(*layers)
+        chain = layers if isinstance(layers, Chain) else cut_module(list(layers))
         if schedule not in (None, "1f1b", "gpipe"):
             raise ValueError(f"schedule: expected '1f1b' or 'gpipe', got {schedule!r}")
         if grad_clip_norm is not None and not (
@@ -228,24 +231,28 @@ class Worker:
         self.world_size = dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
         gathered: list[Any] = [None] * self.world_size
-        mine = (str(device_id), _plan_digest(plan), _structure_digest(layers))
+        mine = (str(device_id), _plan_digest(plan), chain.structure_digest())
         dist.all_gather_object(gathered, mine)
         _check_agreement(gathered, mine, ("plan", "model structure"))
         gathered = [g[0] for g in gathered]
         self.device_id = str(device_id)
-        check_exact_layers(layers)
         if bucket_cap_bytes <= 0:
             raise ValueError(f"bucket_cap_bytes: expected > 0, got {bucket_cap_bytes}")
         self.bucket_cap_bytes = int(bucket_cap_bytes)
         self.overlap_grad_sync = bool(overlap_grad_sync)
         self.layout: Layout = build_layout(
-            plan, tuple(gathered), len(layers), require_all=not allow_unused_ranks
+            plan, tuple(gathered), chain.num_layers, require_all=not allow_unused_ranks
         )
+        self.chain = chain
         # --- plan-invariant randomness and BatchNorm (randomness.py, norm.py) ---
         self.exact = bool(exact)
-        self.randomness = InvariantRandomness(layers, seed=seed, exact=exact)
-        self.norm = NormBlocks(layers, norm_block)
-        self._norm_layers = [i for i, layer in enumerate(layers) if batchnorm_modules(layer)]
+        self.randomness = InvariantRandomness(chain.module, seed=seed, exact=exact)
+        self.norm = NormBlocks(chain.module, norm_block)
+        self._norm_layers = [
+            i
+            for i in range(chain.num_layers)
+            if any(batchnorm_modules(m) for m in chain.layer_modules(i))
+        ]
         self._random_reported = False
         _check_norm_plan(self.layout, norm_block)
         static = self.randomness.static_problems()
@@ -255,7 +262,9 @@ class Worker:
             for line in static[:1] + [self.norm.startup_message() or ""]:
                 if line:
                     print(f"hetrain: warning: {line}", file=sys.stderr, flush=True)
-        self.layers = layers.to(dtype=dtype)
+        self.module = chain.module.to(dtype=dtype)
+        # keep the tensor index current (``.to`` keeps parameter objects; buffers may change)
+        chain._index_tensors()
         self.dtype = dtype
         self.loss_fn = loss_fn
         self.optimizer_spec = optimizer
@@ -263,22 +272,78 @@ class Worker:
         self.emulation = emulation
         self.grad_clip_norm = grad_clip_norm
         self.autocast_dtype = torch.bfloat16 if autocast_bf16 else None
-        owned = set(self.owned_layers)
-        self.optimizers: dict[int, torch.optim.Optimizer | None] = {}
-        for index, layer in enumerate(self.layers):
-            if index in owned:
-                layer.to(self.device)
-                self.optimizers[index] = self._build_optimizer(layer)
+        self.shared = chain.shared  # name -> layers using it
+        self._private: list[list[str]] = [
+            [n for n in names if n not in self.shared] for names in chain.layer_tensors
+        ]
+        self._held: set[str] = set()
+        self.optimizers: dict[Unit, torch.optim.Optimizer | None] = {}
+        held = self._held_names(self.layout)
+        for name, t in chain.tensors.items():
+            if name in held:
+                self._materialize(name, t.detach().to(self.device))
             else:
-                layer.to("meta")
+                self._release(name)
+        for unit in self._units(self.layout):
+            self.optimizers[unit] = self._build_optimizer(unit)
         self._groups = GroupCache()
         self._layer_bytes = [
-            sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in self.layers
+            sum(self._nbytes(n) for n in names if not chain.frozen(n)) for names in self._private
         ]
-        self._buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
+        self._setup_buckets()
+
+    # ----------------------------------------------------------------------------- tensors
+    def _nbytes(self, name: str) -> int:
+        t = self.chain.tensors[name]
+        return t.numel() * t.element_size()
+
+    def _unit_names(self, unit: Unit) -> list[str]:
+        return [unit] if isinstance(unit, str) else self._private[unit]
+
+    def _unit_params(self, unit: Unit) -> list[nn.Parameter]:
+        return [self.chain.tensors[n] for n in self._unit_names(unit) if not self.chain.frozen(n)]
+
+    def _units(self, layout: Layout) -> list[Unit]:
+        """Units this rank holds under ``layout``: its layers, then the shared tensors they
+        use."""
+        owned = layout.owned_layers(self.rank)
+        shared = [n for n, layers in self.shared.items() if any(layer in owned for layer in layers)]
+        return [*owned, *shared]
+
+    def _held_names(self, layout: Layout) -> set[str]:
+        return {
+            n for layer in layout.owned_layers(self.rank) for n in self.chain.layer_tensors[layer]
+        }
+
+    def _materialize(self, name: str, value: torch.Tensor) -> None:
+        t = self.chain.tensors[name]
+        if t.device == value.device and t.device.type != "meta":
+            with torch.no_grad():
+                t.copy_(value)
+        else:
+            torch.utils.swap_tensors(t, _real_copy(t, value.to(dtype=t.dtype)))
+        t.grad = None
+        self._held.add(name)
+
+    def _release(self, name: str) -> None:
+        t = self.chain.tensors[name]
+        t.grad = None
+        if t.device.type != "meta":
+            torch.utils.swap_tensors(t, _meta_copy(t))
+        self._held.discard(name)
+
+    def _setup_buckets(self) -> None:
+        layer_buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
+        trainable_shared = {n: ls for n, ls in self.shared.items() if not self.chain.frozen(n)}
+        # shared buckets first: they are launched last (their gradient is final only when the
+        # whole backward of the stage is done, e.g. a tied embedding)
+        self._buckets: list[Bucket] = shared_buckets(self.layout, trainable_shared) + layer_buckets
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
         self._norm_sets = self._norm_owner_sets()
+
+    def _norm_modules(self, indices: Sequence[int]) -> list[nn.Module]:
+        return [m for i in indices for m in self.chain.layer_modules(i)]
 
     def _norm_owner_sets(self) -> list[tuple[tuple[int, ...], list[int]]]:
         """BatchNorm layers grouped by their owners (all groups, idle included), in layer
@@ -297,7 +362,7 @@ class Worker:
         for ranks, indices in self._norm_sets:
             if self.rank not in ranks:
                 continue
-            modules = [self.layers[i] for i in indices]
+            modules = self._norm_modules(indices)
             flat = self.norm.step_tensor(modules, active=active).to(self.device)
             if len(ranks) > 1:
                 dist.all_reduce(flat, group=self._groups.get(ranks, "norm"))
@@ -316,12 +381,49 @@ class Worker:
 
         return enter
 
-    def _build_optimizer(self, layer: nn.Module) -> torch.optim.Optimizer | None:
-        """The layer's own optimizer (None for a layer without parameters)."""
-        params = list(layer.parameters())
+    def _report_random_problems(self) -> None:
+        """A random op that is not plan-invariant ran on some rank this step: warn once (each
+        rank that saw it), or with ``exact`` raise the same InputError on every rank."""
+        self._random_reported = True
+        mine = self.randomness.problems
+        if self.exact:
+            what = mine[0] if mine else "another rank ran a random op hetrain cannot make invariant"
+            raise InputError("model", "random op", f"{what} (--exact)")
+        if mine:
+            print(f"hetrain: warning: {mine[0]}; results depend on the plan", file=sys.stderr)
+
+    def _bucket_params(self) -> list[list[nn.Parameter]]:
+        out = []
+        for b in self._buckets:
+            if b.shared is not None:
+                out.append(self._unit_params(b.shared) if b.shared in self._held else [])
+            else:
+                held = self.rank in b.active or self.rank in b.idle
+                out.append(
+                    [p for layer in b.layers for p in self._unit_params(layer)] if held else []
+                )
+        return out
+
+    def _build_optimizer(self, unit: Unit) -> torch.optim.Optimizer | None:
+        """The unit's own optimizer (None without trainable parameters: frozen parameters get
+        no optimizer state)."""
+        params = self._unit_params(unit)
         return self.optimizer_spec.build(params) if params else None
 
+    def _canonical(self, unit: Unit, layout: Layout | None = None) -> int:
+        layout = layout or self.layout
+        if isinstance(unit, int):
+            return layout.canonical[unit]
+        for layer in self.shared[unit]:  # the first active holder (plan order of its layers)
+            if layout.active_owners[layer]:
+                return layout.active_owners[layer][0]
+        return layout.owners[self.shared[unit][0]][0]
+
     # ----------------------------------------------------------------------------- properties
+    @property
+    def layers(self) -> Chain:
+        return self.chain
+
     @property
     def plan(self) -> Plan:
         return self.layout.plan
@@ -336,28 +438,33 @@ class Worker:
         return self.layout.owned_layers(self.rank)
 
     # ----------------------------------------------------------------------------- step
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> StepResult:
+    def step(self, inputs: Any, targets: Any, step: int) -> StepResult:
         """Train one iteration on the global batch.
 
         Args:
-            inputs: the whole global batch ``(B, ...)``, identical on every rank; group ``g``
-                uses rows ``[offset_g, offset_g + b_g)`` (groups in plan order).
-            targets: ``(B, ...)`` targets for ``loss_fn``, identical on every rank.
-            step: iteration index (drives the learning-rate schedule).
+            inputs: the whole global batch of model inputs (a tensor ``(B, ...)`` or a pytree
+                of them), identical on every rank; group ``g`` uses rows ``[offset_g, offset_g
+                + b_g)`` (groups in plan order).
+            targets: ``(B, ...)`` targets for ``loss_fn`` (or a pytree), identical on every
+                rank.
+            step: iteration index (drives the learning-rate schedule and randomness).
 
         Raises:
             ValueError: ``inputs``/``targets`` with a first dimension other than ``B``.
         """
+        from torch.utils._pytree import tree_flatten, tree_map_only
+
         t_start = time.perf_counter()
         batch = self.layout.global_batch
-        if inputs.shape[0] != batch or targets.shape[0] != batch:
+        rows_in = [t.shape[0] for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        rows_t = [t.shape[0] for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+        if any(r != batch for r in rows_in + rows_t):
             raise ValueError(
                 f"inputs/targets: expected the global batch of {batch} rows, got "
-                f"{inputs.shape[0]} and {targets.shape[0]}"
+                f"{rows_in[:1] or '?'} and {rows_t[:1] or '?'}"
             )
-        for index in self.owned_layers:
-            for p in self.layers[index].parameters():
-                p.grad = None
+        for name in self._held:
+            self.chain.tensors[name].grad = None
         timers = Timers()
         p2p = P2P(
             self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
@@ -367,12 +474,13 @@ class Worker:
             buckets=self._buckets,
             groups=self._groups,
             rank=self.rank,
-            layers=self.layers,
+            bucket_params=self._bucket_params(),
             device=self.device,
             emulation=self.emulation,
         )
         pos = self.layout.position(self.rank)
-        loss_part = torch.zeros((), dtype=torch.float64, device=self.device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_part, count_part, sum_mode = zero, zero, False
         group = stage = None
         num_mb = 0
         if pos is not None:
@@ -383,16 +491,19 @@ class Worker:
             num_mb = len(microbatches)
             if group.active:
                 rows = slice(group.offset, group.offset + group.batch)
-                x = y = None
-                if k == 0:
-                    x = inputs[rows].to(self.device)
-                    if x.is_floating_point():
-                        x = x.to(self.dtype)
+
+                def cast(t: torch.Tensor) -> torch.Tensor:
+                    t = t[rows].to(self.device)
+                    return t.to(self.dtype) if t.is_floating_point() else t
+
+                x = tree_map_only(torch.Tensor, cast, inputs)
+                y = None
                 if k == len(group.ranks) - 1:
-                    y = targets[rows].to(self.device)
+                    y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
+                s0, s1 = stage
                 try:
-                    loss_part = run_stage(
-                        stage_module=self.layers[stage[0] : stage[1]],
+                    loss_part, count_part, sum_mode = run_stage(
+                        stage_forward=lambda xin, mb: self.chain.stage_forward(s0, s1, xin, mb),
                         ops=schedule_ops(self.schedule, len(group.ranks), k, num_mb),
                         microbatches=microbatches,
                         inputs=x,
@@ -418,26 +529,33 @@ class Worker:
         self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for index in self.owned_layers:
-            if self.layout.canonical[index] == self.rank:
-                for p in self.layers[index].parameters():
+        for unit in self.optimizers:
+            if self._canonical(unit) == self.rank:
+                for p in self._unit_params(unit):
                     if p.grad is not None:
                         sq += p.grad.detach().to(torch.float64).pow(2).sum()
+        flag = torch.ones((), dtype=torch.float64, device=self.device) if sum_mode else zero
         random_problem = float(bool(self.randomness.problems) and not self._random_reported)
-        flag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
-        reduced = torch.stack([loss_part, sq, flag])
+        rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
+        reduced = torch.stack([loss_part, sq, count_part, flag, rflag])
         dist.all_reduce(reduced)
-        loss, sqnorm, random_problems = reduced.tolist()
+        loss, sqnorm, count, mode, random_problems = reduced.tolist()
         if random_problems > 0:
             self._report_random_problems()
-        grad_norm = math.sqrt(sqnorm)
-        coef = clip_coefficient(grad_norm, self.grad_clip_norm)
+        scale = 1.0
+        if mode > 0:  # (sum, count) losses: divide by the count of the whole global batch
+            if count <= 0:
+                raise ValueError("loss_fn: the global batch counts no items (count 0)")
+            scale = 1.0 / count
+            loss *= scale
+        grad_norm = math.sqrt(sqnorm) * scale
+        coef = clip_coefficient(grad_norm, self.grad_clip_norm) * scale
         lr = self.optimizer_spec.lr_at(step)
-        for index, opt in self.optimizers.items():
+        for unit, opt in self.optimizers.items():
             if opt is None:
                 continue
-            if self.grad_clip_norm is not None:
-                for p in self.layers[index].parameters():
+            if coef != 1.0:
+                for p in self._unit_params(unit):
                     if p.grad is not None:
                         p.grad.mul_(coef)
             set_lr(opt, lr)
@@ -470,24 +588,22 @@ class Worker:
             link_time_s=dict(timers.link_time_s),
         )
 
-    def _report_random_problems(self) -> None:
-        """A random op that is not plan-invariant ran on some rank this step: warn once (each
-        rank that saw it), or with ``exact`` raise the same InputError on every rank."""
-        self._random_reported = True
-        mine = self.randomness.problems
-        if self.exact:
-            what = mine[0] if mine else "another rank ran a random op hetrain cannot make invariant"
-            raise InputError("model", "random op", f"{what} (--exact)")
-        if mine:
-            print(f"hetrain: warning: {mine[0]}; results depend on the plan", file=sys.stderr)
-
     # ----------------------------------------------------------------------------- plan change
+    def _unit_payload(self, unit: Unit) -> dict[str, Any]:
+        names = self._unit_names(unit)
+        opt = self.optimizers.get(unit)
+        return {
+            "tensors": {n: self.chain.tensors[n].detach() for n in names},
+            "optim": None if opt is None else opt.state_dict(),
+        }
+
     def apply_plan(self, plan: Plan) -> MigrationResult:
         """Switch to ``plan`` between steps (collective: call on every rank with the same plan).
 
         Layers move with their parameters, buffers and optimizer state from an old owner to
-        each new owner; layers no longer held are released. The new plan may leave ranks out
-        (they hold nothing and only join the collectives) but must use only known devices.
+        each new owner; a shared tensor moves (with its optimizer state) to every new holder
+        that lacks it; tensors no longer held are released (``meta``). The new plan may leave
+        ranks out (they hold nothing and only join the collectives).
 
         Raises:
             InputError: the plan names unknown devices or does not cover the layers.
@@ -499,123 +615,155 @@ class Worker:
         new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
         _check_norm_plan(new, self.norm.norm_block)
         old = self.layout
-        transfers = plan_transfers(old, new)
+        transfers: list[tuple[Unit, int, int]] = [
+            (t.layer, t.src, t.dst) for t in plan_transfers(old, new)
+        ]
+        # shared tensors: holders = ranks holding any layer that uses them
+        sends: dict[int, int] = {}
+        for name, layers in self.shared.items():
+            have = sorted({r for layer in layers for r in old.owners[layer]})
+            want = sorted({r for layer in layers for r in new.owners[layer]})
+            for dst in want:
+                if dst not in have:
+                    src = min(have, key=lambda r: (sends.get(r, 0), r))
+                    sends[src] = sends.get(src, 0) + 1
+                    transfers.append((name, src, dst))
         sent = received = 0
-        for t in transfers:
-            if t.src == self.rank:
-                payload = {
-                    "module": self.layers[t.layer].state_dict(),
-                    # non-persistent buffers (e.g. attention masks) are not in state_dict
-                    "buffers": dict(self.layers[t.layer].named_buffers()),
-                    "optim": None if (o := self.optimizers[t.layer]) is None else o.state_dict(),
-                }
-                sent += send_object(payload, t.dst, self.device)
-            elif t.dst == self.rank:
+        for unit, src, dst in transfers:
+            if src == self.rank:
+                sent += send_object(self._unit_payload(unit), dst, self.device)
+            elif dst == self.rank:
                 t_recv = time.perf_counter()
-                payload, nbytes = recv_object(t.src, self.device)
+                payload, nbytes = recv_object(src, self.device)
                 received += nbytes
                 if self.emulation is not None and self.emulation.limits_links():
-                    link = (self.layout.devices[t.src], self.device_id)
+                    link = (self.layout.devices[src], self.device_id)
                     duration = self.emulation.transfer_time_s(*link, nbytes)
                     sleep_s(duration - (time.perf_counter() - t_recv))
-                layer = self.layers[t.layer].to_empty(device=self.device)
-                layer.load_state_dict(payload["module"])
-                with torch.no_grad():
-                    for name, buf in layer.named_buffers():
-                        buf.copy_(payload["buffers"][name])
-                opt = self._build_optimizer(layer)
-                if opt is not None:
+                for n, value in payload["tensors"].items():
+                    self._materialize(n, value.to(self.device))
+                opt = self._build_optimizer(unit)
+                if opt is not None and payload["optim"] is not None:
                     opt.load_state_dict(payload["optim"])
-                self.optimizers[t.layer] = opt
-        now_owned = set(new.owned_layers(self.rank))
-        for index in old.owned_layers(self.rank):
-            if index not in now_owned:
-                self.layers[index].to("meta")
-                del self.optimizers[index]
+                self.optimizers[unit] = opt
+        now_units = set(self._units(new))
+        for unit in list(self.optimizers):
+            if unit not in now_units:
+                del self.optimizers[unit]
+        keep = self._held_names(new)
+        for name in list(self._held):
+            if name not in keep:
+                self._release(name)
         self.layout = new
-        self._buckets = build_buckets(new, self._layer_bytes, self.bucket_cap_bytes)
-        self._groups.ensure(self._buckets)
-        self._channels = self._groups.pipeline_channels(new)
-        self._norm_sets = self._norm_owner_sets()
+        self._setup_buckets()
         return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------------- state
+    def _all_units(self) -> list[Unit]:
+        return [*range(self.layout.num_layers), *self.shared]
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather the whole model on rank 0 (collective): a plain ``state_dict`` with the keys of
-        the original ``nn.Sequential`` (``"{layer}.{name}"``), CPU tensors in the worker's
-        dtype; loads into the original module without hetrain. None on other ranks."""
+        the original module (tied tensors under each of their keys, the same tensor), CPU
+        tensors in the worker's dtype; loads into the original module without hetrain. None on
+        other ranks."""
         out: dict[str, torch.Tensor] = {}
-        for index in range(self.layout.num_layers):
-            src = self.layout.canonical[index]
+        for unit in self._all_units():
+            src = self._canonical(unit)
+            names = self._unit_names(unit)
             if src == self.rank and self.rank == 0:
-                sd = {
-                    k: v.detach().cpu().clone() for k, v in self.layers[index].state_dict().items()
-                }
+                sd = {n: self.chain.tensors[n].detach().cpu().clone() for n in names}
             elif src == self.rank:
-                send_object(self.layers[index].state_dict(), 0, self.device)
+                send_object({n: self.chain.tensors[n].detach() for n in names}, 0, self.device)
                 continue
             elif self.rank == 0:
                 sd, _ = recv_object(src, self.device)
             else:
                 continue
-            out.update({f"{index}.{k}": v for k, v in sd.items()})
-        return out if self.rank == 0 else None
+            out.update(sd)
+        if self.rank != 0:
+            return None
+        keyed: dict[str, torch.Tensor] = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            name = self.chain._name_of.get(id(t))
+            if name is not None and name in out:
+                keyed[key] = out[name]
+        return keyed
+
+    def _local(self, unit: Unit, name: str) -> str:
+        if (
+            isinstance(unit, int)
+            and name.startswith(f"{unit}.")
+            and isinstance(self.module, nn.Sequential)
+        ):
+            return name[len(f"{unit}.") :]
+        return name
+
+    def _key(self, unit: Unit) -> str:
+        return f"layers.{unit}" if isinstance(unit, int) else "shared"
 
     def layer_state_dict(self, *, replicas: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's layers as flat tensors for checkpoints: ``"layers.{l}.{name}"`` (module
-        state) and ``"optim.{l}.{param}.{state}"`` (optimizer state, e.g. ``exp_avg``, ``step``,
-        ``momentum_buffer``; absent before the first step).
+        """This rank's tensors as flat tensors for checkpoints: ``"layers.{l}.{name}"`` (a
+        layer's own tensors), ``"shared.{name}"`` (a shared tensor, once), and
+        ``"optim.{l}.{param}.{state}"`` / ``"optim.shared.{name}.{state}"`` (optimizer state,
+        e.g. ``exp_avg``, ``step``; absent before the first step). Frozen parameters and
+        buffers (BatchNorm statistics) are saved, with no optimizer state.
 
         Args:
-            replicas: False (default): only layers whose canonical owner is this rank (each
-                layer once across the world, for saving); True: every layer held here (a
-                template for loading under this plan).
+            replicas: False (default): only units whose canonical owner is this rank (each
+                tensor once across the world, for saving); True: every unit held here.
         """
         out: dict[str, torch.Tensor] = {}
-        for index in self.owned_layers:
-            if not replicas and self.layout.canonical[index] != self.rank:
+        for unit in self._units(self.layout):
+            if not replicas and self._canonical(unit) != self.rank:
                 continue
-            layer = self.layers[index]
-            for k, v in layer.state_dict().items():
-                out[f"layers.{index}.{k}"] = v
-            opt = self.optimizers[index]
+            for n in self._unit_names(unit):
+                out[f"{self._key(unit)}.{self._local(unit, n)}"] = self.chain.tensors[n].detach()
+            opt = self.optimizers.get(unit)
             if opt is None:
                 continue
-            names = [n for n, _ in layer.named_parameters()]
-            state = opt.state_dict()["state"]
-            for pidx, pstate in state.items():
+            names = [
+                self._local(unit, n) for n in self._unit_names(unit) if not self.chain.frozen(n)
+            ]
+            okey = f"optim.{unit}" if isinstance(unit, int) else "optim.shared"
+            for pidx, pstate in opt.state_dict()["state"].items():
                 for key, value in pstate.items():
                     if isinstance(value, torch.Tensor):
-                        out[f"optim.{index}.{names[pidx]}.{key}"] = value
+                        out[f"{okey}.{names[pidx]}.{key}"] = value
         return out
 
     def load_layer_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load this rank's layers (and their optimizer state when present) from a dict in the
+        """Load this rank's tensors (and their optimizer state when present) from a dict in the
         :meth:`layer_state_dict` format; entries of other layers are ignored.
 
         Raises:
-            KeyError: a held layer's module state is missing.
+            KeyError: a held tensor is missing.
         """
-        for index in self.owned_layers:
-            layer = self.layers[index]
-            prefix = f"layers.{index}."
-            sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-            missing = set(layer.state_dict()) - set(sd)
-            if missing:
-                raise KeyError(f"layer_state_dict: layer {index} lacks {sorted(missing)}")
-            layer.load_state_dict(sd)
-            names = {n: i for i, (n, _) in enumerate(layer.named_parameters())}
-            oprefix = f"optim.{index}."
+        for unit in self._units(self.layout):
+            prefix = self._key(unit)
+            for n in self._unit_names(unit):
+                key = f"{prefix}.{self._local(unit, n)}"
+                if key not in state_dict:
+                    raise KeyError(f"layer_state_dict: {prefix} lacks {self._local(unit, n)!r}")
+                self._materialize(n, state_dict[key].to(self.device))
+            okey = f"optim.{unit}." if isinstance(unit, int) else "optim.shared."
+            names = {
+                self._local(unit, n): i
+                for i, n in enumerate(
+                    [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
+                )
+            }
             ostate: dict[int, dict[str, torch.Tensor]] = {}
             for k, v in state_dict.items():
-                if k.startswith(oprefix):
-                    pname, key = k[len(oprefix) :].rsplit(".", 1)
-                    ostate.setdefault(names[pname], {})[key] = v
-            opt = self._build_optimizer(layer)
+                if k.startswith(okey):
+                    pname, key = k[len(okey) :].rsplit(".", 1)
+                    if pname in names:
+                        ostate.setdefault(names[pname], {})[key] = v
+            opt = self._build_optimizer(unit)
             if ostate and opt is not None:
                 groups = opt.state_dict()["param_groups"]
                 opt.load_state_dict({"state": ostate, "param_groups": groups})
-            self.optimizers[index] = opt
+            self.optimizers[unit] = opt
 
 
 def _check_norm_plan(layout: Layout, norm_block: int | None) -> None:

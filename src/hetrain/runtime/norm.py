@@ -151,7 +151,8 @@ class NormBlocks:
         y = centred * torch.rsqrt(var + m.eps)[:, None, :, None]
         if m.affine:
             y = y * m.weight[None, None, :, None] + m.bias[None, None, :, None]
-        if m.training and m.track_running_stats:
+        # (meta: a layer before this rank's stage replayed for shapes, cutting.py)
+        if m.training and m.track_running_stats and x.device.type != "meta":
             with torch.no_grad():
                 s1 = (mean.detach() * per_block).sum(0).to(torch.float64)
                 ss = sq.detach().sum(0).to(torch.float64)

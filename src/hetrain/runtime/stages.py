@@ -13,7 +13,7 @@ queued activation send never blocks the gradient receive coming the other way.
 
 from __future__ import annotations
 
-import contextlib
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hetrain.runtime.emulation import Emulation, sleep_s, slow_down
 
@@ -41,9 +41,10 @@ _DTYPES = (
 )
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 MAX_NDIM = 8
-HEADER_LEN = 3 + MAX_NDIM  # dtype code, ndim, send time (ns), dims
+HEADER_LEN = 4 + MAX_NDIM  # dtype code, ndim, send time (ns), requires grad, dims
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
+TAG_TREE = 3
 
 
 def schedule_ops(
@@ -120,14 +121,19 @@ class P2P:
         self.channels = channels or {}
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._link_free_ns: dict[int, int] = {}
+        self._sent_struct: dict[int, bytes] = {}
+        self._recv_struct: dict[int, Any] = {}
+        self.last_requires_grad = False
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Non-blocking send of ``tensor`` (any dtype, ``ndim <= 8``) to rank ``dst``."""
+        """Non-blocking send of ``tensor`` (any dtype, ``ndim <= 8``) to rank ``dst``; the
+        header says whether it requires grad (a gradient comes back for it)."""
         t0 = time.perf_counter()
+        requires_grad = int(tensor.requires_grad)
         tensor = tensor.detach().contiguous()
         if tensor.dim() > MAX_NDIM:
             raise ValueError(f"activation with {tensor.dim()} dims: at most {MAX_NDIM} supported")
-        header = [_CODE[tensor.dtype], tensor.dim(), time.time_ns(), *tensor.shape]
+        header = [_CODE[tensor.dtype], tensor.dim(), time.time_ns(), requires_grad, *tensor.shape]
         header += [0] * (HEADER_LEN - len(header))
         htensor = torch.tensor(header, dtype=torch.int64, device=self.device)
         group = self.channels.get((self.rank, dst))
@@ -144,8 +150,9 @@ class P2P:
         dist.recv(htensor, src, group=group, tag=TAG_HEADER)
         header = htensor.tolist()
         dtype = _DTYPES[header[0]]
-        shape = header[3 : 3 + header[1]]
+        shape = header[4 : 4 + header[1]]
         out = torch.empty(shape, dtype=dtype, device=self.device)
+        self.last_requires_grad = bool(header[3])
         dist.recv(out, src, group=group, tag=TAG_PAYLOAD)
         num_bytes = out.numel() * out.element_size()
         em = self.emulation
@@ -162,6 +169,55 @@ class P2P:
         self.timers.link_time_s[peer] = self.timers.link_time_s.get(peer, 0.0) + dt
         return out
 
+    def send_tree(self, obj: Any, dst: int) -> None:
+        """Send a pytree of tensors (tensor, tuple, dict, ``ModelOutput``...): its structure and
+        non-tensor leaves (pickled, only when they differ from the last tree sent to ``dst``
+        in this step), then each tensor with :meth:`send`."""
+        flat, spec = tree_flatten(obj)
+        mask = [isinstance(a, torch.Tensor) for a in flat]
+        struct = (spec, [None if m else a for a, m in zip(flat, mask, strict=True)], mask)
+        blob = b"" if isinstance(obj, torch.Tensor) else pickle.dumps(struct)
+        changed = blob != self._sent_struct.get(dst, b"")
+        self._sent_struct[dst] = blob
+        group = self.channels.get((self.rank, dst))
+        meta = torch.tensor(
+            [len(blob) if changed else -1, int(isinstance(obj, torch.Tensor))],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self._pending.append((dist.isend(meta, dst, group=group, tag=TAG_TREE), meta))
+        if changed and blob:
+            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
+            self._pending.append((dist.isend(data, dst, group=group, tag=TAG_TREE), data))
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                self.send(a, dst)
+
+    def recv_tree(self, src: int) -> tuple[Any, list[bool]]:
+        """Receive a pytree sent by :meth:`send_tree`; returns it and, per tensor leaf, whether
+        the sender's tensor required grad (the receiver then marks it ``requires_grad``)."""
+        group = self.channels.get((src, self.rank))
+        meta = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(meta, src, group=group, tag=TAG_TREE)
+        length, plain = meta.tolist()
+        if length > 0:
+            data = torch.empty(length, dtype=torch.uint8, device=self.device)
+            dist.recv(data, src, group=group, tag=TAG_TREE)
+            self._recv_struct[src] = pickle.loads(data.cpu().numpy().tobytes())
+        elif length == 0:
+            self._recv_struct[src] = None
+        if plain:
+            t = self.recv(src)
+            return t, [self.last_requires_grad]
+        spec, flat, mask = self._recv_struct[src]
+        flat = list(flat)
+        flags = []
+        for k, is_tensor in enumerate(mask):
+            if is_tensor:
+                flat[k] = self.recv(src)
+                flags.append(self.last_requires_grad)
+        return tree_unflatten(flat, spec), flags
+
     def wait_sends(self) -> None:
         """Wait for all pending sends of this step (time counted as send/recv time)."""
         t0 = time.perf_counter()
@@ -171,14 +227,43 @@ class P2P:
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
 
+def _slice_rows(obj: Any, start: int, end: int) -> Any:
+    """Rows ``[start, end)`` of every tensor of a pytree of model inputs."""
+    flat, spec = tree_flatten(obj)
+    return tree_unflatten([a[start:end] if isinstance(a, torch.Tensor) else a for a in flat], spec)
+
+
+def _float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``loss_fn``'s result as ``(loss, count)``: a scalar is a per-sample mean (count None);
+    a pair ``(sum, count)`` is a sum over ``count`` counted items (tokens), SPEC §5.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value, None
+    if isinstance(value, tuple | list) and len(value) == 2:
+        total, count = value
+        if isinstance(total, torch.Tensor) and total.dim() == 0:
+            return total, torch.as_tensor(count).detach().reshape(())
+    raise ValueError(
+        "loss_fn: expected a scalar mean over the samples or a pair (sum, count), got "
+        f"{type(value).__name__}"
+    )
+
+
 def run_stage(
     *,
-    stage_module: nn.Module,
+    stage_forward: Callable[[Any, Any], Any],
     ops: list[tuple[str, int]],
     microbatches: list[tuple[int, int]],
-    inputs: torch.Tensor | None,
-    targets: torch.Tensor | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Any],
     global_batch: int,
     prev_rank: int | None,
     next_rank: int | None,
@@ -190,43 +275,65 @@ def run_stage(
     autocast_dtype: torch.dtype | None,
     before_last_backward: Callable[[], None] | None = None,
     forward_context: Callable[[int, int], Any] | None = None,
-) -> torch.Tensor:
-    """Run one stage's forward/backward operations of one step; return the sum of the scaled
-    micro-batch losses (a 0-dim float64 tensor, 0 except on the last stage).
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Run one stage's forward/backward operations of one step.
 
-    Each micro-batch loss is ``loss_fn(output, target) * rows / B``: with ``loss_fn`` a mean
-    over the micro-batch's samples, gradients accumulate to the gradient of the mean over the
-    whole global batch ``B`` (the group contributes its rows; groups are summed afterwards).
-    Gradients accumulate into ``.grad`` of the stage's parameters; ``before_last_backward``
-    is called right before the last backward (to start gradient all-reduces during it);
-    ``forward_context(start, end)`` (a context manager, rows relative to the group) wraps each
-    micro-batch's forward (plan-invariant randomness and ghost BatchNorm, engine.py).
+    ``stage_forward(x, inputs_mb)`` runs the stage's layers on one micro-batch (``x`` what the
+    previous stage sent, a pytree of tensors; ``inputs_mb`` the micro-batch's rows of the model
+    inputs, given to every stage). Activations between stages are any pytree of tensors; a
+    gradient goes back for each tensor that required grad when it was sent.
+
+    Returns ``(loss_sum, count_sum, sum_mode)`` (0-dim float64 tensors, zero except on the last
+    stage). Per-sample means (``loss_fn`` returns a scalar): each micro-batch loss is scaled by
+    ``rows / B`` before backward, so gradients sum to the gradient of the mean over ``B``.
+    ``(sum, count)`` losses (SPEC §5): the sum is back-propagated unscaled and the engine divides
+    every gradient by the global batch's count (one all-reduce) afterwards. Gradients accumulate
+    into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
+    gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows
+    relative to the group) wraps each micro-batch's forward (plan-invariant randomness and ghost
+    BatchNorm, engine.py).
     """
     first = prev_rank is None
     last = next_rank is None
-    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sum_mode = False
     last_backward = max((n for n, (op, _) in enumerate(ops) if op == "B"), default=-1)
     for n, (op, i) in enumerate(ops):
         start, end = microbatches[i]
         if op == "F":
-            if first:
-                x = inputs[start:end]
-            else:
-                x = p2p.recv(prev_rank)
-                if x.is_floating_point() or x.is_complex():
-                    x.requires_grad_(True)
+            x = None
+            grad_in: list[torch.Tensor] = []
+            if not first:
+                x, flags = p2p.recv_tree(prev_rank)
+                xs = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+                for t, flag in zip(xs, flags, strict=True):
+                    if flag and _float(t):
+                        t.requires_grad_(True)
+                        grad_in.append(t)
+            mb_inputs = _slice_rows(inputs, start, end)
             _sync(device)
             t0, c0 = time.perf_counter(), time.thread_time()
+            ctx = forward_context(start, end) if forward_context is not None else None
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.bfloat16,
                 enabled=autocast_dtype is not None,
             ):
-                with forward_context(start, end) if forward_context else contextlib.nullcontext():
-                    y = stage_module(x)
+                if ctx is not None:
+                    with ctx:
+                        y = stage_forward(x, mb_inputs)
+                else:
+                    y = stage_forward(x, mb_inputs)
                 if last:
-                    y = loss_fn(y, targets[start:end]) * ((end - start) / global_batch)
+                    value, count = split_loss(loss_fn(y, _slice_rows(targets, start, end)))
+                    if count is None:
+                        y = value * ((end - start) / global_batch)
+                    else:
+                        sum_mode = True
+                        count_sum += count.to(device=device, dtype=torch.float64)
+                        y = value
             _sync(device)
             dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
             slept = slow_down(emulation, device_id, dt, microbatch=True, cpu_s=cpu)
@@ -234,27 +341,30 @@ def run_stage(
             timers.forward_time_s += dt + slept
             if last:
                 loss_sum += y.detach().to(torch.float64)
+                outs = [y]
             else:
-                p2p.send(y, next_rank)
-            saved[i] = (x, y)
+                p2p.send_tree(y, next_rank)
+                outs = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
+                outs = [t for t in outs if t.requires_grad]
+            saved[i] = (grad_in, outs)
+            del x, y
         else:
-            x, y = saved.pop(i)
-            grad = None
-            if not last and (y.is_floating_point() or y.is_complex()):
-                grad = p2p.recv(next_rank)
+            grad_in, outs = saved.pop(i)
+            grads = None
+            if not last:
+                grads = [p2p.recv(next_rank) for _ in outs]
             if n == last_backward and before_last_backward is not None:
                 before_last_backward()
             _sync(device)
             t0, c0 = time.perf_counter(), time.thread_time()
-            if y.requires_grad and (last or grad is not None):
-                torch.autograd.backward(y, grad)
+            if outs and outs[0].requires_grad:
+                torch.autograd.backward(outs, grads)
             _sync(device)
             dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
             slept = slow_down(emulation, device_id, dt, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.backward_time_s += dt + slept
-            if not first and x.requires_grad:
-                gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                p2p.send(gx, prev_rank)
-            del x, y
-    return loss_sum
+            for t in grad_in:
+                p2p.send(t.grad if t.grad is not None else torch.zeros_like(t), prev_rank)
+            del grad_in, outs
+    return loss_sum, count_sum, sum_mode

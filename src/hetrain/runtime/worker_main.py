@@ -41,7 +41,7 @@ from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
-from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs
+from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs, task_chain
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
@@ -281,6 +281,7 @@ def _training_config(job: TrainJob) -> TrainingConfig:
         optimizer_state_factor=o,
         schedule=job.schedule or "1f1b",
         sync_overlap=True,
+        norm_block=job.norm_block,
     )
 
 
@@ -457,9 +458,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     )
     torch.manual_seed(job.seed)
     model = job.task.build_model()
-    num_layers = len(model)
+    chain = task_chain(job.task, model)  # any module, cut into layers (runtime/cutting.py)
+    num_layers = chain.num_layers
     fingerprint = ckpt.model_fingerprint(model)
-    _track_layers(model)
+    _track_layers(chain)
     sampler = GlobalBatchSampler(len(job.task.train), job.batch, job.seed)
     emu = EmulationSchedule(job)
 
@@ -488,7 +490,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     config = _training_config(job)
     if job.adaptive or job.plan is None:
         x0, _ = job.task.train.batch(sampler.indices(0)[:2])
-        profile = _profile(model, cast_inputs(x0, torch.float32))
+        profile = _profile(chain, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
     if (
         plan is None
@@ -570,7 +572,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         lr_schedule=lr_multiplier(job),
     )
     worker = Worker(
-        model,
+        chain,
         plan,
         device_id,
         job.task.loss_fn,
@@ -835,6 +837,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(full, out)
+    hf_dir = _export_pretrained(final, job)
     wall = time.perf_counter() - wall0
     summary = {
         "steps": job.steps,
@@ -852,6 +855,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "wall_time_s": wall,
         "mean_iteration_time_s": float(np.mean(step_times)) if step_times else None,
         "model_path": str(out) if out is not None else None,
+        "pretrained_dir": hf_dir,
     }
     metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
     metrics.close()
@@ -890,13 +894,15 @@ def current_layer() -> str | None:
     return _CURRENT_LAYER[0]
 
 
-def _track_layers(model: nn.Module) -> None:
-    """Forward hooks on each layer of the chain that record which one is running, so that a
+def _track_layers(chain) -> None:
+    """Forward hooks on the modules of each layer of the chain (a
+    :class:`hetrain.runtime.cutting.Chain`) that record which layer is running, so that a
     rank's failure names its layer (``rank 1 (w1), layer 3 (Linear): ...``)."""
-    if not isinstance(model, nn.Sequential):
-        return
-    for i, layer in enumerate(model):
-        label = f"{i} ({type(layer).__name__})"
+    for i in range(chain.num_layers):
+        modules = chain.layer_modules(i)
+        if not modules:
+            continue
+        label = f"{i} ({type(modules[0]).__name__})"
 
         def enter(_m, _args, label=label):
             _CURRENT_LAYER[0] = label
@@ -904,8 +910,9 @@ def _track_layers(model: nn.Module) -> None:
         def leave(_m, _args, _out):
             _CURRENT_LAYER[0] = None
 
-        layer.register_forward_pre_hook(enter)
-        layer.register_forward_hook(leave)
+        for module in modules:
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
 
 
 def _controller_log_path(job: TrainJob) -> str | None:
@@ -933,6 +940,17 @@ def _report_replan(metrics, progress, decision: Decision, step: int, old: Plan, 
         progress.print(line)
     else:
         print(line, file=sys.stderr, flush=True)
+
+
+def _export_pretrained(model: nn.Module, job: TrainJob) -> str | None:
+    """A Hugging Face model is also saved with ``save_pretrained`` into ``run_dir/model``
+    (config + safetensors; ``AutoModel...from_pretrained(run_dir/model)`` loads it without
+    hetrain). Returns the folder, or None for other models or without a run folder."""
+    if job.run_dir is None or not hasattr(model, "save_pretrained"):
+        return None
+    folder = Path(job.run_dir) / "model"
+    model.to(torch.float32).save_pretrained(folder)
+    return str(folder)
 
 
 def _base_state(

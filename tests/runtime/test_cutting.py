@@ -1,0 +1,173 @@
+"""Cutting any module into layers (runtime/cutting.py, SPEC v3 §5): default cut points of the
+standard models, stages that equal the whole forward and its gradients, and bad cuts as one
+line with exit 2."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from hetrain.cli import main
+from hetrain.errors import InputError
+from hetrain.models.hf import bert_model, gpt2_model, resnet_model
+from hetrain.runtime.cutting import CaptureError, ModuleCut, cut_module, default_blocks
+
+
+def test_default_cut_points_of_the_standard_models():
+    assert default_blocks(gpt2_model("tiny")) == [f"transformer.h.{i}" for i in range(4)]
+    assert default_blocks(bert_model("tiny")) == [f"bert.encoder.layer.{i}" for i in range(4)]
+    blocks = default_blocks(resnet_model("base"))  # ResNet-50: every bottleneck of every stage
+    assert len(blocks) == 16 and blocks[0] == "resnet.encoder.stages.0.layers.0"
+    assert blocks[-1] == "resnet.encoder.stages.3.layers.2"
+
+
+def _run_stages(chain, cuts, inputs):
+    """Stages ``[cuts[k], cuts[k+1])`` one after the other, like pipeline ranks (detached
+    boundaries), then the backward of the logits' sum through all of them."""
+    outs, y = [], None
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+        if y is not None:
+            y = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in y)
+        x = y
+        y = chain.stage_forward(s, e, x, inputs)
+        outs.append((x, y))
+    logits = y.logits
+    grads = None
+    for k in reversed(range(len(outs))):
+        x, out = outs[k]
+        if k == len(outs) - 1:
+            out.logits.sum().backward()
+        else:
+            pairs = [(t, g) for t, g in zip(out, grads, strict=True) if t.requires_grad]
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        grads = None if x is None else [t.grad for t in x]
+    return logits
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet"])
+def test_stages_equal_the_whole_forward_and_backward(name):
+    torch.manual_seed(0)
+    if name == "resnet":
+        model, x = resnet_model("tiny").double().eval(), torch.randn(3, 1, 16, 16).double()
+    else:
+        build = gpt2_model if name == "gpt2" else bert_model
+        model, x = build("tiny", dropout=0.0, context=16).double(), torch.randint(1, 256, (3, 16))
+    chain = cut_module(model, x[:2])
+    assert chain.num_layers == len(default_blocks(model)) + 2
+    if name != "resnet":  # tied embedding / head: one tensor in the prefix and the suffix
+        (tied, users), *_ = chain.shared.items()
+        assert users == (0, chain.num_layers - 1) and "embeddings" in tied or "wte" in tied
+    ref = model(x).logits
+    ref.sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    last = chain.num_layers
+    for cuts in ([0, last], [0, 1, 3, last], list(range(last + 1))):
+        model.zero_grad(set_to_none=True)
+        logits = _run_stages(chain, cuts, x)
+        assert torch.equal(logits, ref)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_a_cut_point_naming_no_module_lists_near_names():
+    with pytest.raises(InputError, match=r"no module named 'transformer\.h\.9'.*transformer\.h\."):
+        cut_module(gpt2_model("tiny"), torch.zeros(2, 8, dtype=torch.long), ["transformer.h.9"])
+
+
+class _Peeks(nn.Module):
+    """A forward that reads a value computed from the weights before its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        if h.sum() > 0:  # data-dependent: needs the prefix's real values on every stage
+            h = -h
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+def test_a_module_that_cannot_be_captured_names_the_op_and_suggests_layers():
+    chain = ModuleCut(_Peeks(), torch.randn(2, 4))
+    with pytest.raises(CaptureError, match=r"aten\.\S+ .*layers=\["):
+        chain.verify(torch.randn(2, 4))
+
+
+def test_a_norm_block_not_dividing_the_batch_exits_2(capsys):
+    code = main(["train", "--example", "resnet", "--batch", "30", "--norm-block", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--norm-block: 4 does not divide the global batch 30" in err
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    (tmp_path / "userfactories.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            from hetrain.models.hf import gpt2_model
+
+            def _data():
+                x = torch.randint(0, 256, (64, 9))
+                return x[:, :-1], x[:, 1:]
+
+            def loss(out, y):
+                return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+            def bad_cut():
+                return {"model": gpt2_model("tiny"), "dataset": _data(), "loss_fn": loss,
+                        "layers": ["transformer.h.0", "transformer.hh.1"]}
+
+            def no_model():
+                return {"model": None, "dataset": _data(), "loss_fn": loss}
+
+            def nothing():
+                return None
+
+            def good():
+                return {"model": gpt2_model("tiny"), "dataset": _data(), "loss_fn": loss}
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("factory", "words"),
+    [
+        ("bad_cut", ["no module named 'transformer.hh.1'", "transformer.h.1"]),
+        ("no_model", ["expected a torch.nn.Module", "NoneType"]),
+        ("nothing", ["expected the factory to return", "NoneType"]),
+    ],
+)
+def test_bad_models_exit_2_with_one_line(factories, capsys, factory, words):
+    code = main(["train", "--model", f"userfactories:{factory}", "--steps", "1", "--workers", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err
+
+
+def test_profile_of_a_factory_module_lists_the_tied_tensor(factories, tmp_path, capsys):
+    from hetrain.profile import load_profile
+
+    out = tmp_path / "prof.json"
+    code = main(["profile", "--model", "userfactories:good", "--batch", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    prof = load_profile(out)
+    assert prof.num_layers == 6  # prefix, 4 GPT-2 blocks, suffix
+    (tied,) = prof.shared
+    assert tied.name == "transformer.wte.weight" and tied.layers == [0, 5]
+    assert tied.bytes == 256 * 64 * 4
+    # a block's boundary carries the hidden states (8 tokens x 64) and the position ids
+    assert prof.layers[1].activation_bytes == 8 * 64 * 4 + 8 * 8 / 2
