@@ -57,7 +57,7 @@ def run_profile(
     threads: int = 1,
     link: bool = True,
     seed: int = 0,
-    size: str = "base",
+    size: str = "tiny",
     model: str | None = None,
 ) -> int:
     """Profile example ``example`` and write/print the profile; returns the exit status.
