@@ -345,25 +345,60 @@ def sync_times_s(
         if every device of the other active groups holding any of ``d``'s layers is on ``d``'s
         node, else ``nic_d`` (0 when ``G' ≤ 1``); plus, per trainable shared tensor ``d``
         holds (SPEC v3), the ring all-reduce among its ``n_s`` holders
-        (:func:`shared_sync_times_s`).
-
-    Implementation: per layer l the node of its owner in every active group, shape
-    ``(L, G')``; a layer is "node-local to n" when all its owners are on node n; ``β_d`` is
-    intra-node iff every layer of ``d`` is node-local to ``d``'s node. ``O(L G')``.
+        (:func:`shared_sync_times_s`). See :func:`flat_sync_times_s` (the same on flat arrays).
     """
-    num_active = len(groups)
-    shared = shared_sync_times_s(state, prefix, groups)
-    if num_active <= 1:
-        return shared
-    beta = sync_bandwidths_bytes_per_s(state, prefix, groups)
+    if not groups:
+        return []
+    devs, starts, ends, sizes = _flatten_groups(groups)
+    t = flat_sync_times_s(state, prefix, devs, starts, ends, len(groups))
+    return np.split(t, np.cumsum(sizes)[:-1])
+
+
+def _flatten_groups(
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(devices, starts, ends, sizes)`` of ``(devices, bounds)`` pairs, concatenated in
+    group then stage order (shapes ``(Σ_g K_g,)``; ``sizes``: ``K_g``, shape ``(G',)``)."""
     bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
-    sizes = np.array([len(b) - 1 for b in bounds_list])
+    devs = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
     starts = np.concatenate([b[:-1] for b in bounds_list])
     ends = np.concatenate([b[1:] for b in bounds_list])
+    sizes = np.array([len(b) - 1 for b in bounds_list], dtype=np.int64)
+    return devs, starts, ends, sizes
+
+
+def flat_sync_times_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    num_active: int,
+) -> np.ndarray:
+    """:func:`sync_times_s` on flat arrays: ``t_d`` (seconds) of every stage of the
+    ``num_active`` active groups, shape ``(Σ_g K_g,)``.
+
+    Args:
+        devices: device index of each stage, group then stage order, shape ``(Σ_g K_g,)``.
+        starts / ends: each stage's layer range ``[start, end)``; every group's stages cover
+            ``[0, L)`` in order (so a stage with ``start == 0`` begins a group).
+        num_active: ``G'``.
+
+    Implementation: per layer l the node of its owner in every active group, shape
+    ``(G', L)``; a layer is "node-local to n" when all its owners are on node n; ``β_d`` is
+    intra-node iff every layer of ``d`` is node-local to ``d``'s node. ``O(L G')``.
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    shared = flat_shared_sync_times_s(state, prefix, devices, starts, ends)
+    if num_active <= 1:
+        return shared
+    beta = flat_sync_bandwidths_bytes_per_s(state, prefix, devices, starts, ends, num_active)
     theta = prefix.param_bytes[ends] - prefix.param_bytes[starts]
     scale = 2.0 * (num_active - 1) / num_active
     t = 2.0 * (num_active - 1) * state.latency_s + scale * theta / beta
-    return [a + b for a, b in zip(np.split(t, np.cumsum(sizes)[:-1]), shared, strict=True)]
+    return t + shared
 
 
 def shared_sync_times_s(
@@ -379,18 +414,31 @@ def shared_sync_times_s(
     ``nic_d``. Frozen shared tensors are never synced. Zeros without shared tensors or when
     ``n_s ≤ 1``. ``O(S Σ_g K_g)``."""
     sizes = [len(np.asarray(d)) for d, _ in groups]
-    zeros = [np.zeros(k) for k in sizes]
     if not prefix.has_shared or not groups:
-        return zeros
-    devs = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
-    starts = np.concatenate([np.asarray(b, dtype=np.int64)[:-1] for _, b in groups])
-    ends = np.concatenate([np.asarray(b, dtype=np.int64)[1:] for _, b in groups])
+        return [np.zeros(k) for k in sizes]
+    devs, starts, ends, sizes_arr = _flatten_groups(groups)
+    t = flat_shared_sync_times_s(state, prefix, devs, starts, ends)
+    return np.split(t, np.cumsum(sizes_arr)[:-1])
+
+
+def flat_shared_sync_times_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+) -> np.ndarray:
+    """:func:`shared_sync_times_s` on flat arrays (see :func:`flat_sync_times_s`), shape
+    ``(Σ_g K_g,)``, seconds."""
+    devs = np.asarray(devices, dtype=np.int64)
+    t = np.zeros(len(devs))
+    if not prefix.has_shared or len(devs) == 0:
+        return t
     held = prefix.shared_held(starts, ends)  # (D', S)
     held &= ~prefix.shared_frozen[None, :]
     held &= prefix.shared_bytes[None, :] > 0
     count = held.sum(axis=0)  # n_s
     node = state.node[devs]
-    t = np.zeros(len(devs))
     for s in np.flatnonzero(count >= 2):
         holders = np.flatnonzero(held[:, s])
         n_s = len(holders)
@@ -401,7 +449,7 @@ def shared_sync_times_s(
             2.0 * (n_s - 1) * state.latency_s
             + 2.0 * (n_s - 1) / n_s * prefix.shared_bytes[s] / beta
         )
-    return np.split(t, np.cumsum(sizes)[:-1])
+    return t
 
 
 def sync_bandwidths_bytes_per_s(
@@ -413,13 +461,24 @@ def sync_bandwidths_bytes_per_s(
     concatenated in group then stage order, shape ``(Σ_g K_g,)``, bytes/s: the intra-node
     bandwidth if every device of the other active groups holding any of ``d``'s layers is on
     ``d``'s node, else ``nic_d`` (see :func:`sync_times_s`)."""
-    num_active = len(groups)
+    devs, starts, ends, _ = _flatten_groups(groups)
+    return flat_sync_bandwidths_bytes_per_s(state, prefix, devs, starts, ends, len(groups))
+
+
+def flat_sync_bandwidths_bytes_per_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    num_active: int,
+) -> np.ndarray:
+    """:func:`sync_bandwidths_bytes_per_s` on flat arrays (see :func:`flat_sync_times_s`),
+    shape ``(Σ_g K_g,)``, bytes/s."""
     num_layers = prefix.num_layers
-    devs_all = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in groups])
-    bounds_list = [np.asarray(b, dtype=np.int64) for _, b in groups]
-    sizes = np.array([len(b) - 1 for b in bounds_list])
-    starts = np.concatenate([b[:-1] for b in bounds_list])
-    ends = np.concatenate([b[1:] for b in bounds_list])
+    devs_all = np.asarray(devices, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
     # owner_node[g, l]: node of the device of active group g that holds layer l
     owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
     same = np.all(owner_node == owner_node[:1], axis=0)
@@ -427,7 +486,7 @@ def sync_bandwidths_bytes_per_s(
     layer_node = np.where(same, owner_node[0], -1)
     local = np.cumsum(owner_node == layer_node[None, :], axis=1)
     local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
-    row = np.repeat(np.arange(num_active), sizes)
+    row = np.cumsum(starts == 0) - 1  # the group of each stage
     all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
     return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
 

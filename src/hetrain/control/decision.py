@@ -190,8 +190,10 @@ class PersistenceEstimator:
     """How long an observed cluster state lasts, learned online (slots).
 
     A *state change* is a step where, relative to the state at the start of the current run,
-    the set of available devices changed or some available device's speed or NIC bandwidth
-    (and, when ``watch_prices``, price or power) moved by more than ``threshold`` (relative).
+    the set of available devices changed or the available devices' speeds or NIC bandwidths
+    (and, when ``watch_prices``, prices or powers) moved by more than ``threshold`` in aggregate
+    (``Σ_d |x_d − x_d^ref| > threshold · Σ_d x_d^ref``: one straggler among a thousand devices
+    is not a new state, one of two devices halving its speed is).
     Runs between changes are modelled as geometric with mean ``m`` estimated by
     ``m = (slots + prior_slots · prior_weight) / (changes + prior_weight)`` (the maximum
     likelihood estimate of a geometric mean with censored last run, plus a prior of
@@ -250,8 +252,10 @@ class PersistenceEstimator:
             if changed or key not in snap or key not in self._ref:
                 continue
             old, new = self._ref[key][avail], snap[key][avail]
-            scale = np.maximum(np.abs(old), 1e-300)
-            if np.any(np.abs(new - old) > self.threshold * scale):
+            # aggregate relative move: one straggler among 1000 devices is not a new state,
+            # one of two devices halving its speed is
+            total = float(np.sum(np.abs(old)))
+            if total > 0 and float(np.sum(np.abs(new - old))) > self.threshold * total:
                 changed = True
         if changed:
             self.changes += 1

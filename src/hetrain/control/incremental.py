@@ -1,7 +1,7 @@
 """Incremental re-planning: keep a plan's structure (groups, device order, stages, micro-batch
 sizes) and re-solve only the shares ``b_g`` for a new cluster state.
 
-With ``μ_g`` and the stages fixed, SPEC §3 gives each active group a staircase
+With ``μ_g`` and the stages fixed, SPEC §3 (v3) gives each active group a staircase
 ``T_g(b) = A_g + (⌈b/μ_g⌉ − 1) M_g``; group ``g`` can take ``μ_g (⌊(T − A_g)/M_g⌋ + 1)`` samples
 by time ``T``, so the smallest ``T`` with enough capacity for ``B`` samples is found by bisection
 (SPEC §4, "shares"). The sync time depends only on which groups are active, so it does not move
@@ -11,16 +11,25 @@ and under 1F1B when ``n_g < K`` (``h_k = min(n_g, K−k+1)``).
 
 Everything is vectorised over the stages of all groups (a flat array of shape ``(S,)``), so a
 1024-group plan is re-balanced in well under a millisecond; the arrays that depend only on the
-structure are built once per structure (:class:`StructureArrays`).
+structure are built once per structure (:class:`StructureArrays`). The formulas are
+:mod:`hetrain.costmodel`'s (per-layer overhead ``λ``, frozen bytes and shared tensors of SPEC
+v3 included): memory through :meth:`hetrain.costmodel.ProfilePrefix.fixed_memory_bytes` and sync
+through :func:`hetrain.costmodel.flat_sync_times_s`, so :func:`evaluate_fast` equals
+:func:`hetrain.costmodel.evaluate_plan` (tests/control/test_incremental.py).
+
+With a norm block ``G`` (``TrainingConfig.norm_block``, SPEC v3 §5) every share and every
+micro-batch size of a re-balanced plan is a multiple of ``G`` (:func:`rebalance_shares`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.costmodel import ProfilePrefix, flat_sync_times_s, profile_prefix
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
 
@@ -42,6 +51,8 @@ class StructureArrays:
         stages_after: ``K − k + 1`` (1-based k), the 1F1B in-flight micro-batch count.
         stage_start / stage_end: the stage's layer range ``[start, end)``.
         num_layers: ``L``.
+        prefix: the profile's prefix sums (:class:`hetrain.costmodel.ProfilePrefix`: frozen
+            bytes and shared tensors, for memory and sync).
     """
 
     group_index: np.ndarray
@@ -57,6 +68,7 @@ class StructureArrays:
     stage_start: np.ndarray
     stage_end: np.ndarray
     num_layers: int
+    prefix: ProfilePrefix
 
     @property
     def num_groups(self) -> int:
@@ -71,9 +83,10 @@ class StructureArrays:
             KeyError: the plan names a device not in ``ids``.
         """
         index = {d: i for i, d in enumerate(ids)}
-        flops_cum = np.concatenate([[0.0], np.cumsum(profile.train_flops)])
-        param_cum = np.concatenate([[0.0], np.cumsum(profile.param_bytes)])
-        mem_cum = np.concatenate([[0.0], np.cumsum(profile.activation_memory_bytes)])
+        prefix = profile_prefix(profile)
+        flops_cum = prefix.train_flops
+        param_cum = prefix.param_bytes
+        mem_cum = prefix.act_mem_bytes
         act = profile.activation_bytes
         gi, mb, sg, sd, nd, fl, bb, pb, mm, sa, ss, se = ([] for _ in range(12))
         for pos, group in enumerate(plan.groups):
@@ -109,18 +122,24 @@ class StructureArrays:
             stage_start=np.asarray(ss, dtype=np.int64),
             stage_end=np.asarray(se, dtype=np.int64),
             num_layers=int(profile.num_layers),
+            prefix=prefix,
         )
 
     def group_timing(self, state: ClusterState) -> tuple[np.ndarray, np.ndarray]:
         """``(A_g, M_g)`` of SPEC §3 per active group in ``state``, seconds, shapes ``(G,)``.
 
         ``A_g = Σ_k C_k + Σ_{k<K} E_k`` and ``M_g = max(max_k C_k, max_{k<K} E_k)`` with
-        ``C_k = μ_g c_k + κ_{d_k}`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) + 2 lat``.
+        ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} |S_k|`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
+        2 lat`` (as :func:`hetrain.costmodel.stage_times_s`).
         """
         g_count = len(self.group_index)
         mu = self.microbatch[self.stage_group].astype(float)
         dev = self.stage_device
-        compute = mu * self.stage_train_flops / state.speed_flops[dev] + state.kappa_s[dev]
+        compute = (
+            mu * self.stage_train_flops / state.speed_flops[dev]
+            + state.kappa_s[dev]
+            + state.layer_overhead_s[dev] * (self.stage_end - self.stage_start)
+        )
         has_next = self.next_device >= 0
         nxt = np.where(has_next, self.next_device, dev)
         same_node = state.node[dev] == state.node[nxt]
@@ -138,12 +157,14 @@ class StructureArrays:
     def max_microbatches(
         self, state: ClusterState, optimizer_state_factor: float, schedule: str
     ) -> np.ndarray:
-        """Largest ``n_g`` whose memory fits on every stage (SPEC §3 memory), shape ``(G,)``;
-        a large number when memory never binds, 0 when even one micro-batch does not fit."""
+        """Largest ``n_g`` whose memory fits on every stage (SPEC §3 memory, v3: trainable and
+        shared parameters with gradients and optimizer state, frozen weights,
+        :meth:`hetrain.costmodel.ProfilePrefix.fixed_memory_bytes`), shape ``(G,)``; a large
+        number when memory never binds, 0 when even one micro-batch does not fit."""
         g_count = len(self.group_index)
         mu = self.microbatch[self.stage_group].astype(float)
-        free = state.memory_bytes[self.stage_device] - self.stage_param_bytes * (
-            2.0 + float(optimizer_state_factor)
+        free = state.memory_bytes[self.stage_device] - self.prefix.fixed_memory_bytes(
+            self.stage_start, self.stage_end, optimizer_state_factor
         )
         per_mb = mu * self.stage_act_mem_bytes
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -164,6 +185,7 @@ def rebalance_shares(
     structure: StructureArrays,
     batch: int,
     optimizer_state_factor: float = 2.0,
+    norm_block: int | None = None,
 ) -> Plan:
     """The plan with the same groups, stages and micro-batch sizes and integer shares ``b_g``
     (``Σ b_g = batch``) that minimise ``max_g T_g`` in ``state`` among its active groups.
@@ -172,9 +194,26 @@ def rebalance_shares(
     :meth:`StructureArrays.max_microbatches`. Returns ``plan`` unchanged (same object) when no
     share assignment fits. Figures of the returned plan are cleared (``iteration_time_s`` etc.
     are ``None``); evaluate it with :func:`hetrain.costmodel.evaluate_plan`.
+
+    With ``norm_block = G`` (SPEC v3 §5) an active group's ``μ_g`` that is not a multiple of
+    ``G`` is first rounded down to one (at least ``G``; docs/controller.md), so every share
+    (a number of whole micro-batches, or the memory cap ``n_max μ_g``, or ``batch``, all
+    multiples of ``G``) is a multiple of ``G``: the plan passes
+    :func:`hetrain.plan.check_norm_block`.
+
+    Raises:
+        ValueError: ``batch`` is not a multiple of ``norm_block``.
     """
+    if norm_block is not None and batch % int(norm_block):
+        raise ValueError(f"batch: expected a multiple of the norm block {norm_block}, got {batch}")
     if len(structure.group_index) == 0 or batch <= 0:
         return plan
+    if norm_block is not None and int(norm_block) > 1:
+        g_size = int(norm_block)
+        mu_blocks = np.maximum(structure.microbatch - structure.microbatch % g_size, g_size)
+        if not np.array_equal(mu_blocks, structure.microbatch):
+            structure = dataclasses.replace(structure, microbatch=mu_blocks.astype(np.int64))
+    new_mu = {int(structure.group_index[g]): int(m) for g, m in enumerate(structure.microbatch)}
     a_g, m_g = structure.group_timing(state)
     mu = structure.microbatch.astype(float)
     n_max = structure.max_microbatches(state, optimizer_state_factor, plan.schedule)
@@ -220,7 +259,11 @@ def rebalance_shares(
     groups: list[GroupPlan] = []
     for pos, group in enumerate(plan.groups):
         b = shares.get(pos, 0)
-        groups.append(group if b == group.batch else group.model_copy(update={"batch": b}))
+        update: dict = {} if b == group.batch else {"batch": b}
+        mu_g = new_mu.get(pos, group.microbatch_size)
+        if mu_g != group.microbatch_size:
+            update["microbatch_size"] = mu_g
+        groups.append(group.model_copy(update=update) if update else group)
     return plan.model_copy(
         update={
             "groups": tuple(groups),
@@ -268,9 +311,10 @@ def evaluate_fast(
     simulator and the controller can evaluate 1024-device plans every slot.
 
     ``structure`` must be ``StructureArrays.build`` of a plan with the same
-    :func:`structure_key`. Sync (SPEC §3): with ``G'`` active groups,
-    ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d``, ``β_d`` intra-node iff every owner of every
-    layer of ``d`` in the active groups sits on ``d``'s node.
+    :func:`structure_key`. Sync (SPEC §3, v3): :func:`hetrain.costmodel.flat_sync_times_s`
+    (layers' all-reduce among the ``G'`` active groups plus the shared tensors' among their
+    holders). The cost-model refinements (``sync_overlap``, ``update_time_s_per_param_byte``,
+    ``group_time_jitter``) are not applied here.
     """
     g_count = structure.num_groups
     if g_count == 0:
@@ -279,24 +323,11 @@ def evaluate_fast(
     shares = np.array([plan.groups[i].batch for i in structure.group_index], dtype=np.int64)
     n = -(-shares // structure.microbatch)
     t_g = np.where(n > 0, a_g + (n - 1) * m_g, 0.0)
-    sync = 0.0
     dev = structure.stage_device
-    if g_count > 1:
-        num_layers = structure.num_layers
-        owner = np.repeat(state.node[dev], structure.stage_end - structure.stage_start)
-        owner = owner.reshape(g_count, num_layers)
-        same = np.all(owner == owner[:1], axis=0)
-        layer_node = np.where(same, owner[0], -1)
-        local = np.concatenate(([0], np.cumsum((owner == layer_node[None, :]).ravel())))
-        base = structure.stage_group * num_layers
-        count = local[base + structure.stage_end] - local[base + structure.stage_start]
-        all_local = count == structure.stage_end - structure.stage_start
-        beta = np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[dev])
-        t_d = (
-            2.0 * (g_count - 1) * state.latency_s
-            + (2.0 * (g_count - 1) / g_count) * structure.stage_param_bytes / beta
-        )
-        sync = float(t_d.max())
+    t_d = flat_sync_times_s(
+        state, structure.prefix, dev, structure.stage_start, structure.stage_end, g_count
+    )
+    sync = float(t_d.max())
     iteration = float(t_g.max()) + sync
     n_max = structure.max_microbatches(state, optimizer_state_factor, plan.schedule)
     fits = bool(np.all(n <= n_max))

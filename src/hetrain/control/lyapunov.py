@@ -840,8 +840,18 @@ class LyapunovController:
         """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``."""
         arrays = self._arrays(plan)
         new = rebalance_shares(
-            plan, state, arrays, self.config.batch, self.config.optimizer_state_factor
+            plan,
+            state,
+            arrays,
+            self.config.batch,
+            self.config.optimizer_state_factor,
+            norm_block=self.config.norm_block,
         )
+        if self.config.norm_block is not None and any(
+            new.groups[i].microbatch_size != plan.groups[i].microbatch_size
+            for i in arrays.group_index
+        ):
+            arrays = self._arrays(new)  # μ rounded down to a multiple of the norm block
         a_g, m_g = arrays.group_timing(state)
         shares = np.array([new.groups[i].batch for i in arrays.group_index], dtype=float)
         n = np.ceil(shares / arrays.microbatch)

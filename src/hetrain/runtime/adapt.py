@@ -372,7 +372,13 @@ class PlanController:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even, SPEC
         §6) on the current estimates."""
         state = self.observed_state()
-        even = even_dp_plan(self.base_state.ids, self.profile.num_layers, self.config.batch, 1)
+        even = even_dp_plan(
+            self.base_state.ids,
+            self.profile.num_layers,
+            self.config.batch,
+            1,
+            norm_block=self.config.norm_block,
+        )
         return {
             "predicted_time_s": predict_iteration_time_s(
                 self.current, state, self.profile, self.config
@@ -464,7 +470,12 @@ class PlanController:
         arrays = StructureArrays.build(self.current, state.ids, self.profile)
         return runtime_plan(
             rebalance_shares(
-                self.current, state, arrays, self.config.batch, self.optimizer_state_factor
+                self.current,
+                state,
+                arrays,
+                self.config.batch,
+                self.optimizer_state_factor,
+                norm_block=self.config.norm_block,
             )
         )
 
@@ -817,17 +828,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def even_dp_plan(devices: Sequence[str], num_layers: int, batch: int, microbatch_size: int):
+def even_dp_plan(
+    devices: Sequence[str],
+    num_layers: int,
+    batch: int,
+    microbatch_size: int,
+    norm_block: int | None = None,
+):
     """One device per group, shares as equal as possible (the first ``B mod D`` groups get one
     more sample), each share one micro-batch (``microbatch_size`` is kept for API symmetry: on
-    a single device splitting the share only adds overhead)."""
+    a single device splitting the share only adds overhead).
+
+    With ``norm_block = G`` (SPEC v3 §5) the ``B / G`` blocks are split as equally as possible
+    instead (the first ``(B/G) mod D`` groups get one more block), so every share and ``μ_g``
+    is a multiple of ``G``; with fewer blocks than devices the last groups are idle (share 0).
+
+    Raises:
+        ValueError: ``batch`` is not a multiple of ``norm_block``.
+    """
     del microbatch_size
     d = len(devices)
-    shares = [batch // d + (1 if i < batch % d else 0) for i in range(d)]
+    g_size = int(norm_block or 1)
+    if batch % g_size:
+        raise ValueError(f"batch: expected a multiple of the norm block {g_size}, got {batch}")
+    blocks = batch // g_size
+    shares = [g_size * (blocks // d + (1 if i < blocks % d else 0)) for i in range(d)]
     return Plan(
         plan_id=0,
         groups=tuple(
-            GroupPlan(devices=(dev,), stages=((0, num_layers),), microbatch_size=max(b, 1), batch=b)
+            GroupPlan(
+                devices=(dev,), stages=((0, num_layers),), microbatch_size=max(b, g_size), batch=b
+            )
             for dev, b in zip(devices, shares, strict=True)
         ),
     )

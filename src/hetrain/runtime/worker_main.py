@@ -533,7 +533,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     else:
         base_state = _base_state(job, None)
     if plan is None:
-        plan = even_dp_plan(job.devices, num_layers, job.batch, job.microbatch_size)
+        plan = even_dp_plan(
+            job.devices, num_layers, job.batch, job.microbatch_size, norm_block=job.norm_block
+        )
     if resume is not None or restart_count > 0:
         # a new round (restart, resume, other devices or batch) runs a new plan id: one above
         # every id used so far (the checkpoint's and, after it, the controller's re-plans)

@@ -140,7 +140,12 @@ class _Pool:
             ):
                 continue
             for m, cand in enumerate(
-                (rebalance_shares(plan, state, arrays, self.config.batch, o), plan)
+                (
+                    rebalance_shares(
+                        plan, state, arrays, self.config.batch, o, self.config.norm_block
+                    ),
+                    plan,
+                )
             ):
                 if cand.global_batch != self.config.batch:
                     continue
