@@ -1,6 +1,7 @@
 """Bench inputs built directly from ../shared/data/sailor (until hetrain.catalog lands).
 
-* Model profile (SPEC §7) from ``llm_info.json`` (per-layer parameter, output-activation and
+* Model profile (docs/model.md §7) from ``llm_info.json`` (per-layer parameter, output-activation
+  and
   saved-activation bytes at micro-batch 1 = per sample) and the per-layer forward/backward
   seconds measured on A100-40 at micro-batch 1 (``profiles/<MODEL>/A100-40``), turned into
   FLOPs with a nominal effective A100-40 speed ``REF_FLOPS`` (only ratios matter for T/T_LB).
@@ -41,7 +42,7 @@ def _times(model: str, kind: str) -> dict[int, tuple[float, float]]:
 
 
 def sailor_profile(model: str) -> dict:
-    """SPEC §7 profile dict of ``model`` (OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30)."""
+    """docs/model.md §7 profile dict of ``model`` (OPT-350, GPT-Neo-2.7, LLAMA-3-8, OPT-30)."""
     info = _json("llm_info.json")[model]["1"]
     times = _times(model, "A100-40")
     layers = []
@@ -69,7 +70,7 @@ def kind_tflops(model: str, kind: str) -> float:
 
 
 def sailor_cluster(model: str, nodes: list[tuple[str, int]]) -> dict:
-    """SPEC §7 cluster dict: one node per ``(kind, gpus)`` entry."""
+    """docs/model.md §7 cluster dict: one node per ``(kind, gpus)`` entry."""
     bws = _json("multizone_bandwidths_het.json")[ZONE]
     intra = _json("intra_node_bandwidths.json")
     mem = _json("basic_cluster_config.json")

@@ -1,9 +1,10 @@
-"""Runtime engine against the SPEC §3 cost model: measured iteration time of real training on
+"""Runtime engine against the docs/model.md §3 cost model: measured iteration time of real training
+on
 local gloo ranks vs ``hetrain.costmodel.evaluate_plan``'s prediction, for several plans.
 
 The model is a chain of "sleep layers" (a small ``Linear`` plus a fixed sleep per sample, 2x in
 backward), so that stage compute times are known and stable on a busy machine; device speeds
-come from emulated slow-down factors and links from an emulated cluster (SPEC §5), and the
+come from emulated slow-down factors and links from an emulated cluster (docs/model.md §5), and the
 cluster file given to the cost model states the same speeds and links. A ratio near 1 means the
 runtime executes plans the way the planner models them (1F1B bubbles, uneven shares,
 bottleneck stages, link-bound boundaries).
@@ -14,9 +15,10 @@ Usage::
 
 Prints a table and, as its last line, JSON ``{"plans": {NAME: {"measured_s", "predicted_s",
 "ratio"}}}`` (measured = median over steps after the first of the slowest rank's iteration).
-The runtime's own per-micro-batch cost (Python, messages, sleep wake-up) is what SPEC's ``κ``
+The runtime's own per-micro-batch cost (Python, messages, sleep wake-up) is what docs/model.md's
+``κ``
 stands for; ``--kappa-ms`` lets the cost model and planner assume one. Known difference: the
-emulation gives each direction of a link its own bandwidth, while SPEC §3
+emulation gives each direction of a link its own bandwidth, while docs/model.md §3
 charges activations and gradients on one shared link (``2 a``), so link-bound plans run faster
 than predicted.
 """

@@ -1,4 +1,4 @@
-"""Planning time and plan quality (T / T_LB) for 4 .. 1024 devices, beside the SPEC §6
+"""Planning time and plan quality (T / T_LB) for 4 .. 1024 devices, beside the docs/model.md §6
 baseline plans (issue 2).
 
 Default inputs: mixed clusters from :func:`hetrain.catalog.make_mixed_cluster` (K80, P100,

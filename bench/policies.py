@@ -1,4 +1,4 @@
-"""Policy benchmark: every SPEC §6 baseline and the Lyapunov controller on the scenarios of
+"""Policy benchmark: every docs/model.md §6 baseline and the Lyapunov controller on the scenarios of
 ``bench/scenarios/*.yaml`` (real model profiles, catalog devices fitted on measured data, and
 dynamics converted from the real traces in ``../shared/data``).
 
@@ -7,7 +7,8 @@ Usage::
     PYTHONPATH=src python bench/policies.py [--only NAME] [--slots N] [--no-scale]
 
 Prints, per scenario and policy, the mean iteration time (migration included), its ratio to the
-lower bound ``T_LB`` (SPEC §3), its ratio to the best baseline, and the mean cost against the
+lower bound ``T_LB`` (docs/model.md §3), its ratio to the best baseline, and the mean cost against
+the
 budget; then the targets of issue 4 with pass/fail; then the run time of a 1024-device,
 1000-slot simulation; the last line is JSON ``{"scenarios": {NAME: {POLICY:
 {"mean_iteration_time_s", "ratio_to_lower_bound", "mean_cost"}}}, "scale": {...}}``.

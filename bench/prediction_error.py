@@ -1,4 +1,4 @@
-"""Predicted (SPEC v3 §3 cost model with λ, the sync overlap and the update/straggler
+"""Predicted (docs/model.md §3 cost model with λ, the sync overlap and the update/straggler
 refinement) vs measured iteration time of real runs on local ranks (issues 5 and 12).
 
 Four forked gloo ranks ``w0..w3`` (one torch thread each, rendezvous through a file) train the
@@ -7,7 +7,7 @@ plans of every kind: data parallel (even and uneven shares), pipelines (1F1B and
 hybrids, with emulated slow ranks (``Emulation(compute_clock="thread_cpu")``: each compute op
 lasts ``f ×`` its thread CPU time, so the ranks sharing this machine's cores do not stretch
 each other's emulated compute; ``--clock wall``: ``f ×`` its wall time, the runtime's default)
-and emulated slow links between "nodes". The same cluster is written as a SPEC
+and emulated slow links between "nodes". The same cluster is written as a docs/model.md
 :class:`~hetrain.cluster.ClusterState` and every plan is evaluated with
 :func:`hetrain.costmodel.evaluate_plan` with the options the runtime's controller uses:
 ``sync_overlap=True`` (the engine overlaps each gradient bucket's all-reduce with the last
@@ -283,7 +283,7 @@ def calibrate_pipeline_overhead(cal, speed, kappa, lam, bw, lat, profile, omega)
     """Per-micro-batch and stage cost (s, at factor F0) that the compute timers do not see
     (pipeline send/recv calls, schedule bookkeeping), from the calibration pipeline runs:
     ``(T_measured − T_predicted) / (n + K − 1)``, averaged over the runs, where ``T_predicted``
-    uses the fitted speed, κ and λ (SPEC §3's ``T_g`` grows by ``n + K − 1`` times a common
+    uses the fitted speed, κ and λ (docs/model.md §3's ``T_g`` grows by ``n + K − 1`` times a common
     increase of every ``C_k`` when one stage stays the bottleneck), ``>= 0``. Added to κ."""
     extra = []
     for plan, steps in zip(calibration_plans(), cal, strict=True):
@@ -427,7 +427,8 @@ def main() -> None:
         group_time_jitter=jitter if args.refine else 0.0,
     )
     print(
-        "model: SPEC v3 §3 (with λ) + sync_overlap=True (only the exposed part of the sync is "
+        "model: docs/model.md §3 (with λ) + sync_overlap=True (only the exposed part of the sync "
+        "is "
         "charged)"
         + (
             f" + update time {omega * 1e9:.3f} s/GB of trainable parameters held and group-time"
@@ -461,7 +462,7 @@ def main() -> None:
             }
             print(
                 f"  {s.name}: online groups {[round(t, 4) for t in ev_on.group_times_s]} sync "
-                f"{ev_on.sync_time_s:.4f} (SPEC, no overlap), exposed "
+                f"{ev_on.sync_time_s:.4f} (docs/model.md, no overlap), exposed "
                 f"{ev_on.exposed_sync_time_s:.4f}; measured max-rank medians "
                 + ", ".join(f"{k[:-7]} {v:.4f}" for k, v in med.items())
             )
@@ -496,7 +497,7 @@ def main() -> None:
                 "median_abs_rel_error": on_med,
                 "max_abs_rel_error": on_max,
                 "prediction": "one step ahead, online estimates from earlier iterations of the run",
-                "model": "SPEC v3 §3, sync_overlap=True"
+                "model": "docs/model.md §3, sync_overlap=True"
                 + (", update time and group jitter" if args.refine else ""),
                 "clock": args.clock,
                 "update_time_s_per_param_byte": omega,

@@ -1,13 +1,14 @@
-"""How well does SPEC §3's compute model predict *published* per-layer measurements?
+"""How well does docs/model.md §3's compute model predict *published* per-layer measurements?
 
 What this is: sailor (eth-easl/sailor) and pipedream (msr-fiddle/pipedream) publish measured
-per-layer forward/backward times. SPEC §3 models a stage's time per micro-batch as
+per-layer forward/backward times. docs/model.md §3 models a stage's time per micro-batch as
 ``μ · Σ(f_l + w_l) / s + κ`` with one speed ``s`` and one ``κ`` per device. Here ``s`` and
 ``κ`` are fitted on part of the published measurements and used to predict the rest:
 
 A. sailor, per (model, GPU) at tensor-parallel degree 1: fit on all micro-batch sizes but the
    largest, predict (1) the whole chain at the largest size and (2) each of 4 FLOP-balanced
-   stages at every size, with SPEC §3's κ per stage = the chain's κ (what the catalog ships).
+   stages at every size, with docs/model.md §3's κ per stage = the chain's κ (what the catalog
+   ships).
 B. sailor, across models: the speed fitted on OPT-350M predicts GPT-Neo-2.7B on the same GPU
    (the catalog's speeds are per model family: this shows by how much that matters).
 C. pipedream (one minibatch size, so κ = 0): one speed per network from its total time,

@@ -2,7 +2,7 @@
 
 Same model (the ``charlm`` example's 4-block character transformer), same data and global batch
 (the deterministic sampler), same emulation (a slow rank sleeps ``(factor - 1) x`` its measured
-compute time, SPEC §5), gloo on CPU, one torch thread per rank:
+compute time, docs/model.md §5), gloo on CPU, one torch thread per rank:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel``, even shares ``B/4``, AdamW. The slow
   rank's sleep happens inside backward (an identity autograd op between layer 0 and layer 1

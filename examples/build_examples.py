@@ -6,7 +6,8 @@ Run from the repository root::
 
 Writes ``examples/profiles/{opt-350m,gpt-neo-2.7b,vgg16,resnet50-pipedream}.json`` (converted
 with :mod:`hetrain.converters`), ``examples/clusters/*.yaml`` (built with
-:func:`hetrain.catalog.make_cluster`) and ``examples/traces/priced8-spot.csv`` (a SPEC §7 trace
+:func:`hetrain.catalog.make_cluster`) and ``examples/traces/priced8-spot.csv`` (a docs/model.md §7
+trace
 for ``clusters/priced8.yaml``: real AWS spot prices via :mod:`hetrain.sim.converters`, speed
 drift and straggler spikes from :mod:`hetrain.sim.dynamics`). The profiles measured by
 ``hetrain profile`` are made by ``examples/profile_examples.sh``. Deterministic: running it
@@ -74,7 +75,8 @@ def main() -> None:
     write_yaml(
         clus / "two_nodes_slow.yaml",
         "Two nodes of 4 GPUs joined by a slow wide-area link: NIC 0.79 Gbit/s, the measured\n"
-        "AWS Oregon-Virginia bandwidth (dtfm-aws-interregion). SPEC §7 has one latency for\n"
+        "AWS Oregon-Virginia bandwidth (dtfm-aws-interregion). docs/model.md §7 has one latency "
+        "for\n"
         "every link, so the 67 ms inter-region delay is not representable; 20 us is kept.",
         make_cluster({"V100-16": 4, "A100-40": 4}, devices_per_node=4, nic_gbps=0.79),
     )

@@ -89,7 +89,8 @@ def test_stage_overhead_fit_recovers_known_speed_kappa_and_lambda():
     assert noisy.layer_overhead_s == pytest.approx(lam, rel=0.1)
     assert noisy.kappa_s == pytest.approx(kappa, abs=1e-3)
     assert 0.02 < noisy.rms_rel_error < 0.045  # reports the 3 % noise
-    # the one-parameter model of SPEC v2 (κ only, whole chains) cannot explain short stages:
+    # the one-parameter model of docs/model.md v2 (κ only, whole chains) cannot explain short
+    # stages:
     # fit on the 6-layer chain alone, it over-predicts a 1-layer stage of one block at μ = 4
     mus, flops, layers, times = _stage_points(rng, speed, kappa, lam, 0.0)
     chain = [i for i, n in enumerate(layers) if n == 6]

@@ -45,7 +45,7 @@ def test_sailor_speeds_and_kappa_match_the_catalog():
     for kind, (tflops, kappa_ms, rms) in derived.items():
         assert DEVICE_KINDS[kind].tflops == pytest.approx(tflops, rel=1e-3), kind
         assert DEVICE_KINDS[kind].microbatch_overhead_ms == pytest.approx(kappa_ms, abs=0.01)
-        assert rms < 0.05, kind  # SPEC §3's linear model fits sailor's times within 5 %
+        assert rms < 0.05, kind  # docs/model.md §3's linear model fits sailor's times within 5 %
     # the ordering the hardware generations imply
     t = {k: v[0] for k, v in derived.items()}
     assert t["GH-96"] > t["A100-80"] > t["A100-40"] > t["RTX-3090"] > t["V100-16"]

@@ -1,4 +1,5 @@
-"""Bad input to ``hetrain plan``, ``evaluate``, ``simulate`` and ``profile`` (SPEC §7): exit 2
+"""Bad input to ``hetrain plan``, ``evaluate``, ``simulate`` and ``profile`` (docs/model.md §7):
+exit 2
 and exactly one line on stderr naming the file or option, the field and what was expected;
 never a traceback. Exit 1 from ``evaluate`` only for a valid plan that runs out of memory.
 

@@ -49,7 +49,6 @@ def test_profile_describes_the_trained_model(name: str, tmp_path: Path, capsys) 
         ), ly["name"]
 
 
-
 def test_charlm_description_states_the_trained_width() -> None:
     from hetrain.models.charlm import CHARLM
 

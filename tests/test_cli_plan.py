@@ -1,4 +1,4 @@
-"""``hetrain plan`` and ``hetrain evaluate`` through the command line (SPEC §7)."""
+"""``hetrain plan`` and ``hetrain evaluate`` through the command line (docs/model.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §3 cost model against hand-computed numbers."""
+"""docs/model.md §3 cost model against hand-computed numbers."""
 
 from __future__ import annotations
 

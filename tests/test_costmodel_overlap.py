@@ -1,5 +1,5 @@
 """The opt-in sync-overlap refinement of the cost model (``TrainingConfig.sync_overlap``)
-against hand-computed numbers, and "off = SPEC §3 exactly" on random plans."""
+against hand-computed numbers, and "off = docs/model.md §3 exactly" on random plans."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_dp_overlap_hides_all_but_the_first_layers_bucket() -> None:
     assert ev.group_times_s == pytest.approx((9 * MS, 9 * MS))
     assert ev.exposed_sync_time_s == pytest.approx(1 * MS)
     assert ev.iteration_time_s == pytest.approx(10 * MS)
-    assert ev.sync_time_s == pytest.approx(3 * MS)  # SPEC's T_sync is still reported
+    assert ev.sync_time_s == pytest.approx(3 * MS)  # docs/model.md's T_sync is still reported
     assert ev.to_json_dict()["exposed_sync_time_s"] == pytest.approx(1 * MS)
     spec = _eval(DP, _cluster())
     assert spec.iteration_time_s == pytest.approx(12 * MS)
@@ -76,7 +76,7 @@ def test_dp_overlap_hides_all_but_the_first_layers_bucket() -> None:
 
 def test_dp_over_a_slow_link_hides_nothing_but_the_first_ready_time() -> None:
     # NIC 1e8 B/s: 10 ms per bucket, serialised from the first ready time (5 ms):
-    # F = 5 + 30 = 35 ms -> exposed 26 ms (SPEC: 30 ms after the groups' end)
+    # F = 5 + 30 = 35 ms -> exposed 26 ms (docs/model.md: 30 ms after the groups' end)
     ev = _eval(DP, _cluster(nic_gbps=0.8), sync_overlap=True, sync_bucket_cap_bytes=PER_LAYER)
     assert ev.exposed_sync_time_s == pytest.approx(26 * MS)
     assert ev.iteration_time_s == pytest.approx(35 * MS)
@@ -85,7 +85,7 @@ def test_dp_over_a_slow_link_hides_nothing_but_the_first_ready_time() -> None:
 
 def test_one_bucket_per_device_equals_spec_sync() -> None:
     # default cap (64 MiB): one 3e6 B bucket, ready when the backward ends -> nothing hidden,
-    # and its time 2 lat + 3e6 / 1e8 is SPEC's t_d, latency included
+    # and its time 2 lat + 3e6 / 1e8 is docs/model.md's t_d, latency included
     state = _cluster(nic_gbps=0.8, latency_us=100)
     ev = _eval(DP, state, sync_overlap=True)
     spec = _eval(DP, state)
@@ -97,7 +97,8 @@ def test_a_later_pipeline_stage_gets_a_longer_window() -> None:
     # two groups of 2 stages [0,1) [1,3), μ = 1, n = 1: C = (3, 6) ms, E = 2 · 0.5e6 / 1e9 =
     # 1 ms, T_g = 10 ms. Stage 2's last backward ends W_1 + E_1 = 2 + 1 = 3 ms before T_g:
     # its bucket (layers 1-2, 2e6 B, 2 ms) is ready at 7 ms and done at 9 ms (hidden); stage
-    # 1's bucket (1e6 B, 1 ms) is ready at 10 ms and done at 11 ms -> 1 ms exposed (SPEC 2 ms)
+    # 1's bucket (1e6 B, 1 ms) is ready at 10 ms and done at 11 ms -> 1 ms exposed (docs/model.md 2
+    # ms)
     groups = [_group(["x0", "x1"], [[0, 1], [1, 3]]), _group(["y0", "y1"], [[0, 1], [1, 3]])]
     ev = _eval(groups, _cluster(), sync_overlap=True)
     assert ev.group_times_s == pytest.approx((10 * MS, 10 * MS))
@@ -185,7 +186,7 @@ def test_overlap_off_is_spec_and_on_only_changes_the_sync_charge(seed: int) -> N
         assert on.exposed_sync_time_s == 0.0
     if pure_dp and cap == 1e12:
         # one bucket per device, ready when its group ends: the collective starts when the
-        # slowest group ends and lasts the slowest owner's t_d -> SPEC §3 exactly
+        # slowest group ends and lasts the slowest owner's t_d -> docs/model.md §3 exactly
         assert on.iteration_time_s == pytest.approx(spec.iteration_time_s, rel=1e-9)
 
 

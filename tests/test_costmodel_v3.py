@@ -1,4 +1,5 @@
-"""SPEC v3 inputs of the cost model against hand-computed numbers: the per-layer overhead λ,
+"""docs/model.md (v3) inputs of the cost model against hand-computed numbers: the per-layer overhead
+λ,
 frozen parameters and shared (tied) tensors; and the norm block of the planner."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tier 1: the SPEC §7 file formats (cluster, trace, plan) load, convert units and reject bad
+"""Tier 1: the docs/model.md §7 file formats (cluster, trace, plan) load, convert units and reject
+bad
 input with one line naming file and field."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_cluster_state_converts_units_to_si():
     assert state.latency_s == pytest.approx(20e-6)
     # node defaults to the device's own id: k80 is alone on its node
     assert state.node[0] == state.node[1] != state.node[2]
-    # bw(d, e): intra-node for v100-0/v100-1, min of NICs otherwise (SPEC §2)
+    # bw(d, e): intra-node for v100-0/v100-1, min of NICs otherwise (docs/model.md §2)
     assert state.link_bandwidth(0, 1) == pytest.approx(800e9 / 8)
     assert state.link_bandwidth(0, 2) == pytest.approx(10e9 / 8)
 

@@ -131,7 +131,8 @@ def _reject_constant(name: str) -> float:
 MAX_NUMBER = 1e30
 """Largest magnitude accepted for a number in a cluster or profile file, in the file's units.
 Far above any real device or layer (1e30 FLOP per sample, 1e30 TFLOP/s), and small enough that
-unit conversions and the cost model's products stay finite (SPEC §7: numbers must be finite)."""
+unit conversions and the cost model's products stay finite (docs/model.md §7: numbers must be
+finite)."""
 
 MIN_POSITIVE = 1e-30
 """Smallest value accepted for a speed or bandwidth (``tflops``, ``*_gbps``, a trace's
@@ -158,7 +159,7 @@ MAX_NESTING = 100
 def check_finite_tree(
     source: str, obj: Any, field: str = "", *, bool_keys: tuple[str, ...] = ()
 ) -> None:
-    """Raise :class:`InputError` for any NaN or infinite float inside ``obj`` (SPEC §7:
+    """Raise :class:`InputError` for any NaN or infinite float inside ``obj`` (docs/model.md §7:
     "Numbers must be finite"), any boolean except as the value of a mapping key named in
     ``bool_keys`` (e.g. a profile's ``shared[].frozen``), or for nesting deeper than
     :data:`MAX_NESTING`.

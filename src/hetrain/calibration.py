@@ -1,15 +1,16 @@
-"""Calibration of SPEC §3's device parameters from measured times (pure numpy, no torch).
+"""Calibration of docs/model.md §3's device parameters from measured times (pure numpy, no torch).
 
 Two tools:
 
 * :func:`fit_speed_kappa` — offline least-squares fit of a device's effective speed ``s_d``
   (FLOP/s) and fixed per-micro-batch cost ``κ_d`` (s) from times of several micro-batch sizes,
-  following SPEC §3's stage time ``C = μ · Σ(f_l + w_l) / s + κ``.
-* :func:`fit_stage_overheads` — the same with SPEC v3's per-layer cost ``λ_d`` (s per layer
+  following docs/model.md §3's stage time ``C = μ · Σ(f_l + w_l) / s + κ``.
+* :func:`fit_stage_overheads` — the same with docs/model.md (v3)'s per-layer cost ``λ_d`` (s per
+  layer
   and micro-batch) beside ``κ_d``, from stages (chains of layers) of different lengths:
   ``C = μ · Σ(f_l + w_l) / s + κ + λ · |S|``.
 * :func:`fit_update_time` and :func:`relative_jitter` — the two numbers of the refinement
-  ``TrainingConfig.update_time_s_per_param_byte`` / ``group_time_jitter`` (not in SPEC §3;
+  ``TrainingConfig.update_time_s_per_param_byte`` / ``group_time_jitter`` (not in docs/model.md §3;
   :func:`hetrain.costmodel.refined_iteration_time_s`): the time of the weight update per
   trainable parameter byte a device holds, and how much a device's time per iteration
   jitters from one iteration to the next.
@@ -51,7 +52,7 @@ class SpeedFit:
     num_points: int
 
     def predict_s(self, microbatch_size: float, flops_per_sample: float) -> float:
-        """SPEC §3 stage time ``μ · F / s + κ`` in seconds."""
+        """docs/model.md §3 stage time ``μ · F / s + κ`` in seconds."""
         return microbatch_size * flops_per_sample / self.speed_flops + self.kappa_s
 
 
@@ -62,7 +63,7 @@ def fit_speed_kappa(
     *,
     fit_kappa: bool = True,
 ) -> SpeedFit:
-    """Least-squares fit of ``t_i = μ_i · F_i / s + κ`` (SPEC §3, ``C_k = μ c_k + κ``).
+    """Least-squares fit of ``t_i = μ_i · F_i / s + κ`` (docs/model.md §3, ``C_k = μ c_k + κ``).
 
     The fit minimises the *relative* squared error ``Σ_i ((μ_i F_i / s + κ − t_i) / t_i)^2``
     (times of different micro-batch sizes span orders of magnitude; an absolute fit would
@@ -137,7 +138,7 @@ class StageOverheadFit:
     num_points: int
 
     def predict_s(self, microbatch_size: float, flops_per_sample: float, num_layers: int) -> float:
-        """SPEC v3 §3 stage time ``μ · F / s + κ + λ · |S|`` in seconds."""
+        """docs/model.md §3 stage time ``μ · F / s + κ + λ · |S|`` in seconds."""
         return (
             microbatch_size * flops_per_sample / self.speed_flops
             + self.kappa_s
@@ -151,7 +152,7 @@ def fit_stage_overheads(
     num_layers: Sequence[int] | np.ndarray,
     times_s: Sequence[float] | np.ndarray,
 ) -> StageOverheadFit:
-    """Least-squares fit of ``t_i = μ_i · F_i / s + κ + λ · n_i`` (SPEC v3 §3,
+    """Least-squares fit of ``t_i = μ_i · F_i / s + κ + λ · n_i`` (docs/model.md §3,
     ``C_k = μ c_k + κ + λ |S_k|``) to measured stage times.
 
     Each point is one stage (a chain of ``n_i`` consecutive layers with ``F_i = Σ (f_l + w_l)``
@@ -405,14 +406,15 @@ class EwmaEstimator:
 
 
 class ClusterEstimator:
-    """Online per-device estimates of speed ``s_d`` and NIC bandwidth ``nic_d`` (SPEC §2),
+    """Online per-device estimates of speed ``s_d`` and NIC bandwidth ``nic_d`` (docs/model.md §2),
     refreshed from the runtime's per-iteration measurements and read by the controller.
 
     A compute sample ``(flops, time_s, num_microbatches, num_layers)`` gives the speed
-    ``flops / (time_s − num_microbatches · (κ_d + λ_d · num_layers))`` (SPEC v3 §3: each
+    ``flops / (time_s − num_microbatches · (κ_d + λ_d · num_layers))`` (docs/model.md §3: each
     micro-batch of a stage of ``|S|`` layers costs ``μ c + κ + λ |S|``); a transfer sample
     ``(bytes, time_s)`` gives the bandwidth
-    ``bytes / (time_s − 2 · lat)`` (SPEC §3: ``E = μ·2a/bw + 2 lat``, both directions). Each
+    ``bytes / (time_s − 2 · lat)`` (docs/model.md §3: ``E = μ·2a/bw + 2 lat``, both directions).
+    Each
     series goes through its own :class:`EwmaEstimator`.
 
     Args:

@@ -1,7 +1,7 @@
 """Device catalog and cluster builders from measured public data (pure Python + numpy).
 
 Every number of :data:`DEVICE_KINDS` states its source in :attr:`DeviceKind.sources`. Speeds
-are *effective* training speeds (SPEC §2 ``s_d``), not datasheet peaks:
+are *effective* training speeds (docs/model.md §2 ``s_d``), not datasheet peaks:
 
 * sailor kinds (A100-40, A100-80, GH200, V100, RTX 2080, RTX 3090, Titan RTX): least-squares
   fit (:func:`hetrain.calibration.fit_speed_kappa`) of sailor's measured OPT-350M per-layer
@@ -46,7 +46,7 @@ _SPOT = "median spot price, spot-prices-aws/us-east-1 (Dec 2019 - Feb 2020)"
 
 @dataclass(frozen=True)
 class DeviceKind:
-    """One kind of accelerator with the SPEC §7 device fields in file units.
+    """One kind of accelerator with the docs/model.md §7 device fields in file units.
 
     Attributes:
         name: kind name, e.g. ``"V100-16"``.
@@ -114,7 +114,7 @@ def _sailor_kind(
 #: gavel isolated-throughput ratios vs V100, geometric mean over 26 job types at 1 GPU
 #: (printed by :func:`derive_gavel_ratios`, rounded to 4 digits).
 GAVEL_RATIO_TO_V100: dict[str, float] = {"k80": 0.2972, "p100": 0.9430}
-_NOT_SOLD = "not sold by the large clouds: 0 (SPEC default)"
+_NOT_SOLD = "not sold by the large clouds: 0 (docs/model.md default)"
 # (tflops, kappa_ms) printed by derive_sailor_speeds() (4 digits); memory, NIC and intra-node
 # bandwidth (bytes/s) copied from the sailor files named in the sources; W; USD/h; per node.
 _V100_ROW = (8.752, 0.0, 17179869184, 1719640629.44, 68172954066.0, 300.0, 3.06, 4)
@@ -223,7 +223,7 @@ def make_cluster(
     Devices are numbered per kind (``"v100-16-0"``, ...) in the order of ``kind_counts``;
     each kind fills its own nodes of ``devices_per_node`` devices (the kind's usual server
     size when ``None``), named ``"n0", "n1", ...``. The cluster's single ``intra_node_gbps``
-    is the smallest of the kinds used (SPEC §7 has one intra-node bandwidth) unless given.
+    is the smallest of the kinds used (docs/model.md §7 has one intra-node bandwidth) unless given.
 
     Args:
         kind_counts: ``{"V100-16": 4, "K80": 8}`` (or pairs); names of :data:`DEVICE_KINDS`.

@@ -1,4 +1,5 @@
-"""Cluster files (SPEC §7) and the numeric cluster state the cost model reads (SPEC §2).
+"""Cluster files (docs/model.md §7) and the numeric cluster state the cost model reads
+(docs/model.md §2).
 
 A :class:`ClusterSpec` is what the user writes (YAML/JSON, user units: tflops, GiB, Gbit/s,
 USD/hour, ms). A :class:`ClusterState` is the same devices at one slot in SI units, as numpy
@@ -43,9 +44,9 @@ class LinksSpec(BaseModel):
 
 
 class DeviceSpec(BaseModel):
-    """One device of a cluster file (SPEC §7). ``node`` defaults to the device's own id;
+    """One device of a cluster file (docs/model.md §7). ``node`` defaults to the device's own id;
     ``microbatch_overhead_ms`` (κ, per micro-batch and stage) and ``layer_overhead_ms`` (λ, per
-    micro-batch and layer of the stage, SPEC v3) default to 0."""
+    micro-batch and layer of the stage, docs/model.md (v3)) default to 0."""
 
     model_config = _STRICT
     id: str = Field(min_length=1)
@@ -64,7 +65,7 @@ class DeviceSpec(BaseModel):
 
 
 class ClusterSpec(BaseModel):
-    """A whole cluster file: ``{"links": {...}, "devices": [...]}`` (SPEC §7).
+    """A whole cluster file: ``{"links": {...}, "devices": [...]}`` (docs/model.md §7).
 
     Raises:
         ValueError (via pydantic): unknown keys, negative or non-finite numbers, no devices,
@@ -128,7 +129,7 @@ class ClusterState:
         intra_node_bytes_per_s: bandwidth between two devices of one node, bytes/s.
         latency_s: latency ``lat`` of every link, seconds.
         layer_overhead_s: fixed cost ``λ_d`` per micro-batch and layer of the stage, seconds
-            (SPEC v3 §2; default zeros).
+            (docs/model.md §2; default zeros).
     """
 
     ids: tuple[str, ...]
@@ -157,7 +158,8 @@ class ClusterState:
         return {d: i for i, d in enumerate(self.ids)}
 
     def link_bandwidth(self, d: int, e: int) -> float:
-        """``bw(d, e)`` of SPEC §2 in bytes/s: intra-node if ``d`` and ``e`` share a node, else
+        """``bw(d, e)`` of docs/model.md §2 in bytes/s: intra-node if ``d`` and ``e`` share a node,
+        else
         ``min(nic_d, nic_e)``."""
         if self.node[d] == self.node[e]:
             return float(self.intra_node_bytes_per_s)
@@ -169,7 +171,7 @@ class ClusterState:
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
-    """Load and validate a cluster file (YAML or JSON, SPEC §7).
+    """Load and validate a cluster file (YAML or JSON, docs/model.md §7).
 
     Raises:
         InputError: missing/unreadable file, bad syntax, or any invalid field (one line naming

@@ -1,4 +1,4 @@
-"""Converters from published profiles in ``../shared/data`` into SPEC §7 model profiles.
+"""Converters from published profiles in ``../shared/data`` into docs/model.md §7 model profiles.
 
 Pure Python + numpy (no torch). Two sources:
 
@@ -65,7 +65,8 @@ def sailor_sequence_length(llm_info: dict[str, Any], model: str) -> int:
 def sailor_model_profile(
     llm_info: dict[str, Any], model: str, name: str | None = None
 ) -> ModelProfile:
-    """SPEC §7 profile of a sailor model (tensor-parallel degree 1), one sample = one sequence.
+    """docs/model.md §7 profile of a sailor model (tensor-parallel degree 1), one sample = one
+    sequence.
 
     Per layer ``l`` with ``P_l`` = ``params_floats``: embedding (layer 0) ``f = 0`` (a lookup;
     ``FlopCounterMode`` also counts 0); transformer blocks (same ``P`` as layer 1)
@@ -110,7 +111,7 @@ def sailor_layer_times(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Measured per-layer ``(fwd_s, bwd_s)`` arrays, shape ``(L,)``, seconds per micro-batch,
     from a parsed sailor ``profile.json`` (update time left out: the optimizer step is not in
-    SPEC §3's per-micro-batch model).
+    docs/model.md §3's per-micro-batch model).
 
     Raises:
         KeyError: that micro-batch size / TP degree was not profiled.
@@ -166,7 +167,7 @@ class PipedreamOp:
 
 @dataclass(frozen=True)
 class PipedreamChain:
-    """A pipedream graph made a chain: the SPEC §7 profile (per sample) and, per layer, the
+    """A pipedream graph made a chain: the docs/model.md §7 profile (per sample) and, per layer, the
     published forward/backward milliseconds of the whole minibatch (``batch_size`` samples)."""
 
     profile: ModelProfile
@@ -256,7 +257,7 @@ def pipedream_chain(
     name: str | None = None,
     input_bytes_per_sample: float = 3 * 224 * 224 * 4,
 ) -> PipedreamChain:
-    """Turn a pipedream CNN graph into a chain of layers (SPEC §7 profile, per sample).
+    """Turn a pipedream CNN graph into a chain of layers (docs/model.md §7 profile, per sample).
 
     Operators are put in topological order (ties by node number); the ``Input`` node is the
     data and is dropped. A layer boundary is placed after operator ``i`` only when the single

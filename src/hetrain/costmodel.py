@@ -1,9 +1,10 @@
-"""The planning model of SPEC §3: time, memory and cost of one training iteration.
+"""The planning model of docs/model.md §3: time, memory and cost of one training iteration.
 
 Everything here is plain numpy (no torch) and is shared by ``hetrain evaluate``, the planner
 (:mod:`hetrain.planner`), the controller and the simulator.
 
-Notation (SPEC §2-§3, 1-based in formulas, 0-based in code and files). A group ``g`` has ordered
+Notation (docs/model.md §2-§3, 1-based in formulas, 0-based in code and files). A group ``g`` has
+ordered
 devices ``d_1..d_K``, contiguous stages ``S_1..S_K`` (layer ranges ``[start, end)``), micro-batch
 size ``μ_g`` and share ``b_g``:
 
@@ -24,7 +25,7 @@ size ``μ_g`` and share ``b_g``:
 * money ``y_money = T Σ_{d used} π_d``, energy ``y_energy = T Σ_{d used} W_d``
 * lower bound ``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d``
 
-Opt-in refinement (``TrainingConfig.sync_overlap``, default off = SPEC §3 exactly): the
+Opt-in refinement (``TrainingConfig.sync_overlap``, default off = docs/model.md §3 exactly): the
 gradient all-reduce overlapped with the last micro-batch's backward, bucket by bucket, as the
 runtime engine (:class:`hetrain.runtime.data_parallel.GradientSync`) and PyTorch DDP do (Li et
 al., "PyTorch Distributed", VLDB 2020); see :func:`overlapped_sync_s`. Then
@@ -32,11 +33,12 @@ al., "PyTorch Distributed", VLDB 2020); see :func:`overlapped_sync_s`. Then
 (v3) are added to ``T_exposed`` in full (not overlapped).
 
 Opt-in refinement (``TrainingConfig.update_time_s_per_param_byte`` ``ω`` and
-``group_time_jitter`` ``σ``, both default 0 = SPEC §3 exactly; docs/profiling.md §6): the
+``group_time_jitter`` ``σ``, both default 0 = docs/model.md §3 exactly; docs/profiling.md §6): the
 weight update after the sync and the straggler of data parallelism; see
 :func:`refined_iteration_time_s`. Then ``T = E[max_g T_g] + T_sync (or T_exposed) + max_d ω θ'_d``.
 
-Choices where SPEC §3 is silent (see docs/planner.md): devices of an idle group (``b_g = 0``)
+Choices where docs/model.md §3 is silent (see docs/planner.md): devices of an idle group (``b_g =
+0``)
 are reported with the memory of their parameters, gradients and optimizer state (``h_k = 0``)
 and count towards ``fits``; they are neither used nor charged.
 """
@@ -59,17 +61,19 @@ SCHEDULES = ("1f1b", "gpipe")
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """SPEC §2 "Training": global batch ``B`` (samples per iteration), optimizer state factor
+    """docs/model.md §2 "Training": global batch ``B`` (samples per iteration), optimizer state
+    factor
     ``o`` (bytes of optimizer state per parameter byte: 2 Adam, 1 SGD+momentum, 0 SGD) and the
     pipeline schedule (``"1f1b"`` or ``"gpipe"``; it only changes the memory term ``h_k``).
 
-    ``sync_overlap`` (not in SPEC §3, default False = SPEC §3 exactly): charge only the part of
+    ``sync_overlap`` (not in docs/model.md §3, default False = docs/model.md §3 exactly): charge
+    only the part of
     the gradient all-reduce that the bucketed overlap with the last backward leaves exposed
     (:func:`overlapped_sync_s`), for engines that overlap (hetrain's runtime, PyTorch DDP).
     ``sync_bucket_cap_bytes``: the engine's gradient bucket cap (bytes; the runtime's
     ``Worker(bucket_cap_bytes=...)`` default, 64 MiB), used only with ``sync_overlap``.
 
-    ``norm_block`` (``G``, SPEC v3 §5, default None): a BatchNorm norm block; plans keep every
+    ``norm_block`` (``G``, docs/model.md §5, default None): a BatchNorm norm block; plans keep every
     share ``b_g`` and micro-batch size ``μ_g`` a multiple of ``G`` (the planner and the
     baselines; :func:`hetrain.plan.check_norm_block` checks a given plan), and ``B`` must be a
     multiple of ``G``.
@@ -77,7 +81,7 @@ class TrainingConfig:
     ``update_time_s_per_param_byte`` (``ω``, s per trainable parameter byte, default 0) and
     ``group_time_jitter`` (``σ``, relative standard deviation of a group's time from one
     iteration to the next, default 0): the refinement of :func:`refined_iteration_time_s`
-    (not in SPEC §3; 0 and 0 = SPEC §3 exactly; docs/profiling.md §6). Measured by
+    (not in docs/model.md §3; 0 and 0 = docs/model.md §3 exactly; docs/profiling.md §6). Measured by
     :func:`hetrain.calibration.fit_update_time` and
     :func:`hetrain.calibration.relative_jitter`.
 
@@ -141,7 +145,7 @@ class ProfilePrefix:
     bytes); plus ``boundary_bytes`` (shape ``(L,)``): ``2 a_l`` per sample, what crosses a
     stage boundary after layer ``l`` (activation forward, gradient backward).
 
-    Shared tensors (SPEC v3 §2), ``S`` of them: ``shared_bytes`` (shape ``(S,)``),
+    Shared tensors (docs/model.md §2), ``S`` of them: ``shared_bytes`` (shape ``(S,)``),
     ``shared_frozen`` (``(S,)`` bool) and ``shared_uses`` (``(S, L + 1)``: the number of layers
     below ``x`` that use tensor ``s``, so that stage ``[i, j)`` holds ``s`` iff
     ``shared_uses[s, j] > shared_uses[s, i]``)."""
@@ -181,7 +185,7 @@ class ProfilePrefix:
     def fixed_memory_bytes(
         self, starts: np.ndarray, ends: np.ndarray, optimizer_state_factor: float
     ) -> np.ndarray:
-        """SPEC §3's memory of a stage ``[starts, ends)`` that does not depend on the
+        """docs/model.md §3's memory of a stage ``[starts, ends)`` that does not depend on the
         micro-batches: ``θ' (2 + o) + φ`` bytes — trainable parameters (the layers' own and the
         trainable shared tensors the stage holds) with their gradients and optimizer state,
         plus frozen weights (the layers' own and the frozen shared tensors it holds; weights
@@ -236,7 +240,7 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
 
 def link_bandwidths_bytes_per_s(state: ClusterState, devices: np.ndarray) -> np.ndarray:
     """``bw(d_k, d_{k+1})`` for consecutive devices of a pipeline, shape ``(K − 1,)``, bytes/s
-    (SPEC §2: intra-node bandwidth on one node, else ``min(nic_d, nic_e)``)."""
+    (docs/model.md §2: intra-node bandwidth on one node, else ``min(nic_d, nic_e)``)."""
     devices = np.asarray(devices, dtype=np.int64)
     a, b = devices[:-1], devices[1:]
     nic = np.minimum(state.nic_bytes_per_s[a], state.nic_bytes_per_s[b])
@@ -251,7 +255,7 @@ def stage_times_s(
     microbatch_size: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per micro-batch stage times ``C_k`` (shape ``(K,)``) and boundary times ``E_k`` (shape
-    ``(K − 1,)``) in seconds of one group (SPEC §3).
+    ``(K − 1,)``) in seconds of one group (docs/model.md §3).
 
     Args:
         devices: device indices ``d_1..d_K`` in pipeline order, shape ``(K,)``.
@@ -259,7 +263,7 @@ def stage_times_s(
             is layers ``[x_k, x_{k+1})``.
         microbatch_size: ``μ_g`` samples.
 
-    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} |S_k|`` (SPEC v3);
+    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} |S_k|`` (docs/model.md (v3));
     ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
     """
     devices = np.asarray(devices, dtype=np.int64)
@@ -282,19 +286,20 @@ def group_fill_and_bottleneck_s(
     compute_s: np.ndarray, transfer_s: np.ndarray
 ) -> tuple[float, float]:
     """``(A_g, M_g)`` from stage times: ``A_g = Σ C_k + Σ E_k`` (one micro-batch through the
-    pipeline) and ``M_g = max(max C_k, max E_k)`` (the bottleneck), seconds (SPEC §3)."""
+    pipeline) and ``M_g = max(max C_k, max E_k)`` (the bottleneck), seconds (docs/model.md §3)."""
     fill = float(np.sum(compute_s) + np.sum(transfer_s))
     bottleneck = float(max(np.max(compute_s), np.max(transfer_s) if len(transfer_s) else 0.0))
     return fill, bottleneck
 
 
 def num_microbatches(batch: int, microbatch_size: int) -> int:
-    """``n_g = ceil(b_g / μ_g)`` (SPEC §3; the last, partial micro-batch is charged in full)."""
+    """``n_g = ceil(b_g / μ_g)`` (docs/model.md §3; the last, partial micro-batch is charged in
+    full)."""
     return -(-int(batch) // int(microbatch_size))
 
 
 def group_time_s(fill_s: float, bottleneck_s: float, n_microbatches: int) -> float:
-    """``T_g = A_g + (n_g − 1) M_g`` seconds, 0 when ``n_g = 0`` (idle group; SPEC §3)."""
+    """``T_g = A_g + (n_g − 1) M_g`` seconds, 0 when ``n_g = 0`` (idle group; docs/model.md §3)."""
     if n_microbatches <= 0:
         return 0.0
     return fill_s + (n_microbatches - 1) * bottleneck_s
@@ -302,7 +307,7 @@ def group_time_s(fill_s: float, bottleneck_s: float, n_microbatches: int) -> flo
 
 def micro_batches_alive(num_stages: int, n_microbatches: int, schedule: str) -> np.ndarray:
     """``h_k`` for stages ``k = 1..K`` (shape ``(K,)``): ``min(n_g, K − k + 1)`` under 1F1B,
-    ``n_g`` under GPipe (SPEC §3)."""
+    ``n_g`` under GPipe (docs/model.md §3)."""
     k = np.arange(1, num_stages + 1)
     if schedule == "gpipe":
         return np.full(num_stages, max(n_microbatches, 0), dtype=np.int64)
@@ -317,7 +322,7 @@ def stage_memory_bytes(
     optimizer_state_factor: float,
     schedule: str,
 ) -> np.ndarray:
-    """Memory per stage device, shape ``(K,)``, bytes (SPEC §3, v3):
+    """Memory per stage device, shape ``(K,)``, bytes (docs/model.md §3, v3):
     ``θ'_{d_k} (2 + o) + φ_{d_k} + h_k μ Σ_{l∈S_k} m_l`` — trainable parameters (shared ones
     the stage holds included), gradients, optimizer state, frozen weights
     (:meth:`ProfilePrefix.fixed_memory_bytes`) and the activations of the ``h_k``
@@ -334,7 +339,7 @@ def sync_times_s(
     prefix: ProfilePrefix,
     groups: Sequence[tuple[np.ndarray, np.ndarray]],
 ) -> list[np.ndarray]:
-    """Gradient all-reduce time ``t_d`` of every device of the **active** groups (SPEC §3).
+    """Gradient all-reduce time ``t_d`` of every device of the **active** groups (docs/model.md §3).
 
     Args:
         groups: one ``(devices (K_g,), bounds (K_g + 1,))`` pair per active group.
@@ -344,7 +349,7 @@ def sync_times_s(
         ``t_d = 2 (G'−1) lat + 2 (G'−1)/G' · θ_d / β_d`` with ``β_d`` the intra-node bandwidth
         if every device of the other active groups holding any of ``d``'s layers is on ``d``'s
         node, else ``nic_d`` (0 when ``G' ≤ 1``); plus, per trainable shared tensor ``d``
-        holds (SPEC v3), the ring all-reduce among its ``n_s`` holders
+        holds (docs/model.md (v3)), the ring all-reduce among its ``n_s`` holders
         (:func:`shared_sync_times_s`). See :func:`flat_sync_times_s` (the same on flat arrays).
     """
     if not groups:
@@ -406,7 +411,7 @@ def shared_sync_times_s(
     prefix: ProfilePrefix,
     groups: Sequence[tuple[np.ndarray, np.ndarray]],
 ) -> list[np.ndarray]:
-    """The shared-tensor part of ``t_d`` (SPEC v3 §3), per active group, shape ``(K_g,)``,
+    """The shared-tensor part of ``t_d`` (docs/model.md §3), per active group, shape ``(K_g,)``,
     seconds: for each trainable shared tensor ``s`` that device ``d`` holds,
     ``2 (n_s−1) lat + 2 (n_s−1)/n_s · bytes_s / β_{d,s}``, where ``n_s`` is the number of
     devices of the active groups whose stage uses ``s`` (same group or not), and ``β_{d,s}``
@@ -457,7 +462,7 @@ def sync_bandwidths_bytes_per_s(
     prefix: ProfilePrefix,
     groups: Sequence[tuple[np.ndarray, np.ndarray]],
 ) -> np.ndarray:
-    """``β_d`` of SPEC §3's sync term for every device of the given **active** groups,
+    """``β_d`` of docs/model.md §3's sync term for every device of the given **active** groups,
     concatenated in group then stage order, shape ``(Σ_g K_g,)``, bytes/s: the intra-node
     bandwidth if every device of the other active groups holding any of ``d``'s layers is on
     ``d``'s node, else ``nic_d`` (see :func:`sync_times_s`)."""
@@ -541,9 +546,11 @@ def overlapped_sync_s(
     bucket_edges: np.ndarray,
 ) -> float:
     """Exposed gradient all-reduce time ``T_exposed`` (seconds) when each bucket's all-reduce
-    overlaps the last micro-batch's backward (``TrainingConfig.sync_overlap``; not SPEC §3).
+    overlaps the last micro-batch's backward (``TrainingConfig.sync_overlap``; not docs/model.md
+    §3).
 
-    Source: SPEC §3's ring all-reduce time and β rule, applied per gradient bucket, with the
+    Source: docs/model.md §3's ring all-reduce time and β rule, applied per gradient bucket, with
+    the
     bucketed overlap of the runtime engine (``GradientSync``) and of PyTorch DDP (Li et al.,
     "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020):
     a bucket's all-reduce starts once its gradients are final, buckets go in decreasing layer
@@ -609,7 +616,7 @@ def overlapped_sync_s(
 
 
 # ---------------------------------------------------------------------------------------------
-# Refinement (not SPEC §3): weight update and the straggler of data parallelism
+# Refinement (not docs/model.md §3): weight update and the straggler of data parallelism
 # ---------------------------------------------------------------------------------------------
 
 # E[max of G standard normals], G = 1..8 (Harter, "Expected values of normal order
@@ -660,7 +667,7 @@ def update_times_s(
 ) -> list[np.ndarray]:
     """Weight-update time ``u_d = ω θ'_d`` (seconds) of every device of the given active
     groups, per group, shape ``(K_g,)``: ``θ'_d`` the trainable parameter bytes ``d`` holds
-    (its layers' and the trainable shared tensors', SPEC v3 §3), ``ω`` seconds per byte
+    (its layers' and the trainable shared tensors', docs/model.md §3), ``ω`` seconds per byte
     (:attr:`TrainingConfig.update_time_s_per_param_byte`)."""
     out = []
     for _, bounds in groups:
@@ -681,7 +688,7 @@ def refined_iteration_time_s(
     jitter: float,
 ) -> float:
     """Iteration time with the refinement of ``TrainingConfig.update_time_s_per_param_byte``
-    and ``group_time_jitter`` (not in SPEC §3; docs/profiling.md §6), seconds:
+    and ``group_time_jitter`` (not in docs/model.md §3; docs/profiling.md §6), seconds:
 
     ``T = E[max_g T_g] + T_charged + max_{d used} ω θ'_d``
 
@@ -695,9 +702,9 @@ def refined_iteration_time_s(
     * ``ω θ'_d`` (:func:`update_times_s`): after the sync every device updates the weights it
       holds (optimizer step, gradient-norm and gradient copies: passes over its ``θ'_d``
       trainable bytes, memory-bound), before the next iteration starts.
-    * ``T_charged``: SPEC §3's ``T_sync``, or ``T_exposed`` with ``sync_overlap``.
+    * ``T_charged``: docs/model.md §3's ``T_sync``, or ``T_exposed`` with ``sync_overlap``.
 
-    With ``σ = 0`` and ``ω = 0`` this is SPEC §3's ``max_g T_g + T_charged``.
+    With ``σ = 0`` and ``ω = 0`` this is docs/model.md §3's ``max_g T_g + T_charged``.
     """
     slowest = expected_max_normal(group_times_s, jitter)
     update = max((float(np.max(u)) for u in update_times_s if len(u)), default=0.0)
@@ -705,7 +712,8 @@ def refined_iteration_time_s(
 
 
 def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> float:
-    """``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d`` seconds (SPEC §3: perfect balance,
+    """``T_LB = B Σ_l (f_l + w_l) / Σ_{d available} s_d`` seconds (docs/model.md §3: perfect
+    balance,
     fractional shares, no communication).
 
     Raises:
@@ -724,13 +732,13 @@ def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> fl
 
 @dataclass(frozen=True)
 class PlanEvaluation:
-    """SPEC §3's figures of one plan in one cluster state.
+    """docs/model.md §3's figures of one plan in one cluster state.
 
     Attributes:
         iteration_time_s: ``T = max_g T_g + T_sync``; with ``TrainingConfig.sync_overlap``
             ``T = max_g T_g + T_exposed``.
         lower_bound_s: ``T_LB`` of the state (all available devices).
-        sync_time_s: ``T_sync`` (SPEC §3, no overlap; also with ``sync_overlap``).
+        sync_time_s: ``T_sync`` (docs/model.md §3, no overlap; also with ``sync_overlap``).
         group_times_s: ``T_g`` per group in plan order (0 for idle groups).
         cost: ``{"money": currency/iteration, "energy": J/iteration}``.
         fits: every device named by the plan is within its memory.
@@ -766,14 +774,15 @@ class PlanEvaluation:
         return self.iteration_time_s / self.lower_bound_s if self.lower_bound_s > 0 else np.inf
 
     def objective(self, v: float = 1.0, queues: dict[str, float] | None = None) -> float:
-        """Drift-plus-penalty objective ``V·T + Σ_j Q_j y_j`` (SPEC §4)."""
+        """Drift-plus-penalty objective ``V·T + Σ_j Q_j y_j`` (docs/model.md §4)."""
         total = v * self.iteration_time_s
         for name, q in (queues or {}).items():
             total += q * self.cost[name]
         return float(total)
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The ``hetrain evaluate --json`` object of SPEC §7 (plus ``exposed_sync_time_s`` with
+        """The ``hetrain evaluate --json`` object of docs/model.md §7 (plus ``exposed_sync_time_s``
+        with
         ``sync_overlap``)."""
         out = {
             "iteration_time_s": self.iteration_time_s,
@@ -798,7 +807,7 @@ class PlanEvaluation:
 def evaluate_plan(
     plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> PlanEvaluation:
-    """Evaluate ``plan`` with SPEC §3 (see the module docstring for every formula).
+    """Evaluate ``plan`` with docs/model.md §3 (see the module docstring for every formula).
 
     The schedule is the plan's own ``schedule`` (``config.schedule`` is the planner's default).
     With ``config.sync_overlap`` the iteration time charges only the exposed sync
@@ -870,14 +879,14 @@ def evaluate_plan(
         bwd_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(profile.bwd_flops, dtype=float))))
         edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
         exposed = overlapped_sync_s(state, prefix, bwd_prefix, sync_groups, edges)
-        # shared tensors (SPEC v3): their all-reduces are charged in full after the layer
+        # shared tensors (docs/model.md (v3)): their all-reduces are charged in full after the layer
         # buckets (not overlapped; docs/planner.md)
         shared = shared_sync_times_s(state, prefix, active)
         exposed += max((float(np.max(t)) for t in shared if len(t)), default=0.0)
     charged = sync_time if exposed is None else exposed
     iteration = (max(group_times) if group_times else 0.0) + charged
     if config.update_time_s_per_param_byte > 0 or config.group_time_jitter > 0:
-        # refinement (not SPEC §3): straggler of G' groups and the weight update
+        # refinement (not docs/model.md §3): straggler of G' groups and the weight update
         updates = update_times_s(prefix, active, float(config.update_time_s_per_param_byte))
         iteration = refined_iteration_time_s(
             group_times, charged, updates, float(config.group_time_jitter)

@@ -1,7 +1,8 @@
 """Errors for bad input: one clear line naming the file, the field and what was expected.
 
 Every loader raises :class:`InputError`; the CLI prints ``str(error)`` on one line to stderr and
-exits with status 2 (SPEC §7: "Bad input of any kind ... exits with status 2 and one clear line
+exits with status 2 (docs/model.md §7: "Bad input of any kind ... exits with status 2 and one clear
+line
 naming the file, the field and what was expected").
 """
 
@@ -141,7 +142,8 @@ def from_validation_error(source: str, exc: Any, model: Any = None) -> InputErro
 
 class NoFeasiblePlanError(ValueError):
     """No arrangement of the available devices can hold the model (memory), or no device is
-    available. Commands turn it into an :class:`InputError` naming the model file (SPEC §7: "a
+    available. Commands turn it into an :class:`InputError` naming the model file (docs/model.md §7:
+    "a
     model that fits on no arrangement of the devices" is bad input, exit 2;
     :func:`no_fit_input_error`).
 

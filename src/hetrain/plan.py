@@ -1,4 +1,5 @@
-"""Plans (SPEC §7): the small serialisable value that the planner produces and the simulator
+"""Plans (docs/model.md §7): the small serialisable value that the planner produces and the
+simulator
 and the runtime consume.
 
 ``{"plan_id": 3, "schedule": "1f1b", "groups": [{"devices": ["a", "b"], "stages": [[0, 3],
@@ -61,7 +62,7 @@ class GroupPlan(BaseModel):
 
     @property
     def num_microbatches(self) -> int:
-        """``n_g = ceil(b_g / μ_g)`` (SPEC §3); 0 when idle."""
+        """``n_g = ceil(b_g / μ_g)`` (docs/model.md §3); 0 when idle."""
         return -(-self.batch // self.microbatch_size)
 
     @property
@@ -71,7 +72,8 @@ class GroupPlan(BaseModel):
 
 
 class Plan(BaseModel):
-    """A full plan for one slot (SPEC §7). Figures (``iteration_time_s``, ``lower_bound_s``,
+    """A full plan for one slot (docs/model.md §7). Figures (``iteration_time_s``,
+    ``lower_bound_s``,
     ``cost``) are optional on input and filled by the planner."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -105,7 +107,7 @@ class Plan(BaseModel):
 
     def structure(self) -> tuple:
         """Groups and stages without shares; plans with equal structure need no migration
-        (SPEC §7: share-only changes are not plan changes)."""
+        (docs/model.md §7: share-only changes are not plan changes)."""
         return tuple(sorted(g.structure for g in self.groups if g.batch > 0))
 
     def validate_for(
@@ -141,19 +143,19 @@ class Plan(BaseModel):
             )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The SPEC §7 plan object (stages as lists)."""
+        """The docs/model.md §7 plan object (stages as lists)."""
         data = self.model_dump(mode="json", exclude_none=True)
         return data
 
     def to_json(self, indent: int | None = 2) -> str:
-        """SPEC §7 JSON text; :func:`plan_from_dict` of ``json.loads`` of it gives an equal
+        """docs/model.md §7 JSON text; :func:`plan_from_dict` of ``json.loads`` of it gives an equal
         plan."""
         return json.dumps(self.to_json_dict(), indent=indent)
 
 
 def check_norm_block(plan: Plan, norm_block: int | None, source: str = "<plan>") -> None:
     """Check that every group's share ``batch`` and ``microbatch_size`` are multiples of the
-    norm block ``G`` (SPEC v3 §5: ghost batch norm over aligned blocks of ``G`` samples needs
+    norm block ``G`` (docs/model.md §5: ghost batch norm over aligned blocks of ``G`` samples needs
     every micro-batch to hold whole blocks). No check when ``norm_block`` is None.
 
     Raises:
@@ -196,7 +198,7 @@ def plan_from_dict(raw: Any, source: str = "<plan>") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Load and validate a plan file (JSON or YAML, SPEC §7).
+    """Load and validate a plan file (JSON or YAML, docs/model.md §7).
 
     Raises:
         InputError: missing file, bad syntax or an invalid field.

@@ -1,4 +1,4 @@
-"""Model profiles (SPEC §2, §7): a chain of layers with per-sample FLOPs and bytes.
+"""Model profiles (docs/model.md §2, §7): a chain of layers with per-sample FLOPs and bytes.
 
 :class:`ModelProfile` is the validated file; :meth:`ModelProfile.arrays` gives the numpy vectors
 the cost model and the planner read. Measuring a profile from a real ``torch.nn.Module`` lives in
@@ -24,7 +24,8 @@ class LayerProfile(BaseModel):
     """One layer: per-sample ``fwd_flops`` (f_l), ``bwd_flops`` (w_l, default ``2 f_l``),
     ``activation_bytes`` (a_l, output crossing a stage boundary), ``activation_memory_bytes``
     (m_l, kept for backward, default ``a_l``), ``param_bytes`` (p_l, trainable) and
-    ``frozen_param_bytes`` (p^frozen_l, parameters that take no gradient, default 0; SPEC v3
+    ``frozen_param_bytes`` (p^frozen_l, parameters that take no gradient, default 0; docs/model.md
+    (v3)
     §2). Shared tensors are listed in :attr:`ModelProfile.shared`, not here."""
 
     model_config = _STRICT
@@ -46,7 +47,7 @@ class LayerProfile(BaseModel):
 
 
 class SharedTensorProfile(BaseModel):
-    """A shared (tied) tensor of a profile file (SPEC v3 §2, §7): ``name``, ``bytes``, the
+    """A shared (tied) tensor of a profile file (docs/model.md §2, §7): ``name``, ``bytes``, the
     0-based ``layers`` that use it, and whether it is ``frozen`` (default false). It is listed
     once and not counted in the ``param_bytes`` of its layers."""
 
@@ -58,7 +59,7 @@ class SharedTensorProfile(BaseModel):
 
 
 class ModelProfile(BaseModel):
-    """A model profile file ``{"name": ..., "layers": [...], "shared": [...]}`` (SPEC §7),
+    """A model profile file ``{"name": ..., "layers": [...], "shared": [...]}`` (docs/model.md §7),
     layers in execution order (0-based indices in plans), shared tensors optional.
 
     Raises:
@@ -114,13 +115,13 @@ class ModelProfile(BaseModel):
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The SPEC §7 JSON object (defaults filled in)."""
+        """The docs/model.md §7 JSON object (defaults filled in)."""
         return self.model_dump(mode="json")
 
 
 @dataclass(frozen=True)
 class SharedTensor:
-    """A shared (tied) tensor (SPEC v3 §2): ``bytes`` of it, the sorted 0-based ``layers``
+    """A shared (tied) tensor (docs/model.md §2): ``bytes`` of it, the sorted 0-based ``layers``
     that use it, ``frozen`` (no gradient: never synced, weights only in memory)."""
 
     name: str
@@ -134,7 +135,7 @@ class ProfileArrays:
     """Per-layer vectors, shape ``(L,)``: ``fwd_flops`` f_l and ``bwd_flops`` w_l (FLOP per
     sample), ``activation_bytes`` a_l and ``activation_memory_bytes`` m_l (bytes per sample),
     ``param_bytes`` p_l (trainable bytes, shared tensors excluded) and ``frozen_param_bytes``
-    p^frozen_l (bytes; default zeros); ``shared``: the shared tensors (SPEC v3 §2)."""
+    p^frozen_l (bytes; default zeros); ``shared``: the shared tensors (docs/model.md §2)."""
 
     names: tuple[str, ...]
     fwd_flops: np.ndarray
@@ -160,7 +161,7 @@ class ProfileArrays:
 
 
 def load_profile(path: str | Path) -> ModelProfile:
-    """Load and validate a model profile (JSON or YAML, SPEC §7).
+    """Load and validate a model profile (JSON or YAML, docs/model.md §7).
 
     Raises:
         InputError: missing file, bad syntax, or an invalid field.

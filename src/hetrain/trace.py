@@ -1,4 +1,4 @@
-"""Traces of cluster dynamics (SPEC §7): one CSV row per change,
+"""Traces of cluster dynamics (docs/model.md §7): one CSV row per change,
 ``slot,device,speed_factor,available,price_per_hour,nic_gbps``.
 
 A row for slot t sets the device's state from slot t on; empty cells mean "unchanged";
@@ -131,7 +131,7 @@ def _parse_float(source: str, line: int, col: str, text: str, lo: float) -> floa
 
 
 def load_trace(path: str | Path, cluster: ClusterSpec | None = None) -> Trace:
-    """Load and validate a SPEC §7 trace CSV. With ``cluster``, device ids are checked too.
+    """Load and validate a docs/model.md §7 trace CSV. With ``cluster``, device ids are checked too.
 
     Raises:
         InputError: missing file, wrong header, non-integer or decreasing slots, bad numbers,
@@ -215,7 +215,7 @@ def load_trace(path: str | Path, cluster: ClusterSpec | None = None) -> Trace:
 
 
 def write_trace(path: str | Path, rows: list[TraceRow]) -> None:
-    """Write rows as a SPEC §7 trace CSV (sorted by slot, stable)."""
+    """Write rows as a docs/model.md §7 trace CSV (sorted by slot, stable)."""
     ordered = sorted(rows, key=lambda r: r.slot)
     with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)

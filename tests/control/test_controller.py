@@ -1,4 +1,5 @@
-"""The online controller (SPEC §4): virtual queues, drift-plus-penalty guarantees measured on
+"""The online controller (docs/model.md §4): virtual queues, drift-plus-penalty guarantees measured
+on
 seeded traces, migration cost, incremental shares, and the baselines as policies."""
 
 from __future__ import annotations

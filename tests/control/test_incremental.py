@@ -1,6 +1,7 @@
 """The controller's fast path (:mod:`hetrain.control.incremental`) against the cost model with
-SPEC v3 inputs (per-layer overhead λ, frozen bytes, shared tensors), and the norm block of
-SPEC v3 §5 in every plan the controller and the runtime's plan helpers emit."""
+docs/model.md (v3) inputs (per-layer overhead λ, frozen bytes, shared tensors), and the norm block
+of
+docs/model.md §5 in every plan the controller and the runtime's plan helpers emit."""
 
 from __future__ import annotations
 

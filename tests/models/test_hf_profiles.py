@@ -1,6 +1,6 @@
 """The shipped profiles of the paper's three workloads built from the ``transformers`` classes
 (``hetrain profile --example gpt2|bert|resnet --size base``): their cut, tied tensors, published
-sizes, and plans on the example clusters (SPEC v3 §2 shared tensors in the cost model)."""
+sizes, and plans on the example clusters (docs/model.md §2 shared tensors in the cost model)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Enumerates every plan: every non-empty subset of devices, every way to cut it in
 every micro-batch size 1..B per group and every share vector (b_g >= 1; a plan with an idle
 group has the same objective as the plan without it). With a norm block G only multiples of G
 are allowed for shares and micro-batch sizes. It shares no code with hetrain's cost model or
-planner: SPEC §3 (v3: per-layer overhead λ, frozen parameters, shared tensors) is
+planner: docs/model.md §3 (v3: per-layer overhead λ, frozen parameters, shared tensors) is
 re-implemented here from the text, on plain dicts, floats and Python sets.
 
 The min over shares uses the exact decomposition min_b max_g T_g(b_g) (each T_g depends only
@@ -137,7 +137,7 @@ class _MinMax:
 
 
 def _sync(devs, holders, g_count, layers, shared, links) -> float:
-    """T_sync of SPEC §3 (v3) with all groups active. ``holders``: per device of the plan
+    """T_sync of docs/model.md §3 (v3) with all groups active. ``holders``: per device of the plan
     (group index, device index, set of its layers). Per device: the ring all-reduce of its
     layers' trainable bytes among the G' groups (intra-node bandwidth iff every device of
     another group holding one of its layers is on its node, else its NIC), plus per trainable

@@ -6,7 +6,8 @@ import numpy as np
 
 
 def random_profile(rng: np.random.Generator, min_layers: int, max_layers: int) -> dict:
-    """A SPEC §7 profile object with ``min_layers..max_layers`` (inclusive) layers of random
+    """A docs/model.md §7 profile object with ``min_layers..max_layers`` (inclusive) layers of
+    random
     FLOPs (1e9-5e11 per sample), activation bytes (1e5-5e7) and parameter bytes (~1e6-1e9)."""
     num_layers = int(rng.integers(min_layers, max_layers + 1))
     return {

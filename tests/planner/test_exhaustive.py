@@ -5,7 +5,7 @@
   0.1 % (in fact equal: the exhaustive search is exact there);
 
 one or several nodes; without queues, with a money queue, an energy queue or both (objective
-``V·T + Σ_j Q_j y_j``); 1F1B and GPipe memory; SPEC v3's per-layer overhead, frozen
+``V·T + Σ_j Q_j y_j``); 1F1B and GPipe memory; docs/model.md (v3)'s per-layer overhead, frozen
 parameters and shared tensors; a norm block on some. ``test_instances_cover_the_cases``
 checks that the instances and their optimal plans cover these cases and every plan shape.
 """
@@ -61,7 +61,8 @@ def random_instance(seed: int) -> tuple[dict, dict, int]:
     }
     batch = rng.randint(1, 16)
     profile: dict = {"name": f"r{seed}", "layers": layers}
-    # SPEC v3 inputs, drawn after the rest so the v2 parts of each instance stay as they were
+    # docs/model.md (v3) inputs, drawn after the rest so the v2 parts of each instance stay as they
+    # were
     if seed % 4 == 1:  # per-layer overhead λ
         for dev in devices:
             dev["layer_overhead_ms"] = rng.choice([0.0, 0.2, 1.0])

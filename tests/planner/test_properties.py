@@ -1,6 +1,6 @@
 """Invariants of the pruned search on random medium clusters (5-24 devices, too many for the
 exhaustive search): the plan fits, its shares sum to B, it uses only available devices, its
-figures are the cost model's, and it is never worse than any feasible SPEC §6 baseline."""
+figures are the cost model's, and it is never worse than any feasible docs/model.md §6 baseline."""
 
 from __future__ import annotations
 

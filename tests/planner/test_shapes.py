@@ -1,5 +1,5 @@
 """The best plan is pure data parallel, pure pipeline or a hybrid depending on the numbers;
-each test says why with hand-computed times (SPEC §3)."""
+each test says why with hand-computed times (docs/model.md §3)."""
 
 from __future__ import annotations
 

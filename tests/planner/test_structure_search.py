@@ -1,6 +1,7 @@
 """The structure search on small clusters with many layers: a regression instance where the
 pruned family missed a whole-cluster pipeline, and a seeded property test — on random clusters
-of 5-8 devices and 12-40 layers the planner is never worse than any SPEC §6 baseline nor than
+of 5-8 devices and 12-40 layers the planner is never worse than any docs/model.md §6 baseline nor
+than
 any single pipeline of all the devices (every order for <= 5 devices, several otherwise), each
 pipeline solved independently here (every useful μ, exact stage envelope)."""
 

@@ -149,7 +149,7 @@ def test_cli_profile_and_measure(tmp_path, capsys):
     cluster = load_cluster(tmp_path / "d.cluster.yaml")
     details = json.loads((tmp_path / "d.measure.json").read_text())
     assert [d.id for d in cluster.devices] == ["w0", "w1", "w2"]
-    # SPEC v3: speed, κ and λ of the fit over stages of 1, 2, 3 and 6 layers
+    # docs/model.md (v3): speed, κ and λ of the fit over stages of 1, 2, 3 and 6 layers
     stage_fit = details["stage_fit"]
     assert cluster.devices[0].tflops == pytest.approx(stage_fit["speed_flops"] / 1e12, rel=1e-4)
     assert cluster.devices[0].layer_overhead_ms == pytest.approx(

@@ -1,4 +1,4 @@
-"""Stage timing and the fit of speed, κ and λ (SPEC v3) on constructed and real times."""
+"""Stage timing and the fit of speed, κ and λ (docs/model.md (v3)) on constructed and real times."""
 
 from __future__ import annotations
 

@@ -254,7 +254,8 @@ def _slot_key(row: list[str]) -> int:
 
 @st.composite
 def trace_file(draw) -> bytes:
-    """A trace CSV: a header (SPEC §7 columns, maybe shuffled, missing, duplicated or unknown)
+    """A trace CSV: a header (docs/model.md §7 columns, maybe shuffled, missing, duplicated or
+    unknown)
     and rows of plausible or hostile cells; maybe truncated, with garbage, or pure binary."""
     if draw(st.integers(min_value=0, max_value=9)) == 0:
         return draw(st.binary(max_size=300))

@@ -1,4 +1,4 @@
-"""Cutting any module into layers (runtime/cutting.py, SPEC v3 §5): default cut points of the
+"""Cutting any module into layers (runtime/cutting.py, docs/model.md §5): default cut points of the
 standard models, stages that equal the whole forward and its gradients, and bad cuts as one
 line with exit 2."""
 

@@ -1,4 +1,5 @@
-"""Any model trains exactly (SPEC v3 §5): Hugging Face GPT-2 and BERT (tied weights), HF ResNet,
+"""Any model trains exactly (docs/model.md §5): Hugging Face GPT-2 and BERT (tied weights), HF
+ResNet,
 a chain with a frozen layer and tuple activations, and a masked-token ``(sum, count)`` loss, on 4
 forked gloo ranks under an uneven data-parallel plan, an uneven 4-stage pipeline whose first and
 last stages hold the tied tensor, a hybrid, and a run with two mid-run plan changes: losses and

@@ -148,7 +148,8 @@ def test_check_exact_layers_accepts_dropout_and_batchnorm_but_not_tied_tensors()
     check_exact_layers(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.BatchNorm1d(3)))
     assert issubclass(InputError, ValueError)
     emb, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
-    head.weight = emb.weight  # tied input/output embedding: accepted (SPEC v3 shared tensors)
+    # tied input/output embedding: accepted (docs/model.md (v3) shared tensors)
+    head.weight = emb.weight
     check_exact_layers(nn.Sequential(emb, nn.ReLU(), head))
 
 
@@ -273,7 +274,7 @@ DIGITS_LAYER_BYTES = [640, 18560, 0, 131328, 16640, 2600]  # digits_cnn(16, 64),
 
 def test_emulated_gradient_buckets_share_the_link_one_after_the_other(tmp_path):
     # one micro-batch, every layer its own bucket (cap 1 byte): 5 buckets with parameters on
-    # a 2-rank link; a ring all-reduce of n bytes among 2 needs n / bw (SPEC §3, G' = 2)
+    # a 2-rank link; a ring all-reduce of n bytes among 2 needs n / bw (docs/model.md §3, G' = 2)
     bw = 150_000.0  # bytes/s: the buckets need 4.3, 124, 875, 111, 17 ms, 1.13 s in all
     plan = {"groups": [_group(["w0"], [[0, 6]], 16, 16), _group(["w1"], [[0, 6]], 16, 16)]}
     emulation = Emulation(node={"w0": "a", "w1": "b"}, nic_bandwidth_bytes_per_s={"w0": bw})

@@ -40,7 +40,7 @@ def test_1f1b_keeps_at_most_k_minus_stage_microbatches_alive(stages, n):
         for op, _ in ops:
             alive += 1 if op == "F" else -1
             peak = max(peak, alive)
-        assert peak == min(n, stages - k)  # SPEC §3 h_k under 1F1B
+        assert peak == min(n, stages - k)  # docs/model.md §3 h_k under 1F1B
     gpipe = schedule_ops("gpipe", stages, 0, n)
     assert gpipe[:n] == [("F", i) for i in range(n)]
     with pytest.raises(ValueError, match="schedule"):

@@ -39,7 +39,7 @@ def test_slowdown_mid_training_triggers_replan(tmp_path):
     x = torch.randn(2048, 64, generator=g)
     y = (x[:, :4].argmax(dim=1)).long()
     trace = tmp_path / "trace.csv"
-    # from step SLOW_STEP on, w1 computes 5x slower (SPEC §7 trace, one slot = one step)
+    # from step SLOW_STEP on, w1 computes 5x slower (docs/model.md §7 trace, one slot = one step)
     trace.write_text(f"slot,device,speed_factor\n{SLOW_STEP},w1,0.2\n")
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

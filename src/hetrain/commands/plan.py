@@ -1,4 +1,4 @@
-"""Bodies of ``hetrain plan`` and ``hetrain evaluate`` (SPEC §7). No torch on this path."""
+"""Bodies of ``hetrain plan`` and ``hetrain evaluate`` (docs/model.md §7). No torch on this path."""
 
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def run_evaluate(
     norm_block: int | None = None,
     json_out: bool = False,
 ) -> int:
-    """``hetrain evaluate``: SPEC §3's figures for a given plan. Returns 0 when the plan fits,
+    """``hetrain evaluate``: docs/model.md §3's figures for a given plan. Returns 0 when the plan
+    fits,
     1 when some device runs out of memory (each named in a line on stderr).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Body of ``hetrain profile``: a SPEC §7 model profile of an example model and, with
+"""Body of ``hetrain profile``: a docs/model.md §7 model profile of an example model and, with
 ``--measure``, this device's fitted speed and κ and the local link, as a cluster file."""
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ def _measure(
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nic_gbps = link_fit.bandwidth_bytes_per_s * 8 / 1e9 if link_fit else 10.0
     lat_us = link_fit.latency_s * 1e6 if link_fit else 20.0
-    # SPEC v3: speed, κ and λ from stages of 1, 2, L/2 and L layers (a one-layer chain: the
+    # docs/model.md (v3): speed, κ and λ from stages of 1, 2, L/2 and L layers (a one-layer chain:
+    # the
     # chain fit, λ = 0)
     device_fit = stage_fit if stage_fit is not None else fit.chain
     lam_s = stage_fit.layer_overhead_s if stage_fit is not None else 0.0

@@ -1,4 +1,4 @@
-"""Body of ``hetrain simulate`` (SPEC §7): run a policy over a trace for N slots.
+"""Body of ``hetrain simulate`` (docs/model.md §7): run a policy over a trace for N slots.
 
 Never imports torch (tested). Bad input of any kind raises :class:`~hetrain.errors.InputError`
 (one line, exit 2): unreadable or invalid files, a trace naming unknown devices, negative speeds
@@ -101,7 +101,7 @@ def run_simulate(
     norm_block: int | None = None,
     decision_delay: int = 1,
 ) -> int:
-    """Run ``hetrain simulate``; print the SPEC §7 summary (``--json``) or a short report.
+    """Run ``hetrain simulate``; print the docs/model.md §7 summary (``--json``) or a short report.
     ``norm_block``: ``--norm-block G`` (every plan keeps shares and μ multiples of ``G``).
 
     Returns:
@@ -214,7 +214,7 @@ def _check_model_fits(
 ) -> None:
     from hetrain.planner import baselines, best_plan
 
-    # a SPEC §6 static plan that fits settles it cheaply; otherwise ask the full search
+    # a docs/model.md §6 static plan that fits settles it cheaply; otherwise ask the full search
     for make in (baselines.dp_even_plan, baselines.pipeline_plan, baselines.static_hybrid_plan):
         if make(state, profile, config) is not None:
             return

@@ -24,7 +24,7 @@ DEMO_SLOWDOWN_FACTOR = 3.0
 def demo_trace_rows(devices: list[str], steps: int) -> list:
     """The default dynamics of an example run (``--demo-slowdown``, on unless a plan, trace,
     slow-down or cluster is given): device ``w1`` computes 3x slower from step ``steps // 3``
-    on (SPEC §7 trace row ``slot=steps//3, device=w1, speed_factor=1/3``)."""
+    on (docs/model.md §7 trace row ``slot=steps//3, device=w1, speed_factor=1/3``)."""
     from hetrain.trace import TraceRow
 
     if len(devices) < 2:

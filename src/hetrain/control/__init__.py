@@ -1,4 +1,5 @@
-"""Online policies (SPEC §4, §6): the Lyapunov drift-plus-penalty controller and the baselines.
+"""Online policies (docs/model.md §4, §6): the Lyapunov drift-plus-penalty controller and the
+baselines.
 
 A policy decides the plan of slot ``t`` from what was measured up to slot ``t − 1``
 (docs/ARCHITECTURE.md, "Controller and simulator")::
@@ -58,7 +59,8 @@ def make_policy(
     """Build the policy ``name`` (one of :data:`POLICY_NAMES`).
 
     Args:
-        name: ``lyapunov`` (SPEC §4), ``greedy`` (no budgets, ``V → ∞``) or a SPEC §6 baseline.
+        name: ``lyapunov`` (docs/model.md §4), ``greedy`` (no budgets, ``V → ∞``) or a docs/model.md
+        §6 baseline.
         profile, config: the model and the training configuration.
         v: the controller's ``V`` (``lyapunov`` only).
         budgets: ``{"money": ȳ, "energy": ȳ}`` per iteration (``lyapunov`` only; baselines and

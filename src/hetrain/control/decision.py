@@ -124,7 +124,7 @@ class Decision:
         reason: one of :data:`REASONS`.
         changed: whether ``plan`` differs from the current plan (structure or shares).
         structure_changed: whether groups or stages differ (a migration is due).
-        predicted_time_s_before: SPEC §3 ``T`` of the current plan on ``estimates`` (None
+        predicted_time_s_before: docs/model.md §3 ``T`` of the current plan on ``estimates`` (None
             when there is no usable current plan).
         predicted_time_s_after: ``T`` of ``plan`` on ``estimates``.
         migration_time_s: migration time of current → ``plan`` on ``estimates`` (0 when

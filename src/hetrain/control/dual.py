@@ -1,4 +1,4 @@
-"""Lagrange multipliers of long-run budgets by bisection (the dual of SPEC §4's problem).
+"""Lagrange multipliers of long-run budgets by bisection (the dual of docs/model.md §4's problem).
 
 For multipliers ``η_j ≥ 0`` (seconds per unit of resource j) the per-slot plan minimising
 ``T + Σ_j η_j y_j`` spends less of j as ``η_j`` grows. :func:`bisect_multipliers` finds the

@@ -1,10 +1,11 @@
 """Incremental re-planning: keep a plan's structure (groups, device order, stages, micro-batch
 sizes) and re-solve only the shares ``b_g`` for a new cluster state.
 
-With ``μ_g`` and the stages fixed, SPEC §3 (v3) gives each active group a staircase
+With ``μ_g`` and the stages fixed, docs/model.md §3 (v3) gives each active group a staircase
 ``T_g(b) = A_g + (⌈b/μ_g⌉ − 1) M_g``; group ``g`` can take ``μ_g (⌊(T − A_g)/M_g⌋ + 1)`` samples
 by time ``T``, so the smallest ``T`` with enough capacity for ``B`` samples is found by bisection
-(SPEC §4, "shares"). The sync time depends only on which groups are active, so it does not move
+(docs/model.md §4, "shares"). The sync time depends only on which groups are active, so it does not
+move
 the optimum among shares of the same active set and is left to :func:`hetrain.costmodel
 .evaluate_plan`. Memory caps the number of micro-batches of a group under GPipe (``h_k = n_g``)
 and under 1F1B when ``n_g < K`` (``h_k = min(n_g, K−k+1)``).
@@ -12,12 +13,13 @@ and under 1F1B when ``n_g < K`` (``h_k = min(n_g, K−k+1)``).
 Everything is vectorised over the stages of all groups (a flat array of shape ``(S,)``), so a
 1024-group plan is re-balanced in well under a millisecond; the arrays that depend only on the
 structure are built once per structure (:class:`StructureArrays`). The formulas are
-:mod:`hetrain.costmodel`'s (per-layer overhead ``λ``, frozen bytes and shared tensors of SPEC
+:mod:`hetrain.costmodel`'s (per-layer overhead ``λ``, frozen bytes and shared tensors of
+docs/model.md
 v3 included): memory through :meth:`hetrain.costmodel.ProfilePrefix.fixed_memory_bytes` and sync
 through :func:`hetrain.costmodel.flat_sync_times_s`, so :func:`evaluate_fast` equals
 :func:`hetrain.costmodel.evaluate_plan` (tests/control/test_incremental.py).
 
-With a norm block ``G`` (``TrainingConfig.norm_block``, SPEC v3 §5) every share and every
+With a norm block ``G`` (``TrainingConfig.norm_block``, docs/model.md §5) every share and every
 micro-batch size of a re-balanced plan is a multiple of ``G`` (:func:`rebalance_shares`).
 """
 
@@ -126,7 +128,8 @@ class StructureArrays:
         )
 
     def group_timing(self, state: ClusterState) -> tuple[np.ndarray, np.ndarray]:
-        """``(A_g, M_g)`` of SPEC §3 per active group in ``state``, seconds, shapes ``(G,)``.
+        """``(A_g, M_g)`` of docs/model.md §3 per active group in ``state``, seconds, shapes
+        ``(G,)``.
 
         ``A_g = Σ_k C_k + Σ_{k<K} E_k`` and ``M_g = max(max_k C_k, max_{k<K} E_k)`` with
         ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} |S_k|`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
@@ -157,7 +160,8 @@ class StructureArrays:
     def max_microbatches(
         self, state: ClusterState, optimizer_state_factor: float, schedule: str
     ) -> np.ndarray:
-        """Largest ``n_g`` whose memory fits on every stage (SPEC §3 memory, v3: trainable and
+        """Largest ``n_g`` whose memory fits on every stage (docs/model.md §3 memory, v3: trainable
+        and
         shared parameters with gradients and optimizer state, frozen weights,
         :meth:`hetrain.costmodel.ProfilePrefix.fixed_memory_bytes`), shape ``(G,)``; a large
         number when memory never binds, 0 when even one micro-batch does not fit."""
@@ -195,7 +199,7 @@ def rebalance_shares(
     share assignment fits. Figures of the returned plan are cleared (``iteration_time_s`` etc.
     are ``None``); evaluate it with :func:`hetrain.costmodel.evaluate_plan`.
 
-    With ``norm_block = G`` (SPEC v3 §5) an active group's ``μ_g`` that is not a multiple of
+    With ``norm_block = G`` (docs/model.md §5) an active group's ``μ_g`` that is not a multiple of
     ``G`` is first rounded down to one (at least ``G``; docs/controller.md), so every share
     (a number of whole micro-batches, or the memory cap ``n_max μ_g``, or ``batch``, all
     multiples of ``G``) is a multiple of ``G``: the plan passes
@@ -283,7 +287,7 @@ def structure_key(plan: Plan) -> tuple:
 
 @dataclass(frozen=True)
 class FastEvaluation:
-    """SPEC §3 figures of a plan computed from its :class:`StructureArrays` (vectorised).
+    """docs/model.md §3 figures of a plan computed from its :class:`StructureArrays` (vectorised).
 
     Attributes:
         iteration_time_s: ``T = max_g T_g + T_sync``.
@@ -306,12 +310,12 @@ def evaluate_fast(
     state: ClusterState,
     optimizer_state_factor: float = 2.0,
 ) -> FastEvaluation:
-    """Iteration time, sync time and cost of ``plan`` in ``state`` (SPEC §3), equal to
+    """Iteration time, sync time and cost of ``plan`` in ``state`` (docs/model.md §3), equal to
     :func:`hetrain.costmodel.evaluate_plan` (tested) but vectorised over all stages, so that the
     simulator and the controller can evaluate 1024-device plans every slot.
 
     ``structure`` must be ``StructureArrays.build`` of a plan with the same
-    :func:`structure_key`. Sync (SPEC §3, v3): :func:`hetrain.costmodel.flat_sync_times_s`
+    :func:`structure_key`. Sync (docs/model.md §3, v3): :func:`hetrain.costmodel.flat_sync_times_s`
     (layers' all-reduce among the ``G'`` active groups plus the shared tensors' among their
     holders). The cost-model refinements (``sync_overlap``, ``update_time_s_per_param_byte``,
     ``group_time_jitter``) are not applied here.

@@ -1,4 +1,4 @@
-"""The online controller of SPEC §4: Lyapunov drift-plus-penalty with virtual queues.
+"""The online controller of docs/model.md §4: Lyapunov drift-plus-penalty with virtual queues.
 
 Per budgeted resource ``j`` (``money``: currency per iteration, ``energy``: joules per
 iteration) a virtual queue ``Q_j(t+1) = max(Q_j(t) + y_j(t) − ȳ_j, 0)`` (Neely, *Stochastic
@@ -60,7 +60,7 @@ RESOURCES = ("money", "energy")
 
 @dataclass
 class VirtualQueues:
-    """Virtual queues ``Q_j`` of the long-run budgets ``ȳ_j`` (SPEC §4).
+    """Virtual queues ``Q_j`` of the long-run budgets ``ȳ_j`` (docs/model.md §4).
 
     Attributes:
         budgets: ``{resource: ȳ_j}`` per iteration (currency or joules), each ``> 0``.
@@ -123,7 +123,8 @@ class _Figures:
 
 
 class LyapunovController:
-    """Drift-plus-penalty controller (SPEC §4) with incremental re-planning and a single gate
+    """Drift-plus-penalty controller (docs/model.md §4) with incremental re-planning and a single
+    gate
     that every plan change passes (docs/controller.md). This is the class that ``hetrain
     simulate`` runs and that the runtime's controller process calls.
 
@@ -139,7 +140,7 @@ class LyapunovController:
         config: global batch, optimizer state factor, schedule (and the cost-model options the
             decision figures are computed with, e.g. ``sync_overlap``).
         v: the weight ``V > 0`` of the iteration time (``math.inf``: ignore budgets, the
-            ``greedy`` policy of SPEC §6).
+            ``greedy`` policy of docs/model.md §6).
         budgets: ``{"money": ȳ, "energy": ȳ}`` per iteration; ``None`` or empty: no budget.
         decision_delay_slots: slots between the last measurement a decision uses and the first
             slot it runs in, minus one (0: measured up to ``t − 1``, applied at ``t``; the
@@ -435,7 +436,7 @@ class LyapunovController:
 
     # ------------------------------------------------------------------ the gate
     def _predict(self, plan: Plan, state: ClusterState) -> _Figures:
-        """SPEC §3 figures of ``plan`` on ``state`` with the configured cost model
+        """docs/model.md §3 figures of ``plan`` on ``state`` with the configured cost model
         (:func:`hetrain.costmodel.evaluate_plan`; the vectorised equivalent above
         ``incremental_above`` devices)."""
         if int(np.sum(state.available)) > self.incremental_above:

@@ -1,4 +1,5 @@
-"""Migration cost of a plan change (SPEC §4: "bytes moved / bandwidth between old and new owner,
+"""Migration cost of a plan change (docs/model.md §4: "bytes moved / bandwidth between old and new
+owner,
 paid in that slot").
 
 A device of an *active* group (``b_g > 0``) of the new plan must hold, before the slot starts,
@@ -6,12 +7,14 @@ the current parameters and optimizer state of every layer of its stage. It alrea
 it held that layer in an active group of the old plan (replicas of a data-parallel layer are
 identical after the all-reduce); otherwise the layer's ``p_l (1 + o)`` bytes (parameters plus
 optimizer state; gradients are recomputed and not moved) are copied from an old owner, chosen as
-the one with the highest bandwidth ``bw(old, new)`` (SPEC §2). A device that sat idle (its group
+the one with the highest bandwidth ``bw(old, new)`` (docs/model.md §2). A device that sat idle (its
+group
 had ``b_g = 0``) holds stale weights and counts as holding nothing.
 
 Receivers copy in parallel and each one receives its layers one source after the other, so the
 migration time is ``max_d Σ_src (bytes_src→d / bw(src, d) + lat)``. Contention at a sender that
-serves several receivers is not modelled (a choice where SPEC is silent; see docs/controller.md).
+serves several receivers is not modelled (a choice where docs/model.md is silent; see
+docs/controller.md).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def migration_bytes(
     placement is not charged.
 
     A layer moves ``p_l (1 + o)`` bytes (parameters and optimizer state, ``o`` = optimizer state
-    factor of SPEC §2).
+    factor of docs/model.md §2).
     """
     if old is None:
         return {}
@@ -81,7 +84,8 @@ def migration_time_s(
     moves or ``old`` is None).
 
     Each receiving device ``d`` gets every missing layer from the old owner with the highest
-    ``bw(owner, d)`` (SPEC §2 link bandwidth of ``state``: an owner on ``d``'s node if there is
+    ``bw(owner, d)`` (docs/model.md §2 link bandwidth of ``state``: an owner on ``d``'s node if
+    there is
     one, else the owner with the fastest NIC); its time is ``Σ_src bytes_src / bw(src, d) + lat``
     per distinct source; the migration time is the max over receivers (they copy in parallel).
     Vectorised over (receiver, layer) pairs.
@@ -176,7 +180,8 @@ def align_plan(candidate: Plan, current: Plan | None, state: ClusterState) -> Pl
     stay on the device that already holds them in ``current`` (fewer bytes to migrate).
 
     Two devices are interchangeable when they share node, memory and NIC bandwidth and their
-    speeds differ by less than 5%: swapping them changes no figure of SPEC §3 by more than that
+    speeds differ by less than 5%: swapping them changes no figure of docs/model.md §3 by more than
+    that
     (the caller re-evaluates the aligned plan anyway). Shares, stages and micro-batch sizes are
     kept; only which device sits at which position changes. Returns ``candidate`` itself when
     nothing moves.

@@ -1,4 +1,5 @@
-"""SPEC §6 baselines as online policies (same :class:`~hetrain.control.Policy` interface as the
+"""docs/model.md §6 baselines as online policies (same :class:`~hetrain.control.Policy` interface as
+the
 Lyapunov controller).
 
 Each baseline's plan comes from :mod:`hetrain.planner.baselines` (``None`` = no plan fits, which
@@ -35,7 +36,7 @@ REPLAN_ON_LOSS = "on-loss"
 
 
 class BaselinePolicy:
-    """A SPEC §6 static plan re-computed according to ``replan``.
+    """A docs/model.md §6 static plan re-computed according to ``replan``.
 
     Args:
         name: the policy's name (``dp-even``, ...).
@@ -70,7 +71,7 @@ class BaselinePolicy:
         """The baseline's plan for ``slot``.
 
         Raises:
-            NoFeasiblePlanError: the baseline has no plan that fits (SPEC §6 "infeasible").
+            NoFeasiblePlanError: the baseline has no plan that fits (docs/model.md §6 "infeasible").
         """
         available = np.asarray(observed.available, dtype=bool)
         if self._plan is None or self._must_replan(available, observed):

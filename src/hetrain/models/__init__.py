@@ -1,6 +1,7 @@
 """Example model definitions, kept apart from how they are parallelised (torchtitan-style).
 
-Every model is an ``nn.Sequential`` whose children are the pipeline *layers* of SPEC §2 (layer
+Every model is an ``nn.Sequential`` whose children are the pipeline *layers* of docs/model.md §2
+(layer
 ``l`` of a profile or a plan is child ``l``). Importing this package imports torch.
 """
 

@@ -1,9 +1,10 @@
-"""The planner (SPEC §4 "tentative searching + linear solving"): the best plan for one slot.
+"""The planner (docs/model.md §4 "tentative searching + linear solving"): the best plan for one
+slot.
 
 * :mod:`hetrain.planner.partition` — stages of one group (envelope of ``T_g`` lines, DP);
 * :mod:`hetrain.planner.shares` — exact integer shares for a fixed structure, LP bound;
 * :mod:`hetrain.planner.search` — structures (exhaustive when small, pruned beyond);
-* :mod:`hetrain.planner.baselines` — SPEC §6 static plans.
+* :mod:`hetrain.planner.baselines` — docs/model.md §6 static plans.
 
 See docs/planner.md for the algorithm, its complexity and what is exact.
 """
@@ -54,7 +55,7 @@ POLISH_SMALL_CPU_S = 1.0
 def oversized_layer(ctx: SearchContext) -> tuple[int, float, int, float] | None:
     """The first layer that fits on no available device by itself, as ``(layer, bytes it
     needs, device with the most memory, that memory in bytes)``, or None. A layer's least
-    need is SPEC §3's memory of a one-layer stage with one micro-batch of the smallest size
+    need is docs/model.md §3's memory of a one-layer stage with one micro-batch of the smallest size
     alive: ``θ'_l (2 + o) + φ_l + m_l`` (bytes; shared tensors it uses included; with a norm
     block the caller's profile is per block). Any stage holding the layer needs at least
     that, so the model then fits on no arrangement."""
@@ -106,7 +107,7 @@ def best_plan(
     include_baselines: bool = True,
 ) -> Plan:
     """The plan minimising ``v·T + Σ_j queues[j]·y_j`` (plain ``T`` without queues) over the
-    available devices (SPEC §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
+    available devices (docs/model.md §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
     filled in by the cost model. Idle groups are left out of the plan.
 
     Search: the structure family (and the warm start); then every structure when there are at
@@ -114,7 +115,7 @@ def best_plan(
     polish (skipped where the exhaustive search runs); the exhaustive search (exact) at ≤ 4
     devices with ≤ 8 layers and ``B ≤ 64`` or 5-6 devices with ≤ 6 layers and ``B ≤ 16``;
     a final re-choice of each group's stages by the iteration time (:func:`polish_splits`);
-    the SPEC §6 baselines (docs/planner.md).
+    the docs/model.md §6 baselines (docs/planner.md).
 
     Args:
         v: weight ``V > 0`` of the iteration time.
@@ -128,7 +129,7 @@ def best_plan(
         time_budget_s: soft wall-clock budget for the search (candidate family, structure
             enumeration, polish; the warm structure and the first candidate are always
             solved). ``None``: no limit (the polish still has its own CPU-time budget).
-        include_baselines: also evaluate the SPEC §6 static plans and keep one if it is
+        include_baselines: also evaluate the docs/model.md §6 static plans and keep one if it is
             better (guarantees the result is never worse than them, also when
             ``time_budget_s`` cut the search short).
 
@@ -205,13 +206,15 @@ def best_plan(
     if plan is not None:
         # the search's objective is the cost model's (an upper bound when the exhaustive
         # search idled a group); re-evaluate exactly where that is cheap. The search charges
-        # SPEC §3's no-overlap T_sync; with config.sync_overlap the plan is re-scored with the
+        # docs/model.md §3's no-overlap T_sync; with config.sync_overlap the plan is re-scored with
+        # the
         # overlap (evaluate_plan) before it is compared with the baselines, whatever the size
         exact = len(ctx.available) <= 64 or config.sync_overlap
         objective = plan_objective(ctx, plan)[0] if exact else best.objective
     if include_baselines:
         # always, even past the time budget: three plans of O(D) cost each, and the guarantee
-        # "never worse than the SPEC §6 baselines" must not depend on how loaded the machine is
+        # "never worse than the docs/model.md §6 baselines" must not depend on how loaded the
+        # machine is
         from hetrain.planner import baselines
 
         for make in (

@@ -1,9 +1,10 @@
-"""SPEC §6 static baseline plans for one cluster state: ``dp-even``, ``dp-proportional``,
+"""docs/model.md §6 static baseline plans for one cluster state: ``dp-even``, ``dp-proportional``,
 ``pipeline`` and ``static-hybrid`` (``greedy`` is :func:`hetrain.planner.best_plan` without
 queues). Each uses only available devices on which its layers fit and returns ``None`` when
 none fits ("infeasible").
 
-Choices where SPEC §6 is silent (docs/planner.md): data-parallel devices process their share
+Choices where docs/model.md §6 is silent (docs/planner.md): data-parallel devices process their
+share
 as one micro-batch (``μ = b_g``) when it fits, otherwise the largest ``μ`` that fits (gradient
 accumulation); a device that cannot hold the model with ``μ = 1`` is left out. Equal and
 proportional shares are rounded by largest remainder (ties to cluster-file order); with
@@ -47,8 +48,8 @@ def _fitting_mu(
 ) -> np.ndarray:
     """Largest ``μ ≤ share`` per device with which the whole model fits on it (0 if none),
     shape ``(D,)``: memory ``P' (2 + o) + Φ + h μ Σm ≤ M`` (all trainable and frozen bytes,
-    shared tensors once, SPEC v3) with ``h = 1`` under 1F1B (one stage)
-    and ``h = ceil(share / μ)`` under GPipe (SPEC §3)."""
+    shared tensors once, docs/model.md (v3)) with ``h = 1`` under 1F1B (one stage)
+    and ``h = ceil(share / μ)`` under GPipe (docs/model.md §3)."""
     prefix = profile_prefix(profile)
     params = prefix.total_fixed_memory_bytes(config.optimizer_state_factor)
     act = prefix.act_mem_bytes[-1]

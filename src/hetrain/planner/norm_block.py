@@ -1,8 +1,9 @@
-"""Plans with a norm block ``G`` (SPEC v3 §5): every share ``b_g`` and micro-batch size
+"""Plans with a norm block ``G`` (docs/model.md §5): every share ``b_g`` and micro-batch size
 ``μ_g`` a multiple of ``G``.
 
 Planning in *blocks* of ``G`` samples is exact: with per-block FLOPs and activation bytes
-(``G`` times the per-sample ones) and the batch ``B / G`` blocks, SPEC §3 gives every plan the
+(``G`` times the per-sample ones) and the batch ``B / G`` blocks, docs/model.md §3 gives every plan
+the
 same stage times (``μ c = (μ/G)(G c)``), boundary times, micro-batch counts
 (``ceil(b/μ) = ceil((b/G)/(μ/G))``), memory, sync, costs and lower bound as the plan in
 samples with ``b`` and ``μ`` multiplied by ``G``. So the planner and the baselines solve the

@@ -1,15 +1,16 @@
 """Stages of one group: contiguous splits of the layer chain over the group's ordered devices
-(SPEC §4 "stages").
+(docs/model.md §4 "stages").
 
 For a group with ordered devices ``d_1..d_K`` and micro-batch size ``μ``, a split (``bounds``
-``0 = x_0 < x_1 < ... < x_K = L``) has fill time ``A`` and bottleneck ``M`` (SPEC §3), so its
+``0 = x_0 < x_1 < ... < x_K = L``) has fill time ``A`` and bottleneck ``M`` (docs/model.md §3), so
+its
 group time is the line ``T_g(n) = A + (n − 1) M`` in the number of micro-batches ``n``. Since
 ``n = ceil(b_g / μ)`` depends on the share that the share solver picks later, this module does
 not optimise for one ``n``: it returns the **lower envelope** of those lines over all splits
 that fit in memory (the Pareto set of ``(A, M)``), and the share solver picks, per group, the
 split that is best for the share it gives the group (:mod:`hetrain.planner.shares`).
 
-The envelope is found with SPEC §4's method: for each candidate bottleneck ``β``, a min-sum
+The envelope is found with docs/model.md §4's method: for each candidate bottleneck ``β``, a min-sum
 dynamic program over split points with every stage and boundary time ``≤ β`` and memory
 respected gives the least ``A`` with ``M ≤ β``; a split that is optimal for some ``n`` is
 reproduced by the candidate ``β = M`` of that split. With every distinct stage/boundary time
@@ -120,10 +121,10 @@ def max_microbatches(
     *,
     fixed_bytes: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Largest ``n`` with ``θ_k (2 + o) + h_k(n) μ act_k ≤ M_k`` for every stage (SPEC §3),
+    """Largest ``n`` with ``θ_k (2 + o) + h_k(n) μ act_k ≤ M_k`` for every stage (docs/model.md §3),
     shape ``(P,)`` from inputs of shape ``(P, K)``; ``NO_LIMIT`` when memory never binds, 0
     when not even the parameters fit. ``fixed_bytes`` (shape ``(P, K)``), when given, is the
-    whole micro-batch-independent term ``θ' (2 + o) + φ`` (SPEC v3,
+    whole micro-batch-independent term ``θ' (2 + o) + φ`` (docs/model.md (v3),
     :meth:`~hetrain.costmodel.ProfilePrefix.fixed_memory_bytes`) and ``theta_bytes`` is
     ignored."""
     act = np.atleast_2d(act_bytes_per_sample)

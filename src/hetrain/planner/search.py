@@ -1,4 +1,4 @@
-"""Tentative structure search (SPEC §4): which devices, how many groups, their members and
+"""Tentative structure search (docs/model.md §4): which devices, how many groups, their members and
 order, the micro-batch sizes; stages and shares are solved per structure.
 
 Objective: ``V·T + Σ_j Q_j y_j``. Since ``y_money = T Σ_{used} π_d`` and
@@ -24,10 +24,10 @@ weight ``c_d = Q_money π_d + Q_energy W_d`` (seconds of objective per second of
   the envelope DP cached per group *signature* (speeds, κ, memory, links), shares solved with
   identical groups merged, idle groups chosen over prefixes of groups ranked by throughput per
   weight, then ``μ`` refined around the shares; then a local-search polish
-  (:func:`local_search`). Heuristic; the SPEC §6 baseline plans are evaluated too, so the
+  (:func:`local_search`). Heuristic; the docs/model.md §6 baseline plans are evaluated too, so the
   result is never worse than the best feasible baseline.
 
-Sync: the search scores candidates with SPEC §3's ``T_sync`` (:func:`sync_times_s`, no
+Sync: the search scores candidates with docs/model.md §3's ``T_sync`` (:func:`sync_times_s`, no
 overlap) also when ``TrainingConfig.sync_overlap`` is set; the returned plan's figures
 (:func:`fill_figures`) and its comparison with the baselines use :func:`evaluate_plan`, which
 honours the flag. The overlap changes only the sync charge and mostly lowers it (not always:
@@ -327,7 +327,7 @@ class SearchContext:
 
     # -- turning solutions into candidates ---------------------------------------------------
     def sync_time_s(self, groups: Sequence[np.ndarray], bounds: Sequence[np.ndarray]) -> float:
-        """``T_sync`` of the given active groups (shared tensors included, SPEC v3: a
+        """``T_sync`` of the given active groups (shared tensors included, docs/model.md (v3): a
         single group may have a sync time when a shared tensor spans two of its stages)."""
         if len(groups) <= 1 and not self.prefix.has_shared:
             return 0.0
@@ -376,7 +376,7 @@ def _all_split_options(ctx: SearchContext, devices: tuple[int, ...]) -> list[Gro
             for b in env.bounds:
                 found[tuple(int(x) for x in b)] = None
         bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k + 1)
-    # every split × every μ at once ((P, U, K) arrays of SPEC §3's stage times and memory)
+    # every split × every μ at once ((P, U, K) arrays of docs/model.md §3's stage times and memory)
     per_split = [
         opts
         for opts in fixed_split_options(
@@ -766,7 +766,7 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
             by_kind.setdefault(kind[d], []).append(d)
     for k in depths(max(len(v) for v in by_kind.values())):
         out.append((f"kind-pipelines-{k}", [c for v in by_kind.values() for c in chunks(v, k)]))
-    # one pipeline: the first L devices in file order (the SPEC §6 baseline's devices, here
+    # one pipeline: the first L devices in file order (the docs/model.md §6 baseline's devices, here
     # with optimised stages, μ and share), and the fastest L devices
     if len(avail) > 1:
         out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
@@ -895,7 +895,7 @@ def fixed_split_options(
     mus: Sequence[Sequence[int]],
 ) -> list[GroupOptions]:
     """Options of groups whose stages are fixed (a warm start), one per ``μ`` of each group's
-    list, computed for all groups of one depth at once: ``(G, U, K)`` arrays of the SPEC §3
+    list, computed for all groups of one depth at once: ``(G, U, K)`` arrays of the docs/model.md §3
     stage and boundary times, memory limits from :func:`max_microbatches`."""
     st, pre, cfg = ctx.state, ctx.prefix, ctx.config
     out: list[GroupOptions | None] = [None] * len(groups)
@@ -1270,7 +1270,7 @@ def polish_splits(
     One pass of coordinate descent over the groups: for group g every split (all of them
     when there are at most :data:`ALL_SPLITS_MAX`, else the envelope splits of its ``μ``)
     that fits its micro-batches, in increasing group time ``T_g``, is scored as
-    ``max(max_{h≠g} T_h, T_g) + T_sync`` (SPEC §3, :func:`sync_times_s`) until that group
+    ``max(max_{h≠g} T_h, T_g) + T_sync`` (docs/model.md §3, :func:`sync_times_s`) until that group
     time alone reaches the current iteration time (``T_sync ≥ 0``) or ``max_evals`` sync
     evaluations in all. Returns ``cand`` unchanged when nothing is better, and on structures
     of more than :data:`POLISH_SPLITS_MAX_GROUPS` groups (each sync evaluation costs

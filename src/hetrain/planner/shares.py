@@ -1,4 +1,4 @@
-"""Integer shares ``b_g`` for fixed group structures (SPEC §4 "shares").
+"""Integer shares ``b_g`` for fixed group structures (docs/model.md §4 "shares").
 
 Each group offers *options*: a micro-batch size ``μ``, a split with fill ``A`` and bottleneck
 ``M`` (:mod:`hetrain.planner.partition`) and the largest number of micro-batches ``n_max`` that

@@ -1,4 +1,5 @@
-"""FLOPs and bytes of each layer of a chain (SPEC §2 model profile) measured on a real module.
+"""FLOPs and bytes of each layer of a chain (docs/model.md §2 model profile) measured on a real
+module.
 
 For each child ``l`` of an ``nn.Sequential`` (a pipeline layer), run on an example batch of
 ``N`` samples:
@@ -13,7 +14,8 @@ For each child ``l`` of an ``nn.Sequential`` (a pipeline layer), run on an examp
 * ``param_bytes``: bytes of the child's parameters (a parameter shared by several layers is
   counted in the first).
 
-All but ``param_bytes`` are divided by ``N`` (per sample, SPEC §7). FLOPs and bytes depend on
+All but ``param_bytes`` are divided by ``N`` (per sample, docs/model.md §7). FLOPs and bytes depend
+on
 shapes only, so the module may live on the ``meta`` device (no memory, no compute).
 """
 
@@ -79,12 +81,13 @@ def _custom_flop_formulas() -> dict[Any, Any]:
 
 
 def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> ModelProfile:
-    """Measure the SPEC §7 profile of ``model`` on ``example_input``.
+    """Measure the docs/model.md §7 profile of ``model`` on ``example_input``.
 
     Args:
         model: an ``nn.Sequential`` (one layer per child), or a
             :class:`~hetrain.runtime.cutting.Chain` of any module (layer ``l`` runs with
-            ``stage_forward(l, l + 1, ...)``, SPEC §5 cut). Put it in the mode it trains in.
+            ``stage_forward(l, l + 1, ...)``, docs/model.md §5 cut). Put it in the mode it trains
+            in.
         example_input: the model's input, a tensor (or pytree of tensors) whose first dimension
             is the batch ``N >= 1``; on the same device as ``model``.
         name: the profile's ``name``.
@@ -94,7 +97,7 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
         ``activation_bytes`` counts every tensor crossing the boundary after the layer (masks
         and position ids included); ``param_bytes`` the layer's own trainable parameters,
         ``frozen_param_bytes`` its own parameters without gradient; a tensor used by two or more
-        layers (tied weights) is listed once in ``shared`` (SPEC v3 §2) and in no layer.
+        layers (tied weights) is listed once in ``shared`` (docs/model.md §2) and in no layer.
 
     Raises:
         ValueError: ``model`` has no layers, the batch dimension is missing, or a layer's

@@ -1,4 +1,5 @@
-"""Point-to-point bandwidth and latency between two local gloo ranks (SPEC §2 ``bw``, ``lat``).
+"""Point-to-point bandwidth and latency between two local gloo ranks (docs/model.md §2 ``bw``,
+``lat``).
 
 Two processes are forked, rendezvous through a :class:`torch.distributed.FileStore` in a
 temporary folder (no ports), and play ping-pong with ``send``/``recv`` of several message sizes.

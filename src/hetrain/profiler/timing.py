@@ -1,6 +1,6 @@
 """Wall-clock timing of each layer's forward and backward on this device, of stages (chains of
 consecutive layers) of several lengths, and fits of the device's speed ``s``, per-micro-batch
-cost ``κ`` and per-layer cost ``λ`` (SPEC v3 §3) from them."""
+cost ``κ`` and per-layer cost ``λ`` (docs/model.md §3) from them."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _one_pass(children: Sequence[nn.Module], x: torch.Tensor, device: torch.devi
 @dataclass(frozen=True)
 class DeviceFit:
     """Speed and κ of this device for one model: ``chain`` fits the whole chain's time per
-    micro-batch (the SPEC §3 stage = all layers), ``per_layer`` fits every (layer, μ) point
+    micro-batch (the docs/model.md §3 stage = all layers), ``per_layer`` fits every (layer, μ) point
     with one shared speed and intercept (the overhead of a one-layer stage)."""
 
     chain: SpeedFit
@@ -247,7 +247,7 @@ def time_stages(
 def fit_stages(
     profile: ModelProfile, times: StageTimes, layer_times: LayerTimes | None = None
 ) -> StageOverheadFit:
-    """Fit ``t = μ F / s + κ + λ |S|`` (SPEC v3 §3,
+    """Fit ``t = μ F / s + κ + λ |S|`` (docs/model.md §3,
     :func:`hetrain.calibration.fit_stage_overheads`) to :func:`time_stages`' times, and to
     :func:`time_layers`' one-layer stages when given (forward + backward, their own sizes):
     one point per (micro-batch size, stage), ``F = Σ_{l∈S} (f_l + w_l)``.

@@ -78,7 +78,8 @@ def plot_iteration_times(events: Sequence[dict[str, Any]], path: str | Path) -> 
 def plot_predicted_vs_measured(
     events: Sequence[dict[str, Any]], controller_rows: Sequence[dict[str, Any]], path: str | Path
 ) -> Path:
-    """Measured iteration time per step next to the controller's SPEC §3 prediction of the plan
+    """Measured iteration time per step next to the controller's docs/model.md §3 prediction of the
+    plan
     in force and of even data parallelism on the same estimates (``controller.jsonl``); writes
     ``path`` (PNG)."""
     plt = _plt()

@@ -68,8 +68,9 @@ def compare_with_dp_even(
     """Mean measured iteration time after the slow-down next to even data parallelism on the
     same measured speeds.
 
-    The controller logs, for every step, the SPEC §3 prediction of the plan in force and of
-    dp-even (SPEC §6) on its current estimates. The model leaves out per-step costs that are
+    The controller logs, for every step, the docs/model.md §3 prediction of the plan in force and of
+    dp-even (docs/model.md §6) on its current estimates. The model leaves out per-step costs that
+    are
     the same for every plan (Python, optimizer, launch), so dp-even's measured-scale figure is
     its prediction times the run's measured/predicted ratio over the same steps
     (``dp_even_time_s``); the raw predictions are given too. ``None`` without a slow-down or

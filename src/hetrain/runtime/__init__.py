@@ -1,4 +1,4 @@
-"""Runtime: the only code that talks to processes (SPEC §5). The engine is
+"""Runtime: the only code that talks to processes (docs/model.md §5). The engine is
 :class:`hetrain.runtime.engine.Worker`; see ``docs/runtime.md``."""
 
 from hetrain.runtime.emulation import Emulation

@@ -1,4 +1,5 @@
-"""The controller of a training run (SPEC §4-§5), in its own process: measured step times ->
+"""The controller of a training run (docs/model.md §4-§5), in its own process: measured step times
+->
 speed estimates -> :class:`~hetrain.control.lyapunov.LyapunovController` -> plan changes that hold.
 
 Where it runs. The process that launches the ranks (``hetrain train``: the elastic launcher's
@@ -23,7 +24,8 @@ Decisions (:func:`controller_decide`, the one integration point with ``hetrain.c
 policy proposes; a change is applied only when, on the *same* estimates, its predicted
 steady-state iteration time is lower than the current plan's by ``min_gain`` (relative), the
 gain over the expected persistence ``min(steps left, horizon_steps)`` pays its migration time
-(SPEC §4, v3: idle groups that become active included), and it looked so on ``confirm_steps``
+(docs/model.md §4, v3: idle groups that become active included), and it looked so on
+``confirm_steps``
 consecutive decisions (noise guard). The controller's state (estimates, policy with its
 queues, plan ids) is saved next to every checkpoint and restored on resume
 (``{checkpoint_dir}/controller/state-{step}.pkl``); the ranks keep their plan meanwhile.
@@ -65,7 +67,7 @@ from hetrain.profile import ProfileArrays
 
 class SpeedEstimates:
     """Per-device speed estimates (FLOP/s) from per-iteration compute measurements: the median
-    of the last ``window`` samples ``flops / (time_s - n_microbatches κ_d)`` (SPEC §3: each
+    of the last ``window`` samples ``flops / (time_s - n_microbatches κ_d)`` (docs/model.md §3: each
     micro-batch costs ``μ c + κ``).
 
     A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
@@ -93,7 +95,8 @@ class SpeedEstimates:
         self, device: str, flops: float, time_s: float, num_microbatches: int, num_layers: int = 0
     ) -> None:
         """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
-        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (SPEC v3: κ and
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (docs/model.md (v3):
+        κ and
         λ per layer, ``n (κ + λ |S|)``, are subtracted before the speed is taken)."""
         if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
             return
@@ -126,7 +129,7 @@ class SpeedEstimates:
 def predict_iteration_time_s(
     plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> float:
-    """Predicted iteration time ``T`` of ``plan`` on ``state`` (seconds, SPEC §3,
+    """Predicted iteration time ``T`` of ``plan`` on ``state`` (seconds, docs/model.md §3,
     :func:`hetrain.costmodel.evaluate_plan`)."""
     return float(evaluate_plan(plan, state, profile, config).iteration_time_s)
 
@@ -134,7 +137,8 @@ def predict_iteration_time_s(
 def migration_time_estimate_s(
     old: Plan, new: Plan, profile: ProfileArrays, state: ClusterState, optimizer_state_factor: float
 ) -> float:
-    """Migration time of ``old -> new`` (seconds; SPEC §4, v3: a group that goes from idle to
+    """Migration time of ``old -> new`` (seconds; docs/model.md §4, v3: a group that goes from idle
+    to
     active receives weights and optimizer state too), by
     :func:`hetrain.control.migration.migration_time_s`. 0 when the active structure is equal."""
     if old.structure() == new.structure():
@@ -172,7 +176,7 @@ class Decision:
         reason: why (``"rebalance"``: shares only; ``"re-plan"``: new groups/stages; plus the
             slow-down that moved the estimates, when one did).
         decided_after_step: the last step whose measurements the decision saw.
-        current_time_s, predicted_time_s: SPEC §3 iteration time of the current and the new
+        current_time_s, predicted_time_s: docs/model.md §3 iteration time of the current and the new
             plan on ``speeds_flops`` (seconds).
         migration_time_s: predicted migration time of the change (seconds).
         horizon_steps: steps over which the gain was required to pay the migration.
@@ -241,7 +245,7 @@ def change_holds(
     optimizer_state_factor: float,
     min_gain: float,
 ) -> tuple[float, float, float, bool]:
-    """The rule every applied change obeys (issue 10, SPEC §4), on one set of estimates.
+    """The rule every applied change obeys (issue 10, docs/model.md §4), on one set of estimates.
 
     Returns:
         ``(current_time_s, predicted_time_s, migration_time_s, allowed)`` on ``state``;
@@ -369,7 +373,8 @@ class PlanController:
         return self.estimates.apply(self.base_state)
 
     def predictions(self) -> dict[str, float]:
-        """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even, SPEC
+        """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
+        docs/model.md
         §6) on the current estimates."""
         state = self.observed_state()
         even = even_dp_plan(
@@ -839,7 +844,7 @@ def even_dp_plan(
     more sample), each share one micro-batch (``microbatch_size`` is kept for API symmetry: on
     a single device splitting the share only adds overhead).
 
-    With ``norm_block = G`` (SPEC v3 §5) the ``B / G`` blocks are split as equally as possible
+    With ``norm_block = G`` (docs/model.md §5) the ``B / G`` blocks are split as equally as possible
     instead (the first ``(B/G) mod D`` groups get one more block), so every share and ``μ_g``
     is a multiple of ``G``; with fewer blocks than devices the last groups are idle (share 0).
 
@@ -867,9 +872,9 @@ def even_dp_plan(
 def runtime_plan(plan: Plan) -> Plan:
     """The plan as the runtime runs it: idle groups (``b_g = 0``) left out, so their devices
     hold nothing and are sent nothing per step (the engine releases their layers; a later plan
-    that makes them active moves weights and optimizer state to them, the migration SPEC v3 §4
+    that makes them active moves weights and optimizer state to them, the migration docs/model.md §4
     charges); single-device groups run their share as one micro-batch (``μ_g = b_g``: with one
-    stage, splitting only adds ``κ`` per micro-batch, SPEC §3)."""
+    stage, splitting only adds ``κ`` per micro-batch, docs/model.md §3)."""
     groups = tuple(
         g.model_copy(update={"microbatch_size": g.batch}) if g.num_stages == 1 else g
         for g in plan.groups

@@ -460,7 +460,8 @@ def train(
     ``dataset`` with hetrain's runtime on local worker processes, adapting the plan online.
 
     Args:
-        model: any ``nn.Module`` (cut into layers at its blocks, SPEC §5: every block of every
+        model: any ``nn.Module`` (cut into layers at its blocks, docs/model.md §5: every block of
+        every
             ``ModuleList``/``Sequential`` of two or more blocks of one class, plus a prefix and
             a suffix layer), an ``nn.Sequential`` (one layer per child) or a list of blocks;
             its current weights are the starting point on every rank.

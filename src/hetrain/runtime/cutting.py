@@ -1,4 +1,5 @@
-"""Cutting any ``torch.nn.Module`` into a chain of pipeline layers (SPEC §5, docs/runtime.md).
+"""Cutting any ``torch.nn.Module`` into a chain of pipeline layers (docs/model.md §5,
+docs/runtime.md).
 
 Two kinds of chains, both running the **original** modules (weights, tied tensors, ``eval()``
 and every micro-batch size keep working):
@@ -62,7 +63,7 @@ def leaves(obj: Any) -> list[torch.Tensor]:
 
 
 class Chain:
-    """A model cut into ``num_layers`` layers (SPEC §2 chain).
+    """A model cut into ``num_layers`` layers (docs/model.md §2 chain).
 
     Attributes:
         module: the original module (trained in place; export and evaluation use it).
@@ -98,7 +99,8 @@ class Chain:
 
     @property
     def shared(self) -> dict[str, tuple[int, ...]]:
-        """Canonical name -> layers using it, for tensors used by two or more layers (SPEC §2
+        """Canonical name -> layers using it, for tensors used by two or more layers (docs/model.md
+        §2
         shared tensors)."""
         use: dict[str, list[int]] = {}
         for layer, names in enumerate(self.layer_tensors):
@@ -298,7 +300,7 @@ def _blocks_of(container: nn.Module, path: str) -> list[str]:
 
 
 def default_blocks(module: nn.Module) -> list[str]:
-    """SPEC §5 default cut points of ``module``: every block of every ``ModuleList``/
+    """docs/model.md §5 default cut points of ``module``: every block of every ``ModuleList``/
     ``Sequential`` of two or more blocks of one class, in module order (:class:`ModuleCut`
     re-orders them by execution). Lists inside blocks stay inside (a ResNet bottleneck's
     convolutions), except when every block of a list only wraps lists (ResNet stages): then

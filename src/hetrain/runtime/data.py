@@ -247,7 +247,8 @@ class Task:
     quality_target: float | None = None
     higher_is_better: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
-    layers: list[str] | None = None  # cut points (module names); None = SPEC §5 default cut
+    # cut points (module names); None = the default cut of docs/model.md §5
+    layers: list[str] | None = None
 
     def quality_line(self, metrics: dict[str, float]) -> str:
         """One line stating the reached quality against the stated target."""
@@ -437,7 +438,7 @@ def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
 
 def masked_lm_loss(out: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked-LM loss as ``(sum, count)`` over the masked tokens (targets ``-100`` elsewhere):
-    the engine divides by the count of the whole global batch (SPEC §5)."""
+    the engine divides by the count of the whole global batch (docs/model.md §5)."""
     logits = model_logits(out)
     total = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"

@@ -1,10 +1,11 @@
 """Data-parallel dimension: combine each layer's gradient across the groups holding it
-(SPEC §1, §3 "sync time").
+(docs/model.md §1, §3 "sync time").
 
 Layer ``l`` is held by one rank per group (its *owners*). Consecutive layers with the same
 owners form a *bucket*; a bucket's gradients are flattened and summed with one all-reduce among
 the owners in active groups (``b_g > 0``), so every rank moves only the bytes of the parameters
-it holds (a ring all-reduce among the owners of the same layers, SPEC §3). Owners in idle groups
+it holds (a ring all-reduce among the owners of the same layers, docs/model.md §3). Owners in idle
+groups
 (``b_g = 0``) then *receive* the combined gradient by a broadcast from the first active owner
 and step their optimizer with it, so that every replica stays identical.
 
@@ -35,7 +36,7 @@ class Bucket:
     layers: tuple[int, ...]
     active: tuple[int, ...]
     idle: tuple[int, ...]
-    shared: str | None = None  # a shared (tied) tensor's bucket: its holders (SPEC v3 §3)
+    shared: str | None = None  # a shared (tied) tensor's bucket: its holders (docs/model.md §3)
 
     @property
     def reduce_ranks(self) -> tuple[int, ...]:
@@ -125,7 +126,7 @@ def _unflatten_into(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
 
 def shared_buckets(layout: Layout, shared: dict[str, tuple[int, ...]]) -> list[Bucket]:
     """One bucket per shared tensor (``name -> layers using it``): its owners are every rank
-    holding one of those layers (a rank once), active ones those of active groups (SPEC v3 §3:
+    holding one of those layers (a rank once), active ones those of active groups (docs/model.md §3:
     the gradient is the sum over all uses in all active groups)."""
     out = []
     for name, layers in shared.items():
@@ -144,7 +145,8 @@ def shared_buckets(layout: Layout, shared: dict[str, tuple[int, ...]]) -> list[B
 
 
 class GradientSync:
-    """Combine one step's gradients (SPEC §3 sync): all-reduce (sum) of each bucket among its
+    """Combine one step's gradients (docs/model.md §3 sync): all-reduce (sum) of each bucket among
+    its
     active owners, then broadcast to its idle owners. Frozen parameters (no gradient) are left
     out: no hooks, no all-reduce.
 
@@ -157,7 +159,7 @@ class GradientSync:
     overlap.
 
     Emulated links (when the emulation limits links): bucket ``i`` (launch order) of ``n_i``
-    bytes needs ``dur_i = 2 (G'-1) lat + 2 (G'-1)/G' · n_i / β`` (SPEC §3 ring all-reduce,
+    bytes needs ``dur_i = 2 (G'-1) lat + 2 (G'-1)/G' · n_i / β`` (docs/model.md §3 ring all-reduce,
     ``β`` the slowest emulated link from this rank to another owner), and the buckets share
     this rank's link, one after the other: its emulated finish is
     ``f_i = max(r_i, f_{i-1}) + dur_i`` and :meth:`finish` waits until then. ``r_i`` is when

@@ -1,4 +1,5 @@
-"""Emulated heterogeneity on one machine (SPEC §5): per-device slow-down and per-link bandwidth.
+"""Emulated heterogeneity on one machine (docs/model.md §5): per-device slow-down and per-link
+bandwidth.
 
 Nothing here burns CPU: a slowed device *sleeps* ``(factor - 1) x`` the measured time of each of
 its compute operations (forward or backward of one micro-batch on one stage), and a link sleeps
@@ -22,7 +23,7 @@ class Emulation:
     Attributes:
         slowdown: device id -> slow-down factor ``>= 1`` (3.0 = the device computes 3x slower).
         nic_bandwidth_bytes_per_s: device id -> NIC bandwidth in bytes/s; the bandwidth of a
-            link between two devices of different nodes is ``min(nic_d, nic_e)`` (SPEC §2).
+            link between two devices of different nodes is ``min(nic_d, nic_e)`` (docs/model.md §2).
             A device not named has unlimited bandwidth.
         node: device id -> node id; devices of one node use ``intra_node_bandwidth_bytes_per_s``
             (a device not named is its own node).
@@ -32,7 +33,7 @@ class Emulation:
             overriding the rules above.
         latency_s: latency added to every emulated transfer, seconds.
         microbatch_overhead_s: device id -> fixed cost ``κ_d`` (seconds) slept once per
-            micro-batch and stage (after its forward), SPEC §3 ``C_k = μ c_k + κ``.
+            micro-batch and stage (after its forward), docs/model.md §3 ``C_k = μ c_k + κ``.
         compute_clock: what "measured compute" means for the slow-down: ``"wall"`` (default)
             the op's wall time, so an op lasts ``factor x wall``; ``"thread_cpu"`` the CPU
             time of the calling thread (``time.thread_time``), so an op lasts
@@ -124,7 +125,7 @@ class Emulation:
 
     def transfer_time_s(self, d: str, e: str, num_bytes: int) -> float:
         """Emulated duration of one transfer of ``num_bytes`` over ``(d, e)``:
-        ``num_bytes / bw(d, e) + latency_s`` seconds (SPEC §3, one direction)."""
+        ``num_bytes / bw(d, e) + latency_s`` seconds (docs/model.md §3, one direction)."""
         bw = self.link_bandwidth(d, e)
         return (0.0 if math.isinf(bw) else num_bytes / bw) + self.latency_s
 

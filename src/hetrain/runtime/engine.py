@@ -1,4 +1,4 @@
-"""The runtime engine: one :class:`Worker` per rank executes any SPEC §7 plan exactly.
+"""The runtime engine: one :class:`Worker` per rank executes any docs/model.md §7 plan exactly.
 
 Every rank builds the full model from the same seed and passes it to :class:`Worker`, which
 keeps only the rank's layers (the others become shape-only ``meta`` modules, materialised when
@@ -109,7 +109,7 @@ def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
     """Check that ``layers`` can be trained exactly and return its chain. Dropout and
     BatchNorm are accepted (:mod:`hetrain.runtime.randomness` makes random draws
     plan-invariant, :mod:`hetrain.runtime.norm` handles BatchNorm) and so are tied tensors
-    (SPEC v3 §2: a shared tensor lives on every stage that uses it).
+    (docs/model.md §2: a shared tensor lives on every stage that uses it).
 
     Raises:
         InputError: not a module or an empty chain.
@@ -157,7 +157,7 @@ def _real_copy(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 class Worker:
-    """One rank of a hybrid data/pipeline-parallel run (SPEC §1, §5).
+    """One rank of a hybrid data/pipeline-parallel run (docs/model.md §1, §5).
 
     Args:
         layers: the model: an ``nn.Sequential`` or a list of modules (layer ``l`` = child
@@ -165,11 +165,11 @@ class Worker:
             (:func:`~hetrain.runtime.cutting.cut_module`), built identically (same seed) on
             every rank; the worker takes it over (converts it to ``dtype``; tensors of layers
             it does not hold become ``meta``).
-        plan: the SPEC §7 plan; it must name every rank's device exactly once.
+        plan: the docs/model.md §7 plan; it must name every rank's device exactly once.
         device_id: this rank's device id in the plan (all ranks exchange theirs).
         loss_fn: ``(output, target) -> scalar`` mean over the micro-batch's samples (e.g.
             ``F.cross_entropy``; the engine scales it by ``rows / B``), or ``-> (sum, count)``
-            (e.g. masked tokens: the engine divides by the global batch's count, SPEC §5).
+            (e.g. masked tokens: the engine divides by the global batch's count, docs/model.md §5).
         optimizer: :class:`OptimizerSpec`, built per layer and per shared tensor.
         schedule: ``"1f1b"`` or ``"gpipe"``; None = the plan's ``schedule``.
         emulation: slow-down and link emulation (settable later via :attr:`emulation`).

@@ -33,7 +33,7 @@ class GroupLayout:
 
     def microbatches(self) -> list[tuple[int, int]]:
         """Row ranges ``[start, end)`` of the global batch, one per micro-batch
-        (``n_g = ceil(b_g / μ_g)``, SPEC §3)."""
+        (``n_g = ceil(b_g / μ_g)``, docs/model.md §3)."""
         out = []
         start = self.offset
         stop = self.offset + self.batch

@@ -7,7 +7,8 @@ Every line has ``event`` and ``step`` and ``time_s`` (seconds since the run star
   each new plan), ``global_batch`` (B), ``shares`` (``b_g`` per group, plan order),
   ``lr``, ``compute_time_s`` (per rank: measured compute of the rank's stage, emulated
   slow-down included), ``slowdown`` (per rank: emulated factor in force).
-- ``"plan"``: the plan in force from ``step`` on (``plan``: the SPEC §7 plan object); written at
+- ``"plan"``: the plan in force from ``step`` on (``plan``: the docs/model.md §7 plan object);
+  written at
   the start and after each change.
 - ``"replan"``: the plan changed before ``step``: ``plan_id``, ``old_plan_id``, ``reason``,
   ``predicted_time_s``/``current_time_s`` (cost-model estimates on the measured speeds),

@@ -1,5 +1,5 @@
 """Plan changes: move layers with their parameters, buffers and optimizer state to their new
-owners between iterations (SPEC §5), and gather layers on one rank (export).
+owners between iterations (docs/model.md §5), and gather layers on one rank (export).
 
 A layer travels as one ``torch.save`` byte string (module ``state_dict`` + the per-layer
 optimizer ``state_dict``) sent point-to-point from one old owner (all replicas are identical).

@@ -1,5 +1,5 @@
 """BatchNorm under any plan: ghost batch norm with a norm block ``G`` (docs/runtime.md
-"BatchNorm"; SPEC v3 §5 "BatchNorm").
+"BatchNorm"; docs/model.md §5 "BatchNorm").
 
 With ``G``: in training, every ``torch.nn.modules.batchnorm._BatchNorm`` normalises each aligned
 block of ``G`` consecutive samples of the global batch with that block's statistics (Hoffer,

@@ -1,5 +1,5 @@
 """Optimizers where the parameters live: one optimizer per layer, so that a layer moves to a
-new owner together with its optimizer state (SPEC §5)."""
+new owner together with its optimizer state (docs/model.md §5)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ class OptimizerSpec:
 
     @property
     def state_factor(self) -> float:
-        """SPEC §2 ``o``: optimizer state bytes per parameter byte (2 AdamW, 1 SGD+momentum,
+        """docs/model.md §2 ``o``: optimizer state bytes per parameter byte (2 AdamW, 1
+        SGD+momentum,
         0 plain SGD)."""
         if self.name == "adamw":
             return 2.0

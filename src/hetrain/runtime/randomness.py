@@ -1,7 +1,7 @@
 """Plan-invariant randomness: every random draw of the model depends only on the key
 ``(seed, step, global sample index, module path, call number)`` and the element's index within
 the sample, never on the device, the micro-batch or the plan (docs/runtime.md "Randomness";
-SPEC v3 §5 "Randomness").
+docs/model.md §5 "Randomness").
 
 Interface (the engine's side):
 

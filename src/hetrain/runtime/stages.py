@@ -1,5 +1,5 @@
 """Pipeline dimension: point-to-point activation/gradient messages and the 1F1B and GPipe
-schedules of one stage (SPEC §1, §5).
+schedules of one stage (docs/model.md §1, §5).
 
 Every message between neighbouring stages is a small int64 header (dtype, shape, send time)
 followed by the payload, so any chain works (int64 token ids at the first stage, bf16 under
@@ -55,7 +55,7 @@ def schedule_ops(
 
     GPipe: all forwards, then all backwards. 1F1B (PipeDream-Flush): ``min(K - k - 1, n)``
     warm-up forwards, then alternate one forward and one backward, then the remaining
-    backwards; at most ``K - k`` micro-batches are alive on stage ``k`` (SPEC §3 ``h_k``).
+    backwards; at most ``K - k`` micro-batches are alive on stage ``k`` (docs/model.md §3 ``h_k``).
 
     Raises:
         ValueError: unknown schedule.
@@ -100,7 +100,8 @@ class P2P:
 
     The header carries the sender's wall-clock send time; the receiver sleeps until
     ``max(send time, link free) + n / bw + latency`` (one link = one FIFO pipe per direction),
-    so emulated transfers overlap with the sender's compute as SPEC §3 assumes. Send times are
+    so emulated transfers overlap with the sender's compute as docs/model.md §3 assumes. Send times
+    are
     compared across processes with ``time.time_ns`` (one machine, or synchronised clocks).
     """
 
@@ -239,7 +240,7 @@ def _float(t: torch.Tensor) -> bool:
 
 def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``loss_fn``'s result as ``(loss, count)``: a scalar is a per-sample mean (count None);
-    a pair ``(sum, count)`` is a sum over ``count`` counted items (tokens), SPEC §5.
+    a pair ``(sum, count)`` is a sum over ``count`` counted items (tokens), docs/model.md §5.
 
     Raises:
         ValueError: anything else.
@@ -286,7 +287,8 @@ def run_stage(
     Returns ``(loss_sum, count_sum, sum_mode)`` (0-dim float64 tensors, zero except on the last
     stage). Per-sample means (``loss_fn`` returns a scalar): each micro-batch loss is scaled by
     ``rows / B`` before backward, so gradients sum to the gradient of the mean over ``B``.
-    ``(sum, count)`` losses (SPEC §5): the sum is back-propagated unscaled and the engine divides
+    ``(sum, count)`` losses (docs/model.md §5): the sum is back-propagated unscaled and the engine
+    divides
     every gradient by the global batch's count (one all-reduce) afterwards. Gradients accumulate
     into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
     gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows

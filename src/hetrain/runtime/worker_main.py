@@ -98,7 +98,7 @@ class TrainJob:
         microbatch_size: μ of the plans chosen here.
         cluster: cluster file contents (SI conversion here) or None (local ranks).
         slowdown: constant emulated slow-down factor per device.
-        trace_rows: SPEC §7 trace rows (slot = step) or None.
+        trace_rows: docs/model.md §7 trace rows (slot = step) or None.
         metrics_out: JSONL metrics file; run_dir: folder for the report and export.
         checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
         out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
@@ -197,7 +197,8 @@ def local_cluster_state(devices: list[str], speeds_flops: list[float]) -> Cluste
 
 class EmulationSchedule:
     """Per-step emulation: ``slowdown_d(t) = base_d / speed_factor_d(t)`` and NIC bandwidth from
-    the trace (SPEC §7: one slot = one step). ``base_d`` is ``--slowdown``'s factor times, with
+    the trace (docs/model.md §7: one slot = one step). ``base_d`` is ``--slowdown``'s factor times,
+    with
     ``--cluster``, ``max_e tflops_e / tflops_d`` (the local ranks emulate the cluster's relative
     speeds and its links)."""
 
@@ -324,13 +325,13 @@ def _measure_device(
 
     Forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers when the model is
     an ``nn.Sequential`` whose half chain has one differentiable output (chains of two lengths
-    tell ``λ`` from ``κ``, SPEC v3 §2), on micro-batches of 1, 4 and 16 samples (at most the
+    tell ``λ`` from ``κ``, docs/model.md §2), on micro-batches of 1, 4 and 16 samples (at most the
     global batch) taken from ``indices`` (the sampler's first global batch, so a data set
     smaller than the batch wraps as in training). Every measurement starts after a barrier, so
     all ranks compute at once, as they do in training (a rank measured while the others wait
     would see the machine to itself); each point is measured ``repeats`` times and summarised
     by the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the
-    measured time (SPEC §5). Fitted to ``t = μ F / s + κ + λ |S|`` by
+    measured time (docs/model.md §5). Fitted to ``t = μ F / s + κ + λ |S|`` by
     :func:`hetrain.calibration.fit_stage_overheads` (``t = μ F / s + κ`` by ``fit_speed_kappa``
     when the half chain cannot be timed alone), else the two-point line. ``σ`` is
     :func:`hetrain.calibration.relative_jitter` of the repeats

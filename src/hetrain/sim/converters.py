@@ -1,4 +1,4 @@
-"""Converters from the real public traces in ``../shared/data`` into SPEC §7 trace rows.
+"""Converters from the real public traces in ``../shared/data`` into docs/model.md §7 trace rows.
 
 Each converter maps one real time series onto the devices of a cluster and onto slots
 (``slot_seconds`` of real time per slot, so a long history fits in a run of N slots) and returns

@@ -1,4 +1,4 @@
-"""Seeded generators of cluster dynamics as SPEC §7 trace rows.
+"""Seeded generators of cluster dynamics as docs/model.md §7 trace rows.
 
 Each generator returns a list of :class:`~hetrain.trace.TraceRow` (one row per change) for the
 devices it is given; :func:`generate_trace` merges several and sorts them by slot (stable), ready

@@ -17,7 +17,7 @@ state (:func:`hetrain.control.incremental.rebalance_shares`): the planner's
 states at each multiplier of a grid, plus any plans the caller adds (e.g. those the policies
 ran); the stale reference uses only the structures found on measured states and the added
 ones. The bound is therefore as tight as that search (the planner is exact only up to a few
-devices). Multipliers are named ``η`` (SPEC's ``λ`` is the per-layer overhead).
+devices). Multipliers are named ``η`` (docs/model.md's ``λ`` is the per-layer overhead).
 
 The measured states and time noise are drawn exactly as :func:`hetrain.sim.simulator.simulate`
 draws them for the same seed, so references and policies see the same slots.
@@ -176,7 +176,8 @@ def compute_references(
     (and, with budgets, the stale reference without them as ``stale-unbudgeted``).
 
     Args:
-        timeline, profile, config: the trace, model and training configuration (SPEC §3 cost
+        timeline, profile, config: the trace, model and training configuration (docs/model.md §3
+        cost
             model defaults: the vectorised evaluation).
         slots: number of slots.
         budgets: ``{"money": ȳ, "energy": ȳ}`` per iteration; None: no budget.

@@ -1,4 +1,4 @@
-"""Trace-driven simulator (SPEC §4, §7): run any policy over a trace for N slots.
+"""Trace-driven simulator (docs/model.md §4, §7): run any policy over a trace for N slots.
 
 Slot ``t``:
 
@@ -12,7 +12,7 @@ Slot ``t``:
    device that is gone, are decided synchronously and run at once (the runtime plans before
    training starts and re-plans when a rank is lost); pending decisions are then dropped. The
    simulator checks that every device of an active group is available;
-3. the iteration time is SPEC §3 under the *actual* state of slot ``t``
+3. the iteration time is docs/model.md §3 under the *actual* state of slot ``t``
    (:func:`hetrain.control.incremental.evaluate_fast`, equal to
    :func:`hetrain.costmodel.evaluate_plan`), times optional multiplicative noise
    ``exp(N(0, σ²))``, plus the migration time of a structure change
@@ -21,7 +21,7 @@ Slot ``t``:
    ``y_energy = slot_time · Σ_{d used} W_d``; the policy observes time and cost.
 
 A slot where the policy has no feasible plan (:class:`~hetrain.errors.NoFeasiblePlanError`) is
-recorded as infeasible and excluded from the means (SPEC §6 "infeasible").
+recorded as infeasible and excluded from the means (docs/model.md §6 "infeasible").
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from hetrain.trace import TraceTimeline
 class SlotRecord:
     """One slot of a simulation (a row of the per-slot CSV).
 
-    ``iteration_time_s`` includes ``migration_time_s``; ``compute_time_s`` is SPEC §3's ``T``
+    ``iteration_time_s`` includes ``migration_time_s``; ``compute_time_s`` is docs/model.md §3's
+    ``T``
     of the actual state (before noise); costs are per iteration (currency, joules); queues are
     the controller's backlog after the slot (0 for baselines)."""
 
@@ -73,7 +74,7 @@ class SlotRecord:
 
 @dataclass
 class SimulationResult:
-    """Per-slot records and the SPEC §7 summary of one policy on one trace."""
+    """Per-slot records and the docs/model.md §7 summary of one policy on one trace."""
 
     policy: str
     records: list[SlotRecord]
@@ -93,7 +94,7 @@ class SimulationResult:
     @property
     def plan_changes(self) -> int:
         """Changes of groups or stages between consecutive slots (share-only changes and the
-        first plan are not counted, SPEC §7)."""
+        first plan are not counted, docs/model.md §7)."""
         return sum(1 for r in self.records if r.plan_changed)
 
     def mean(self, attribute: str) -> float | None:
@@ -102,7 +103,7 @@ class SimulationResult:
         return float(np.mean(values)) if values else None
 
     def summary(self) -> dict[str, Any]:
-        """The ``hetrain simulate --json`` object (SPEC §7), means over feasible slots with
+        """The ``hetrain simulate --json`` object (docs/model.md §7), means over feasible slots with
         migration time included; extra keys: ``infeasible_slots``, ``mean_migration_time_s``,
         ``budgets``, ``final_backlog``."""
         last = self.records[-1] if self.records else None
@@ -177,7 +178,7 @@ def simulate(
         keep_plans: keep every slot's plan in ``result.plans`` (memory grows with slots).
         decision_delay: slots between a decision (taken before slot ``t`` on measurements up
             to ``t − 1``) and the slot it first runs in, ``t + decision_delay`` (default 1,
-            the runtime's asynchronous controller; 0: SPEC §4's idealised timing).
+            the runtime's asynchronous controller; 0: docs/model.md §4's idealised timing).
 
     Raises:
         ValueError: a policy emitted a plan that uses an unavailable device, names an unknown
