@@ -135,12 +135,8 @@ def run_profile(
     gen = torch.Generator().manual_seed(seed)
     inputs = ex.make_input(batch, gen, device=count_device)
     profile = profile_chain(model, inputs, name=f"{example} ({ex.description}; {count_device})")
-    text = json.dumps(profile.to_json_dict(), indent=1)
-    if out is None:
-        print(text)
+    if not _write_profile(profile, out):
         return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
     print(
         f"wrote {out}: {plural(profile.num_layers, 'layer')}, "
         f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
@@ -212,12 +208,8 @@ def _profile_module(example, model_spec, size, batch, out, seed) -> int:
         chain = cut_module(module, inputs[:1], source=f"--example {example}")
         name, label = f"{example}-{size}", f"{example} {size} ({what}; cpu)"
     profile = profile_chain(chain, inputs, name=label)
-    text = json.dumps(profile.to_json_dict(), indent=1)
-    if out is None:
-        print(text)
+    if not _write_profile(profile, out):
         return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
     shared = sum(t.bytes for t in profile.shared)
     print(
         f"wrote {out}: {name}: {profile.num_layers} layers, "
@@ -226,6 +218,18 @@ def _profile_module(example, model_spec, size, batch, out, seed) -> int:
         f"({shared / 2**20:.4g} MiB shared by {len(profile.shared)} tied tensor(s))"
     )
     return 0
+
+
+def _write_profile(profile, out: Path | None) -> bool:
+    """Write ``profile`` as JSON to ``out`` (folders created), or print it when ``out`` is
+    None. Returns whether it was written to a file (the caller then prints a summary)."""
+    text = json.dumps(profile.to_json_dict(), indent=1)
+    if out is None:
+        print(text)
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    return True
 
 
 def _measure(

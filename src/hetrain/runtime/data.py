@@ -360,6 +360,19 @@ def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
 # ---- digits ---------------------------------------------------------------------------------
 
 
+IMAGE_DEFAULTS: dict[str, Any] = {
+    "steps": 150,
+    "batch": 64,
+    "lr": 2e-3,
+    "optimizer": "adamw",
+    "microbatch_size": 16,
+    "warmup_steps": 10,
+    "grad_clip_norm": None,
+    "weight_decay": 0.0,
+}
+"""Training defaults of the image examples (``digits``, ``resnet``)."""
+
+
 def digits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy: logits ``(N, 10)``, targets ``(N,)`` int64."""
     return F.cross_entropy(logits, targets)
@@ -400,16 +413,7 @@ def digits_task(seed: int = 0) -> Task:
         quality_metric="val_accuracy",
         quality_target=0.95,
         higher_is_better=True,
-        defaults={
-            "steps": 150,
-            "batch": 64,
-            "lr": 2e-3,
-            "optimizer": "adamw",
-            "microbatch_size": 16,
-            "warmup_steps": 10,
-            "grad_clip_norm": None,
-            "weight_decay": 0.0,
-        },
+        defaults=dict(IMAGE_DEFAULTS),
     )
 
 
@@ -598,16 +602,7 @@ def resnet_task(size: str = "tiny") -> Task:
         evaluate=evaluate,
         quality_metric="val_accuracy",
         higher_is_better=True,
-        defaults={
-            "steps": 150,
-            "batch": 64,
-            "lr": 2e-3,
-            "optimizer": "adamw",
-            "microbatch_size": 16,
-            "warmup_steps": 10,
-            "grad_clip_norm": None,
-            "weight_decay": 0.0,
-        },
+        defaults=dict(IMAGE_DEFAULTS),
     )
 
 
