@@ -167,3 +167,75 @@ def test_restart_before_the_first_checkpoint_is_recorded(tmp_path):
     assert len(restarts) == 1 and restarts[0]["step"] == 0 and restarts[0]["path"] is None
     assert restarts[0]["restart_count"] == 1
     assert [e["step"] for e in events if e["event"] == "step"][-3:] == [0, 1, 2]
+
+
+def test_resume_with_a_larger_global_batch_keeps_the_data_position(tmp_path, capfd):
+    """Case 1, the other direction (found by a new-user trial): B=32 for 4 steps, then B=64 up
+    to step 8. The stream offset is negative (128 - 4*64); start-up calibration read step 0's
+    batch and crashed in numpy (``expected non-negative integer``); it now reads the first
+    step it trains."""
+    assert _train(tmp_path, "--batch", "32", "--steps", "4", "--checkpoint-every", "4") == 0
+    assert _train(tmp_path, "--batch", "64", "--steps", "8", "--checkpoint-every", "4") == 0
+    assert "global batch 32 -> 64" in capfd.readouterr().err
+    last = ckpt.load_latest(tmp_path / "ck")
+    assert last.step == 8 and last.data_position == 4 * 32 + 4 * 64
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [e["global_batch"] for e in events if e["event"] == "step" and e["step"] >= 4] == [
+        64
+    ] * 4
+
+
+def test_resume_with_nothing_left_to_train_is_bad_input(tmp_path, capfd):
+    """A checkpoint at step 4 and ``--steps 3``: exit 2 naming both, before any rank starts
+    (it printed ``trained -1 step ... final loss nan`` and exited 0)."""
+    assert _train(tmp_path, "--batch", "32", "--steps", "4", "--checkpoint-every", "4") == 0
+    capfd.readouterr()
+    assert _train(tmp_path, "--batch", "32", "--steps", "3") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps" in err[0] and "4 steps" in err[0] and "got 3" in err[0]
+
+
+def _a_file(folder):
+    path = folder / "afile"
+    path.write_text("x")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("option", "make"),
+    [
+        ("--run-dir", lambda p: _a_file(p)),
+        ("--metrics-out", lambda p: p),
+        ("--out", lambda p: p),
+        ("--checkpoint-dir", lambda p: _a_file(p) / "sub"),
+    ],
+)
+def test_unwritable_outputs_are_bad_input_before_training(tmp_path, capfd, option, make):
+    """A run folder that is a file, a metrics or model file that is a folder, a checkpoint
+    folder under a file: exit 2 and one line before any rank starts (they were a traceback,
+    or a rank's error after training)."""
+    path = make(tmp_path)
+    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "2", "--no-progress"]
+    if option != "--run-dir":
+        argv += ["--run-dir", str(tmp_path / "run")]
+    assert main([*argv, option, str(path)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0], err
+
+
+def test_negative_max_restarts_and_mismatched_data_are_bad_input(tmp_path, capfd):
+    """``--max-restarts -1`` was a ZeroDivisionError traceback; inputs and targets of different
+    lengths were a ValueError traceback through ``--model``."""
+    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "2"]
+    assert main([*argv, "--run-dir", str(tmp_path / "r"), "--max-restarts", "-1"]) == 2
+    assert "--max-restarts" in capfd.readouterr().err
+    with pytest.raises(hetrain.errors.InputError, match="same length, got 100 vs 50"):
+        hetrain.train(
+            model=nn.Sequential(nn.Linear(8, 2)),
+            dataset=(torch.randn(100, 8), torch.randint(0, 2, (50,))),
+            loss_fn=F.cross_entropy,
+            workers=2,
+            steps=2,
+            batch=8,
+            run_dir=tmp_path / "run",
+        )

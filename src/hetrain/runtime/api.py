@@ -194,19 +194,46 @@ def task_from_factory(spec: str) -> Task:
     )
 
 
-def _check_checkpoint_dir(path: Path, chain: Any) -> None:
+def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
+    """An output path that training could not write is bad input, found before any rank starts
+    (not after the ranks trained): a folder where a file is expected or the reverse, or a
+    parent that is a file.
+
+    Raises:
+        InputError: one line naming the option and the path.
+    """
+    kind = "a folder" if folder else "a file"
+    if path.exists() and path.is_dir() != folder:
+        raise InputError(
+            option, "", f"expected {kind}, got {'a file' if folder else 'a folder'}: {path}"
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(option, "", f"expected {kind} path, but {parent} is a file")
+            break
+
+
+def _check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
     """Bad checkpoint folders are bad input, found before any rank starts: a file instead of a
-    folder, a latest checkpoint that is corrupted (size/sha256) or malformed, or one written for
-    another model (fingerprint).
+    folder (or under a file), a latest checkpoint that is corrupted (size/sha256) or malformed,
+    one written for another model (fingerprint), or one already at or past ``steps`` (nothing
+    left to train).
 
     Raises:
         InputError: one line naming the folder or the checkpoint file.
     """
     from hetrain.runtime import checkpoint as ckpt
 
-    if path.exists() and not path.is_dir():
-        raise InputError("--checkpoint-dir", "", f"expected a folder, got a file: {path}")
+    _check_output_path("--checkpoint-dir", path, folder=True)
     latest = ckpt.load_latest(path)
+    if latest is not None and latest.step >= steps:
+        raise InputError(
+            "--steps",
+            "",
+            f"more than the {latest.step} steps of the latest checkpoint {latest.path} to "
+            f"resume from, got {steps} (nothing left to train)",
+        )
     if latest is not None:
         mine = ckpt.model_fingerprint(chain)
         if latest.model_fingerprint != mine:
@@ -355,7 +382,13 @@ def build_job(
         if static:
             raise InputError(task.name, "model", f"{static[0]} (--exact)")
     if checkpoint_dir is not None:
-        _check_checkpoint_dir(Path(checkpoint_dir), chain)
+        _check_checkpoint_dir(Path(checkpoint_dir), chain, steps)
+    if run_dir is not None:
+        _check_output_path("--run-dir", Path(run_dir), folder=True)
+    if metrics_out is not None:
+        _check_output_path("--metrics-out", Path(metrics_out), folder=False)
+    if out is not None:
+        _check_output_path("--out", Path(out), folder=False)
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
@@ -544,7 +577,13 @@ def run_job(
     max_restarts: int = 0,
 ) -> dict[str, Any]:
     """Launch ``job`` (``len(job.devices) / nnodes`` ranks on this node) and return rank 0's
-    summary (with ``metrics_path``); ``{}`` on a node without rank 0."""
+    summary (with ``metrics_path``); ``{}`` on a node without rank 0.
+
+    Raises:
+        InputError: ``max_restarts`` < 0.
+    """
+    if max_restarts < 0:
+        raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
     if job.run_dir is not None:
         Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     nproc = len(job.devices) // nnodes

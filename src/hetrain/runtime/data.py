@@ -118,9 +118,11 @@ class TensorSource:
 
     def __post_init__(self) -> None:
         if len(self.inputs) != len(self.targets):
-            raise ValueError(
-                f"dataset: inputs and targets differ in length ({len(self.inputs)} vs "
-                f"{len(self.targets)})"
+            raise InputError(
+                "dataset",
+                "",
+                f"inputs and targets of the same length, got {len(self.inputs)} vs "
+                f"{len(self.targets)}",
             )
 
     def __len__(self) -> int:

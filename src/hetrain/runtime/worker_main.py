@@ -490,7 +490,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     profile = None
     config = _training_config(job)
     if job.adaptive or job.plan is None:
-        x0, _ = job.task.train.batch(sampler.indices(0)[:2])
+        x0, _ = job.task.train.batch(sampler.indices(start_step)[:2])
         profile = _profile(chain, cast_inputs(x0, torch.float32))
     plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
     if (
@@ -511,7 +511,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             calib_model,
             dtype,
             np.asarray(profile.train_flops),
-            sampler.indices(0),
+            sampler.indices(start_step),
             factor,
             device=calib_device,
         )
