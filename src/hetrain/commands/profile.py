@@ -92,7 +92,9 @@ def run_profile(
         return _profile_module(example, model, size, batch, out, seed)
     if example not in EXAMPLES:
         raise InputError(
-            "--example", "", f"expected one of {', '.join(sorted(EXAMPLES))}, got {example!r}"
+            "--example",
+            "",
+            f"expected one of {', '.join(sorted([*EXAMPLES, *HF_EXAMPLES]))}, got {example!r}",
         )
     # --measure defaults: the large published shapes get a light setting (about 1-2 minutes on
     # one CPU thread); heavier settings are opt-in through the options
