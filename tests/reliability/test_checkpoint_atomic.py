@@ -122,7 +122,10 @@ def _kill_when(root: Path, pid: int, phase: str, limit_s: float = 120.0) -> int 
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         for tmp in root.glob(".tmp-step-*"):
-            names = {p.name for p in tmp.iterdir()} if tmp.exists() else set()
+            try:  # the writer may rename the folder between glob and iterdir
+                names = {p.name for p in tmp.iterdir()}
+            except FileNotFoundError:
+                continue
             hit = {
                 "started": True,
                 "data": any(n.endswith(".distcp") for n in names),

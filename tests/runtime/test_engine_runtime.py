@@ -284,7 +284,8 @@ def test_emulated_gradient_buckets_share_the_link_one_after_the_other(tmp_path):
         for r in s:
             # serialised: the last bucket ends >= sum of durations after the first could
             # start (during the backward); in parallel it would be the longest one, 0.88 s
-            assert r["sync_time_s"] + r["backward_time_s"] >= 0.99 * total_s
+            # (0.78 of the sum: the 0.95 margin absorbs scheduling on a loaded machine)
+            assert r["sync_time_s"] + r["backward_time_s"] >= 0.95 * total_s
             assert r["sync_bytes"] == sum(DIGITS_LAYER_BYTES)
 
 
@@ -302,4 +303,6 @@ def test_emulated_slow_device_has_its_gradients_only_after_its_emulated_backward
     steps = run_ranks(_measure, 2, tmp_path, args=(plan, emulation, 3))[0]
     for s in steps[1:]:
         for r in s:
-            assert r["sync_time_s"] >= 0.19
+            # 0.2 s of emulated link; hidden behind the sleep it would be about 0 (the
+            # margin absorbs scheduling on a loaded machine)
+            assert r["sync_time_s"] >= 0.15
