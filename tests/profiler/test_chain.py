@@ -162,8 +162,8 @@ def test_cli_profile_and_measure(tmp_path, capsys):
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert _run("--example", "nope") == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "hetrain: error: --example: expected one of bert-base, charlm, digits, gpt2-small, "
-        "resnet50, got 'nope'"
+        "hetrain: error: --example: expected one of bert, bert-base, charlm, digits, gpt2, "
+        "gpt2-small, resnet, resnet50, got 'nope'"
     ]
     out = str(tmp_path / "x.json")
     assert _run("--example", "digits", "--measure", "--out", out, "--microbatch-sizes", "4") == 2

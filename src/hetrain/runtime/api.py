@@ -227,13 +227,6 @@ def _check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
 
     _check_output_path("--checkpoint-dir", path, folder=True)
     latest = ckpt.load_latest(path)
-    if latest is not None and latest.step >= steps:
-        raise InputError(
-            "--steps",
-            "",
-            f"more than the {latest.step} steps of the latest checkpoint {latest.path} to "
-            f"resume from, got {steps} (nothing left to train)",
-        )
     if latest is not None:
         mine = ckpt.model_fingerprint(chain)
         if latest.model_fingerprint != mine:
@@ -242,6 +235,13 @@ def _check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
                 "model_fingerprint",
                 f"checkpoint of another model ({latest.model_fingerprint}; this model {mine})",
             )
+    if latest is not None and latest.step >= steps:
+        raise InputError(
+            "--steps",
+            "",
+            f"more than the {latest.step} steps of the latest checkpoint {latest.path} to "
+            f"resume from, got {steps} (nothing left to train)",
+        )
 
 
 def build_job(
