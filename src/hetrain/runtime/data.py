@@ -279,6 +279,20 @@ CHARLM_BLOCK_SIZE = 64  # = hetrain.models.charlm.CHARLM.block_size
 _CHAR_REPLACE = {"’": "'", "‘": "'", "“": '"', "”": '"', "…": ".", "—": "-", "–": "-"}
 
 
+LM_DEFAULTS: dict[str, Any] = {
+    "steps": 300,
+    "batch": 32,
+    "lr": 3e-3,
+    "optimizer": "adamw",
+    "microbatch_size": 8,
+    "warmup_steps": 20,
+    "grad_clip_norm": 1.0,
+    "weight_decay": 0.01,
+}
+"""Training defaults of the text examples (``charlm``, ``gpt2``; ``bert`` trains 200 steps at
+learning rate 2e-3)."""
+
+
 def charlm_vocab() -> str:
     """The 96 symbols: newline then printable ASCII 32..126 (index = token id)."""
     return "\n" + "".join(chr(c) for c in range(32, 127))
@@ -346,16 +360,7 @@ def charlm_task(val_windows: int = 256, text: str | None = None) -> Task:
         quality_metric="val_loss",
         quality_target=2.2,
         higher_is_better=False,
-        defaults={
-            "steps": 300,
-            "batch": 32,
-            "lr": 3e-3,
-            "optimizer": "adamw",
-            "microbatch_size": 8,
-            "warmup_steps": 20,
-            "grad_clip_norm": 1.0,
-            "weight_decay": 0.01,
-        },
+        defaults=dict(LM_DEFAULTS),
     )
 
 
@@ -517,16 +522,7 @@ def gpt2_task(size: str = "tiny") -> Task:
         evaluate=evaluate,
         quality_metric="val_loss",
         quality_target=2.3 if size == "tiny" else None,
-        defaults={
-            "steps": 300,
-            "batch": 32,
-            "lr": 3e-3,
-            "optimizer": "adamw",
-            "microbatch_size": 8,
-            "warmup_steps": 20,
-            "grad_clip_norm": 1.0,
-            "weight_decay": 0.01,
-        },
+        defaults=dict(LM_DEFAULTS),
     )
 
 
@@ -555,16 +551,7 @@ def bert_task(size: str = "tiny") -> Task:
         loss_fn=masked_lm_loss,
         evaluate=evaluate,
         quality_metric="val_loss",
-        defaults={
-            "steps": 200,
-            "batch": 32,
-            "lr": 2e-3,
-            "optimizer": "adamw",
-            "microbatch_size": 8,
-            "warmup_steps": 20,
-            "grad_clip_norm": 1.0,
-            "weight_decay": 0.01,
-        },
+        defaults={**LM_DEFAULTS, "steps": 200, "lr": 2e-3},
     )
 
 
