@@ -108,11 +108,19 @@ def fit_speed_kappa(
     return SpeedFit(
         speed_flops=float(1.0 / inv_s),
         kappa_s=float(kappa),
-        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
-        max_abs_rel_error=float(np.max(np.abs(rel))),
+        **_relative_errors(rel),
         predicted_s=tuple(float(p) for p in pred),
         num_points=int(mu.size),
     )
+
+
+def _relative_errors(rel: np.ndarray) -> dict[str, float]:
+    """``rms_rel_error`` and ``max_abs_rel_error`` of the relative residuals ``rel`` (shape
+    ``(n,)``, dimensionless) of a fit."""
+    return {
+        "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
+        "max_abs_rel_error": float(np.max(np.abs(rel))),
+    }
 
 
 @dataclass(frozen=True)
@@ -222,8 +230,7 @@ def fit_stage_overheads(
         speed_flops=float(1.0 / inv_s),
         kappa_s=float(kappa),
         layer_overhead_s=float(lam),
-        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
-        max_abs_rel_error=float(np.max(np.abs(rel))),
+        **_relative_errors(rel),
         predicted_s=tuple(float(p) for p in pred),
         num_points=int(mu.size),
     )
@@ -269,8 +276,7 @@ def fit_update_time(
     rel = omega * a - 1.0
     return UpdateTimeFit(
         time_s_per_param_byte=omega,
-        rms_rel_error=float(np.sqrt(np.mean(rel**2))),
-        max_abs_rel_error=float(np.max(np.abs(rel))),
+        **_relative_errors(rel),
         num_points=int(theta.size),
     )
 
