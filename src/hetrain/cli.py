@@ -368,8 +368,9 @@ def train(
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
     size: Annotated[
-        str, typer.Option("--size", help="tiny, small or base (--example gpt2, bert, resnet)")
-    ] = "tiny",
+        str | None,
+        typer.Option("--size", help="tiny (default), small or base (--example gpt2, bert, resnet)"),
+    ] = None,
 ) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train

@@ -89,6 +89,9 @@ def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
         (["--checkpoint-every", "5"], "expected --checkpoint-dir"),
         (["--example", "mnist"], "expected one of charlm, digits"),
         (["--model", "no_such_module_xyz:make"], "cannot import"),
+        # --size on a model it does not size was silently ignored
+        (["--example", "digits", "--size", "base"], "--size: only used by --example gpt2"),
+        (["--example", "charlm", "--size", "small"], "(not with --example charlm)"),
     ],
 )
 def test_bad_options_exit_2(tmp_path, capsys, monkeypatch, args, needle):

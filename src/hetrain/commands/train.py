@@ -32,10 +32,15 @@ def demo_trace_rows(devices: list[str], steps: int) -> list:
     return [TraceRow(slot=steps // 3, device=devices[1], speed_factor=1.0 / DEMO_SLOWDOWN_FACTOR)]
 
 
-def _task(example: str, model: str | None, data: Path | None, size: str = "tiny"):
+def _task(example: str, model: str | None, data: Path | None, size: str | None = None):
     from hetrain.runtime.api import task_from_factory
-    from hetrain.runtime.data import charlm_task, example_task
+    from hetrain.runtime.data import HF_EXAMPLES, charlm_task, example_task
 
+    if size is not None and (model is not None or example not in HF_EXAMPLES):
+        used = "--model" if model is not None else f"--example {example}"
+        raise InputError(
+            "--size", "", f"only used by --example {', '.join(HF_EXAMPLES)} (not with {used})"
+        )
     if model is not None:
         if data is not None:
             raise InputError("--data", "", "not used with --model (the factory loads its data)")
@@ -50,12 +55,12 @@ def _task(example: str, model: str | None, data: Path | None, size: str = "tiny"
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(str(data), "", f"cannot read text ({type(exc).__name__})") from None
         return charlm_task(text=text)
-    return example_task(example, size)
+    return example_task(example, size or "tiny")
 
 
 def run_train(
     *,
-    size: str = "tiny",
+    size: str | None = None,
     example: str = "gpt2",
     workers: int | None = None,
     steps: int | None = None,
