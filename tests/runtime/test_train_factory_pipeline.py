@@ -95,8 +95,17 @@ def test_user_gpt2_factory_trains_on_a_two_stage_pipeline_like_one_process(user_
     assert one_state.keys() == two_state.keys()
     for key in one_state:
         torch.testing.assert_close(two_state[key], one_state[key], rtol=1e-9, atol=1e-12, msg=key)
-    # the tied tensor trained (it moved) and is exported once, equal to the head it ties
-    assert "transformer.wte.weight" in two_state
-    if "lm_head.weight" in two_state:
-        assert torch.equal(two_state["lm_head.weight"], two_state["transformer.wte.weight"])
+    # the tied tensor trained (it moved from the seeded initial weights) and the exported
+    # Hugging Face model loads with its head tied to it
+    from transformers import GPT2LMHeadModel
+
+    from hetrain.models.hf import gpt2_model
+
+    torch.manual_seed(3)  # --seed: the factory's model is built after seeding with it
+    initial = gpt2_model("tiny", dropout=0.1).transformer.wte.weight.detach().double()
+    wte = two_state["transformer.wte.weight"]
+    assert not torch.allclose(wte, initial)
+    loaded = GPT2LMHeadModel.from_pretrained(user_module / "two" / "model")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    assert torch.equal(loaded.transformer.wte.weight, wte.float())
     assert one["final_loss"] == pytest.approx(two["final_loss"], rel=1e-9)
