@@ -227,3 +227,20 @@ def test_cli_measure_of_an_hf_example_times_its_blocks_with_a_progress_bar(tmp_p
     assert cluster.devices[0].tflops == pytest.approx(
         details["stage_fit"]["speed_flops"] / 1e12, rel=1e-4
     )
+
+
+def test_meta_profile_of_a_module_built_on_the_cpu_keeps_its_tied_weights():
+    """``--model`` factories hand over a module already built (a copy): moved to meta with
+    ``wte`` and ``lm_head`` still one tensor, the profile still equals the CPU one."""
+    import copy
+
+    from hetrain.commands.profile import hf_build, hf_inputs
+    from hetrain.profiler import profile_on_meta
+    from hetrain.runtime.cutting import cut_module
+
+    inputs = hf_inputs("gpt2", "tiny", 2)
+    model = hf_build("gpt2", "tiny")
+    cpu = profile_chain(cut_module(model, inputs[:1]), inputs)
+    meta = profile_on_meta(lambda: copy.deepcopy(model), inputs)
+    assert meta.to_json_dict() == cpu.to_json_dict()
+    assert [t.name for t in meta.shared] == ["transformer.wte.weight"]

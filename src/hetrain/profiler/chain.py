@@ -228,7 +228,8 @@ def profile_on_meta(
 ) -> ModelProfile:
     """:func:`profile_chain` of the module ``build()`` returns, built on the ``meta`` device (no
     weights allocated, no compute: the published GPT-2 small / BERT-base / ResNet-50 shapes in
-    seconds), cut as in training (:func:`hetrain.runtime.cutting.cut_module`, cut points
+    seconds; a module that ``build`` makes elsewhere, a copy, is moved there), cut as in
+    training (:func:`hetrain.runtime.cutting.cut_module`, cut points
     ``layers`` or the default blocks) and run under :class:`MetaModelMode` on the real
     ``example_input`` (CPU tensors whose first dimension is the batch).
 
@@ -245,12 +246,29 @@ def profile_on_meta(
 
     with torch.device("meta"):
         module = build()
+    if any(t.device.type != "meta" for t in [*module.parameters(), *module.buffers()]):
+        module = _to_meta_keeping_ties(module)  # built elsewhere (a copy of a module)
     module.train()
     with MetaModelMode(next(iter(_tensors(example_input)), torch.empty(0)).device):
         # the cut records the forward on the first sample, as for a real module
         first = _first_sample(example_input)
         chain = cut_module(module, first, layers, source=source)
         return profile_chain(chain, example_input, name=name)
+
+
+def _to_meta_keeping_ties(module: nn.Module) -> nn.Module:
+    """``module`` moved to the meta device with every tied parameter still one object
+    (``Module.to("meta")`` makes a new parameter per use)."""
+    uses: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    module = module.to("meta")
+    for names in uses.values():
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, first)
+    return module
 
 
 def _first_sample(obj: Any) -> Any:
