@@ -317,6 +317,11 @@ PROFILE_CASES = [
      ("--microbatch-sizes", "between 1 and")),
     ("profile --example charlm --measure --out {d}/o.json --cluster-out {d}/adir",
      ("--cluster-out", "directory")),
+    ("profile --example gpt2 --measure --out {d}/o.json --seq-len 0", ("--seq-len", ">= 1")),
+    ("profile --example gpt2 --measure --out {d}/o.json --stage-lengths 2,x",
+     ("--stage-lengths", "integers >= 1")),
+    ("profile --example gpt2 --size huge", ("--size", "tiny, small or base")),
+    ("profile --example gpt2 --batch 0", ("--batch", ">= 1")),
 ]  # fmt: skip
 
 

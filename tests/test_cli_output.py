@@ -65,7 +65,7 @@ def test_simulate_prints_money_budget_and_slots_with_units(capsys) -> None:
 
 def test_profile_says_layers_in_the_plural(tmp_path, capsys) -> None:
     assert main(["profile", "--example", "digits", "--out", str(tmp_path / "d.json")]) == 0
-    assert re.search(r"wrote \S+: 6 layers, ", capsys.readouterr().out)
+    assert re.search(r"wrote \S+: digits: 6 layers, ", capsys.readouterr().out)
 
 
 def test_train_console_shows_every_replan(tmp_path, monkeypatch, capfd) -> None:

@@ -466,6 +466,20 @@ def profile(
     warmup: Annotated[
         int | None, typer.Option("--warmup", help="untimed passes first (default 2, large 0)")
     ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            help="with --measure: tokens per timed sample (default: the model's; large 128)",
+        ),
+    ] = None,
+    stage_lengths: Annotated[
+        str | None,
+        typer.Option(
+            "--stage-lengths",
+            help="with --measure: timed stage lengths besides 1 (default 2,L/2,L; large L)",
+        ),
+    ] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads while timing")] = 1,
     link: Annotated[
         bool, typer.Option("--link/--no-link", help="with --measure: ping-pong two gloo ranks")
@@ -505,6 +519,8 @@ def profile(
             threads=threads,
             link=link,
             seed=seed,
+            seq_len=seq_len,
+            stage_lengths=stage_lengths,
         )
     )
 

@@ -170,3 +170,77 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "--microbatch-sizes" in capsys.readouterr().err
     assert _run("--example", "digits", "--batch", "0") == 2
     assert "--batch: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet"])
+def test_meta_profile_of_hf_models_equals_the_cpu_profile(name):
+    """profile_on_meta (weights on ``meta``, real inputs) gives exactly the CPU profile: FLOPs,
+    parameter, boundary (masks included) and saved-activation bytes, tied tensors."""
+    from hetrain.commands.profile import hf_build, hf_inputs
+    from hetrain.profiler import profile_on_meta
+    from hetrain.runtime.cutting import cut_module
+
+    inputs = hf_inputs(name, "tiny", 2)
+    torch.manual_seed(0)
+    cpu = profile_chain(cut_module(hf_build(name, "tiny"), inputs[:1]), inputs).to_json_dict()
+    built = []
+    meta = profile_on_meta(lambda: built.append(hf_build(name, "tiny")) or built[-1], inputs)
+    assert all(t.is_meta for t in [*built[0].parameters(), *built[0].buffers()])
+    assert meta.to_json_dict() == cpu
+    assert len(meta.layers) == 6  # prefix, 4 blocks, suffix
+    if name != "resnet":  # the tied embedding / head, once, used by the prefix and the suffix
+        (tied,) = meta.shared
+        assert tied.layers == [0, 5]
+        assert tied.bytes == built[0].get_input_embeddings().weight.nbytes
+    if name == "gpt2":  # a block's boundary: 64 tokens x 64 wide and the (1, 64) position ids
+        assert meta.layers[1].activation_bytes == 64 * 64 * 4 + 64 * 8 / 2
+
+
+def test_cli_profile_of_an_hf_example_on_meta_and_cpu_agree(tmp_path, capsys):
+    paths = {d: tmp_path / f"{d}.json" for d in ("meta", "cpu")}
+    for device, path in paths.items():
+        args = ["--example", "gpt2", "--batch", "2", "--device", device, "--out", str(path)]
+        assert _run(*args) == 0
+    assert "s on meta" in capsys.readouterr().out
+    meta, cpu = (json.loads(p.read_text()) for p in paths.values())
+    assert meta["name"].endswith("; meta)") and cpu["name"].endswith("; cpu)")
+    assert meta["layers"] == cpu["layers"] and meta["shared"] == cpu["shared"]
+
+
+def test_cli_measure_of_an_hf_example_times_its_blocks_with_a_progress_bar(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    args = ["--example", "gpt2", "--out", str(out), "--measure", "--microbatch-sizes", "1,256"]
+    args += ["--repeats", "1", "--warmup", "0", "--no-link", "--seq-len", "16"]
+    code = _run(*args, "--stage-lengths", "3,6", "--workers", "2")
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "remaining" in captured.err and "timing gpt2-tiny on inputs of shape 16" in captured.err
+    details = json.loads((tmp_path / "g.measure.json").read_text())
+    # timed on windows of 16 tokens; the written profile keeps the model's 64
+    assert details["timed_input_shape"] == [16]
+    assert np.array(details["fwd_s"]).shape == (2, 6)  # prefix, 4 blocks, suffix
+    assert details["stages"] == [[0, 3], [3, 6], [0, 6]]
+    prof = load_profile(out)
+    assert prof.layers[0].activation_bytes == 64 * 64 * 4 + 64 * 8 / 8  # + (1, 64) position ids
+    cluster = load_cluster(tmp_path / "g.cluster.yaml")
+    assert [d.id for d in cluster.devices] == ["w0", "w1"]
+    assert cluster.devices[0].tflops == pytest.approx(
+        details["stage_fit"]["speed_flops"] / 1e12, rel=1e-4
+    )
+
+
+def test_meta_profile_of_a_module_built_on_the_cpu_keeps_its_tied_weights():
+    """``--model`` factories hand over a module already built (a copy): moved to meta with
+    ``wte`` and ``lm_head`` still one tensor, the profile still equals the CPU one."""
+    import copy
+
+    from hetrain.commands.profile import hf_build, hf_inputs
+    from hetrain.profiler import profile_on_meta
+    from hetrain.runtime.cutting import cut_module
+
+    inputs = hf_inputs("gpt2", "tiny", 2)
+    model = hf_build("gpt2", "tiny")
+    cpu = profile_chain(cut_module(model, inputs[:1]), inputs)
+    meta = profile_on_meta(lambda: copy.deepcopy(model), inputs)
+    assert meta.to_json_dict() == cpu.to_json_dict()
+    assert [t.name for t in meta.shared] == ["transformer.wte.weight"]

@@ -7,7 +7,9 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,30 @@ def parse_microbatch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def parse_stage_lengths(text: str) -> tuple[int, ...]:
+    """``"2,7,14"`` -> ``(2, 7, 14)`` (lengths of the timed stages besides one layer).
+
+    Raises:
+        InputError: not integers >= 1.
+    """
+    try:
+        lengths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        lengths = ()
+    if not lengths or lengths[0] < 1:
+        raise InputError("--stage-lengths", "", f"expected integers >= 1 like 2,7,14, got {text!r}")
+    return lengths
+
+
+#: ``--measure`` defaults (docs/profiling.md §2). Small models: 4 micro-batch sizes, 2 warm-up
+#: and 5 timed rounds, stages of 1, 2, L/2 and L layers. The published shapes (GPT-2 small,
+#: BERT-base, ResNet-50): sizes 1 and 2, no warm-up, 2 timed rounds, stages of 1 and L layers,
+#: and the language models timed on windows of 128 tokens, so that GPT-2 small finishes in
+#: about a minute on one CPU thread; every one of these is an option (heavier is opt-in).
+LIGHT_MEASURE = {"microbatch_sizes": "1,2", "repeats": 1, "warmup": 0, "seq_len": 128}
+FULL_MEASURE = {"microbatch_sizes": "1,2,4,8", "repeats": 5, "warmup": 2, "seq_len": None}
+
+
 def run_profile(
     *,
     example: str,
@@ -59,49 +85,39 @@ def run_profile(
     seed: int = 0,
     size: str = "tiny",
     model: str | None = None,
+    seq_len: int | None = None,
+    stage_lengths: str | None = None,
 ) -> int:
     """Profile example ``example`` and write/print the profile; returns the exit status.
 
     Without ``--measure``: FLOPs and bytes per layer (:func:`hetrain.profiler.profile_chain`)
     on ``batch`` samples, on ``device`` (``cpu``, ``meta``, or ``auto`` = ``meta`` for the
-    large published-config models, ``cpu`` otherwise). With ``--measure`` additionally: layer
-    times for each micro-batch size on this CPU with ``threads`` threads (what one local rank
-    gets), the least-squares fit of speed and κ, a ping-pong between two local gloo ranks
+    large published-config models, ``cpu`` otherwise; a Hugging Face example on ``meta`` is
+    built there and run on real inputs, :func:`hetrain.profiler.profile_on_meta`). With
+    ``--measure`` additionally: layer times for each micro-batch size on this CPU with
+    ``threads`` threads (what one local rank gets), times of stages of ``stage_lengths``
+    layers, the least-squares fit of speed, κ and λ, a ping-pong between two local gloo ranks
     (unless ``link`` is off), and a cluster file of ``workers`` identical devices ``w0..``
     on one node (``cluster_out``, default next to ``out``), plus ``<out>.measure.json`` with
-    every median time and fit.
+    every median time and fit. Token inputs are timed on windows of ``seq_len`` tokens when
+    given (the fit then uses the FLOPs of that shape). A progress bar (stderr) shows the
+    remaining time; defaults :data:`LIGHT_MEASURE` for the published shapes,
+    :data:`FULL_MEASURE` otherwise.
 
     Raises:
         InputError: unknown example, ``batch`` not in ``[1, MAX_PROFILE_BATCH]``, bad device
-            or micro-batch sizes, ``workers``, ``repeats`` or ``threads`` < 1, ``warmup`` < 0,
-            ``--out``/``--cluster-out`` not writable as a file, or ``--measure`` without
-            ``--out``.
+            or micro-batch sizes, ``workers``, ``repeats``, ``threads`` or ``seq_len`` < 1,
+            ``warmup`` < 0, bad ``stage_lengths``, ``--out``/``--cluster-out`` not writable as
+            a file, ``--measure`` without ``--out`` or with ``--model``.
     """
-    import torch
-
     from hetrain.models.registry import EXAMPLES
-    from hetrain.profiler import profile_chain
 
-    if model is not None or example in HF_EXAMPLES:
-        if measure:
-            raise InputError(
-                "--measure", "", "timing is available for the chain examples (charlm, digits)"
-            )
-        if out is not None:
-            check_output_path("--out", out)
-        return _profile_module(example, model, size, batch, out, seed)
-    if example not in EXAMPLES:
+    if model is None and example not in EXAMPLES and example not in HF_EXAMPLES:
         raise InputError(
             "--example",
             "",
             f"expected one of {', '.join(sorted([*EXAMPLES, *HF_EXAMPLES]))}, got {example!r}",
         )
-    # --measure defaults: the large published shapes get a light setting (about 1-2 minutes on
-    # one CPU thread); heavier settings are opt-in through the options
-    large = EXAMPLES[example].large
-    microbatch_sizes = microbatch_sizes or ("1,2" if large else "1,2,4,8")
-    repeats = repeats if repeats is not None else (2 if large else 5)
-    warmup = warmup if warmup is not None else (0 if large else 2)
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
@@ -113,14 +129,29 @@ def run_profile(
             f"expected at most {MAX_PROFILE_BATCH} samples (per-sample figures; a few suffice), "
             f"got {batch}",
         )
+    if model is None and example in HF_EXAMPLES:
+        from hetrain.models.hf import _size
+
+        large = _size(size) == "base"
+    else:
+        large = model is None and EXAMPLES[example].large
+    defaults = LIGHT_MEASURE if large else FULL_MEASURE
+    microbatch_sizes = microbatch_sizes or str(defaults["microbatch_sizes"])
+    repeats = repeats if repeats is not None else int(defaults["repeats"])
+    warmup = warmup if warmup is not None else int(defaults["warmup"])
+    if seq_len is None and defaults["seq_len"] is not None:
+        seq_len = int(defaults["seq_len"])
     for option, value, least in (
         ("--workers", workers, 1),
         ("--repeats", repeats, 1),
         ("--warmup", warmup, 0),
         ("--threads", threads, 1),
+        ("--seq-len", seq_len if seq_len is not None else 1, 1),
     ):
         if value < least:
             raise InputError(option, "", f"expected an integer >= {least}, got {value}")
+    if measure and model is not None:
+        raise InputError("--measure", "", "timing is available for --example models")
     if measure and out is None:
         raise InputError("--out", "", "required with --measure (the cluster file goes next to it)")
     if out is not None:
@@ -128,98 +159,205 @@ def run_profile(
     if measure and cluster_out is not None:
         check_output_path("--cluster-out", cluster_out)
     sizes = parse_microbatch_sizes(microbatch_sizes) if measure else ()
-    ex = EXAMPLES[example]
-    count_device = device if device != "auto" else ("meta" if ex.large else "cpu")
-    torch.manual_seed(seed)
-    with torch.device(count_device):
-        model = ex.build()
-    model.train()
-    gen = torch.Generator().manual_seed(seed)
-    inputs = ex.make_input(batch, gen, device=count_device)
-    profile = profile_chain(model, inputs, name=f"{example} ({ex.description}; {count_device})")
+    lengths = parse_stage_lengths(stage_lengths) if stage_lengths else None
+    if model is not None or example in HF_EXAMPLES:
+        subject = _module_subject(example, model, size, seed, device if device != "auto" else None)
+    else:
+        subject = _chain_subject(EXAMPLES[example], seed, device)
+    start_s = time.perf_counter()
+    inputs = subject.make_input(batch)
+    profile = subject.profile(inputs, subject.label)
     if not _write_profile(profile, out):
         return 0
+    shared = sum(t.bytes for t in profile.shared)
     print(
-        f"wrote {out}: {plural(profile.num_layers, 'layer')}, "
+        f"wrote {out}: {subject.name}: {plural(profile.num_layers, 'layer')}, "
         f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
-        f"{sum(ly.param_bytes for ly in profile.layers) / 2**20:.4g} MiB parameters"
+        f"{(sum(ly.param_bytes for ly in profile.layers) + shared) / 2**20:.4g} MiB parameters"
+        + (
+            f" ({shared / 2**20:.4g} MiB shared by {plural(len(profile.shared), 'tied tensor')})"
+            if profile.shared
+            else ""
+        )
+        + f"; {time.perf_counter() - start_s:.3g} s on {subject.count_device}",
+        flush=True,
     )
     if not measure:
         return 0
     return _measure(
-        ex, profile, out, cluster_out, workers, sizes, repeats, warmup, threads, link, seed
+        subject,
+        profile,
+        out,
+        cluster_out,
+        workers,
+        sizes,
+        repeats,
+        warmup,
+        threads,
+        link,
+        seed,
+        seq_len,
+        lengths,
+        large,
     )
 
 
 HF_EXAMPLES = ("gpt2", "bert", "resnet")
 
 
-def hf_example(example: str, size: str, batch: int, seed: int = 0):
-    """``(model, inputs, description)`` of a Hugging Face example of ``size``: GPT-2 / BERT on
-    token windows (1024 / 512 tokens for ``base``, 64 otherwise), ResNet on images (224x224 RGB
-    for ``base``, 32x32 grey otherwise); random weights and inputs from ``seed``."""
+@dataclass
+class _Subject:
+    """What ``hetrain profile`` profiles and times: ``make_input(n)`` -> ``n`` samples of real
+    model inputs; ``profile(inputs, label)`` -> the counted profile; ``build()`` -> the chain
+    with real weights on the CPU (for timing)."""
+
+    name: str
+    label: str
+    count_device: str
+    make_input: Callable[[int], Any]
+    profile: Callable[[Any, str], Any]
+    build: Callable[[], Any]
+
+
+def _chain_subject(ex, seed: int, device: str) -> _Subject:
+    """An ``nn.Sequential`` example of the registry (counted on ``meta`` inputs on meta)."""
+    import torch
+
+    from hetrain.profiler import profile_chain
+
+    count_device = device if device != "auto" else ("meta" if ex.large else "cpu")
+
+    def make_input(n: int) -> Any:
+        return ex.make_input(n, torch.Generator().manual_seed(seed))
+
+    def profile(inputs: Any, label: str) -> Any:
+        torch.manual_seed(seed)
+        with torch.device(count_device):
+            model = ex.build()
+        model.train()
+        return profile_chain(model, inputs.to(count_device), name=label)
+
+    def build() -> Any:
+        torch.manual_seed(seed)
+        model = ex.build()
+        model.train()
+        return model
+
+    label = f"{ex.name} ({ex.description}; {count_device})"
+    return _Subject(ex.name, label, count_device, make_input, profile, build)
+
+
+def hf_inputs(example: str, size: str, batch: int, seed: int = 0, seq_len: int | None = None):
+    """Random inputs of ``batch`` samples for a Hugging Face example of ``size``: token windows
+    for GPT-2 / BERT (1024 / 512 tokens for ``base``, 64 otherwise, or ``seq_len``), images for
+    ResNet (224x224 RGB for ``base``, 32x32 grey otherwise); from ``seed``, on the CPU."""
     import torch
 
     from hetrain.models import hf
 
-    torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     base = size == "base"
     if example == "gpt2":
-        model = hf.gpt2_model(size, dropout=0.1)
         seq, vocab = (1024, 50257) if base else (64, hf.BYTE_VOCAB)
-        inputs = torch.randint(0, vocab, (batch, seq), generator=gen)
-        what = "Hugging Face GPT2LMHeadModel" + (" (GPT-2 small)" if base else f" ({size})")
+        return torch.randint(0, vocab, (batch, seq_len or seq), generator=gen)
+    if example == "bert":
+        seq, vocab = (512, 30522) if base else (64, hf.BYTE_VOCAB + 1)
+        return torch.randint(1, vocab, (batch, seq_len or seq), generator=gen)
+    shape = (3, 224, 224) if base else (1, 32, 32)
+    return torch.randn((batch, *shape), generator=gen)
+
+
+def hf_build(example: str, size: str):
+    """The Hugging Face example ``example`` of ``size`` in training mode (dropout 0.1, random
+    weights), on the current default device (``with torch.device("meta")``: no weights)."""
+    from hetrain.models import hf
+
+    if example == "gpt2":
+        model = hf.gpt2_model(size, dropout=0.1)
     elif example == "bert":
         model = hf.bert_model(size, dropout=0.1)
-        seq, vocab = (512, 30522) if base else (64, hf.BYTE_VOCAB + 1)
-        inputs = torch.randint(1, vocab, (batch, seq), generator=gen)
-        what = "Hugging Face BertForMaskedLM" + (" (BERT-base)" if base else f" ({size})")
     else:
         model = hf.resnet_model(size)
-        shape = (3, 224, 224) if base else (1, 32, 32)
-        inputs = torch.randn((batch, *shape), generator=gen)
-        what = "Hugging Face ResNetForImageClassification" + (" (ResNet-50)" if base else "")
     model.train()
-    return model, inputs, f"{what}, cut at its blocks"
+    return model
 
 
-def _profile_module(example, model_spec, size, batch, out, seed) -> int:
-    """Profile a Hugging Face example or a ``--model`` factory's module on the CPU (cut into
-    layers as in training, runtime/cutting.py)."""
+def hf_example(example: str, size: str, batch: int, seed: int = 0):
+    """``(model, inputs, description)`` of a Hugging Face example of ``size``
+    (:func:`hf_build`, :func:`hf_inputs`); random weights and inputs from ``seed``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = hf_build(example, size)
+    return model, hf_inputs(example, size, batch, seed), _hf_description(example, size)
+
+
+def _hf_description(example: str, size: str) -> str:
+    base = size == "base"
+    what = {
+        "gpt2": "Hugging Face GPT2LMHeadModel" + (" (GPT-2 small)" if base else f" ({size})"),
+        "bert": "Hugging Face BertForMaskedLM" + (" (BERT-base)" if base else f" ({size})"),
+        "resnet": "Hugging Face ResNetForImageClassification" + (" (ResNet-50)" if base else ""),
+    }[example]
+    return f"{what}, cut at its blocks"
+
+
+def _module_subject(
+    example: str, model_spec: str | None, size: str, seed: int, device: str | None
+) -> _Subject:
+    """A Hugging Face example or a ``--model`` factory's module, cut into layers as in
+    training (runtime/cutting.py); counted on ``meta`` (:func:`~hetrain.profiler.
+    profile_on_meta`) for the ``base`` examples or ``--device meta``, else on the CPU."""
     import numpy as np
     import torch
 
     from hetrain.models.hf import _size
-    from hetrain.profiler import profile_chain
+    from hetrain.profiler import profile_chain, profile_on_meta
 
     if model_spec is not None:
         from hetrain.runtime.api import task_from_factory
         from hetrain.runtime.data import task_chain
 
-        task = task_from_factory(model_spec)
+        task = task_from_factory(model_spec, seed)
+        count_device = device or "cpu"
+
+        def make_input(n: int) -> Any:
+            return task.train.batch(np.arange(min(n, len(task.train))))[0]
+
+        def build() -> Any:
+            torch.manual_seed(seed)
+            return task.build_model()
+
+        def profile(inputs: Any, label: str) -> Any:
+            if count_device == "meta":
+                return profile_on_meta(build, inputs, name=label, layers=task.layers)
+            module = build()
+            return profile_chain(task_chain(task, module, verify=True), inputs, name=label)
+
+        return _Subject(
+            model_spec, f"{model_spec} ({count_device})", count_device, make_input, profile, build
+        )
+    size = _size(size)
+    count_device = device or ("meta" if size == "base" else "cpu")
+    source = f"--example {example}"
+
+    def make_hf_input(n: int, seq_len: int | None = None) -> Any:
+        return hf_inputs(example, size, n, seed, seq_len)
+
+    def build_hf() -> Any:
         torch.manual_seed(seed)
-        module = task.build_model()
-        inputs, _ = task.train.batch(np.arange(min(batch, len(task.train))))
-        chain = task_chain(task, module, verify=True)
-        name, label = model_spec, model_spec
-    else:
-        module, inputs, what = hf_example(example, _size(size), batch, seed)
+        return hf_build(example, size)
+
+    def profile_hf(inputs: Any, label: str) -> Any:
+        if count_device == "meta":
+            return profile_on_meta(build_hf, inputs, name=label, source=source)
         from hetrain.runtime.cutting import cut_module
 
-        chain = cut_module(module, inputs[:1], source=f"--example {example}")
-        name, label = f"{example}-{size}", f"{example} {size} ({what}; cpu)"
-    profile = profile_chain(chain, inputs, name=label)
-    if not _write_profile(profile, out):
-        return 0
-    shared = sum(t.bytes for t in profile.shared)
-    print(
-        f"wrote {out}: {name}: {profile.num_layers} layers, "
-        f"{sum(ly.fwd_flops for ly in profile.layers) / 1e9:.4g} GFLOP forward per sample, "
-        f"{(sum(ly.param_bytes for ly in profile.layers) + shared) / 2**20:.4g} MiB parameters "
-        f"({shared / 2**20:.4g} MiB shared by {len(profile.shared)} tied tensor(s))"
-    )
-    return 0
+        chain = cut_module(build_hf(), inputs[:1], source=source)
+        return profile_chain(chain, inputs, name=label)
+
+    label = f"{example} {size} ({_hf_description(example, size)}; {count_device})"
+    return _Subject(f"{example}-{size}", label, count_device, make_hf_input, profile_hf, build_hf)
 
 
 def _write_profile(profile, out: Path | None) -> bool:
@@ -235,8 +373,8 @@ def _write_profile(profile, out: Path | None) -> bool:
 
 
 def _measure(
-    ex,
-    profile,
+    subject: _Subject,
+    full_profile,
     out: Path,
     cluster_out,
     workers,
@@ -246,52 +384,108 @@ def _measure(
     threads,
     link,
     seed,
+    seq_len: int | None,
+    lengths: Sequence[int] | None,
+    large: bool,
 ) -> int:
     import torch
     import yaml
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from hetrain.cluster import cluster_from_dict
-    from hetrain.profiler import fit_device, fit_stages, measure_p2p, time_layers, time_stages
-    from hetrain.profiler.timing import default_stage_lengths
+    from hetrain.profiler import (
+        fit_device,
+        fit_stages,
+        measure_p2p,
+        profile_chain,
+        time_layers,
+        time_stages,
+    )
+    from hetrain.runtime.cutting import cut_module
 
+    start_s = time.perf_counter()
     load_before = os.getloadavg()[0]
-    torch.manual_seed(seed)
-    model = ex.build()
-    model.train()
-    gen = torch.Generator().manual_seed(seed + 1)
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    num_layers = len(list(model))
+    def make_input(n: int) -> Any:
+        x = subject.make_input(n)
+        if seq_len is not None and not x.is_floating_point() and x.dim() == 2:
+            x = x[:, :seq_len].contiguous()  # token windows of seq_len (docs/profiling.md §2)
+        return x
+
+    probe = make_input(1)
+    timed_shape = tuple(probe.shape[1:])
+    model = subject.build()
+    chain = cut_module(model, probe, source=f"--example {subject.name}")
+    num_layers = chain.num_layers
+    if lengths is None:  # stages of 1 (time_layers'), 2, L/2 and L layers; large: 1 and L
+        from hetrain.profiler.timing import default_stage_lengths
+
+        lengths = (num_layers,) if large else default_stage_lengths(num_layers)
+    lengths = [n for n in lengths if 1 < n <= num_layers]
+    if not lengths and num_layers > 1:
+        lengths = [num_layers]
+    rounds = warmup + repeats
+    # samples through all layers: the counting pass, then the timed rounds
+    total = min(sizes) + rounds * sum(sizes) * (1 + len(lengths))
+    print(
+        f"timing {subject.name} on inputs of shape {'x'.join(map(str, timed_shape))} with "
+        f"{plural(threads, 'thread')}: micro-batch sizes {','.join(map(str, sizes))}, "
+        f"{warmup} warm-up + {plural(repeats, 'timed round')}, stages of 1 and "
+        f"{','.join(map(str, lengths))} layers (heavier: --repeats, --warmup, "
+        "--microbatch-sizes, --seq-len, --stage-lengths)",
+        file=sys.stderr,
+    )
     with Progress(
-        TextColumn("[bold]timing layers"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} passes"),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        TextColumn("remaining"),
         TimeRemainingColumn(),
+        console=Console(stderr=True),
         transient=False,
     ) as bar:
-        task_id = bar.add_task("timing", total=(warmup + repeats) * len(sizes))
+        task_id = bar.add_task("counting", total=total)
+        # first an untimed pass of every layer at the smallest size (warms up the kernels, the
+        # allocator and the cut's replay) that counts the FLOPs of the timed shape for the fit
+        # (profile_chain on the real model; equal per sample to the written profile when the
+        # shape is the same)
+        profile = profile_chain(chain, make_input(min(sizes)), name=full_profile.name)
+        bar.update(task_id, advance=min(sizes), description="timing layers")
+
+        def advance(samples: int) -> None:
+            bar.advance(task_id, samples)
+
         times = time_layers(
-            model,
-            lambda n: ex.make_input(n, gen),
+            chain,
+            make_input,
             sizes,
             warmup=warmup,
             repeats=repeats,
             threads=threads,
-            progress=lambda done, total: bar.update(task_id, completed=done, total=total),
+            progress=advance,
         )
-    # chains of 2, L/2 and L layers (the one-layer stages are time_layers' own): λ vs κ
-    stage_times = None
-    if num_layers > 1:
-        print("timing stages of 2, L/2 and L layers (λ vs κ) ...", file=sys.stderr)
-        stage_times = time_stages(
-            model,
-            lambda n: ex.make_input(n, gen),
-            sizes,
-            [n for n in default_stage_lengths(num_layers) if n > 1],
-            warmup=warmup,
-            repeats=repeats,
-            threads=threads,
-        )
+        # stages of several lengths (the one-layer stages are time_layers' own): λ vs κ
+        stage_times = None
+        if lengths:
+            bar.update(task_id, description="timing stages")
+            stage_times = time_stages(
+                chain,
+                make_input,
+                sizes,
+                lengths,
+                warmup=warmup,
+                repeats=repeats,
+                threads=threads,
+                progress=advance,
+            )
     try:
         fit = fit_device(profile, times)
         stage_fit = fit_stages(profile, stage_times, times) if stage_times is not None else None
@@ -329,19 +523,24 @@ def _measure(
     cpath = cluster_out or out.with_name(out.stem + ".cluster.yaml")
     cpath.parent.mkdir(parents=True, exist_ok=True)
     header = (
-        f"# measured by `hetrain profile --example {ex.name} --measure` on {platform.node()}\n"
+        f"# measured by `hetrain profile --example {subject.name} --measure` on "
+        f"{platform.node()}\n"
         f"# ({platform.processor() or platform.machine()}, {times.threads} thread(s) per rank);"
         f" speed/kappa/lambda fit rms rel error {device_fit.rms_rel_error:.3f}\n"
     )
     cpath.write_text(header + yaml.safe_dump(cluster, sort_keys=False), encoding="utf-8")
     details = {
-        "example": ex.name,
+        "example": subject.name,
+        "timed_input_shape": list(timed_shape),
+        "warmup": warmup,
+        "repeats": repeats,
         "threads": times.threads,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+        "wall_s": round(time.perf_counter() - start_s, 2),
         "microbatch_sizes": list(times.microbatch_sizes),
         "layer_names": [ly.name for ly in profile.layers],
         "fwd_s": times.fwd_s.tolist(),
@@ -380,7 +579,7 @@ def _measure(
             f"link: {link_fit.bandwidth_bytes_per_s / 1e9:.4g} GB/s, latency "
             f"{link_fit.latency_s * 1e6:.4g} us (fit rms {link_fit.rms_rel_error:.3f})"
         )
-    print(f"wrote {cpath} and {mpath}")
+    print(f"wrote {cpath} and {mpath} ({details['wall_s']:.0f} s)")
     return 0
 
 

@@ -32,7 +32,9 @@ def demo_trace_rows(devices: list[str], steps: int) -> list:
     return [TraceRow(slot=steps // 3, device=devices[1], speed_factor=1.0 / DEMO_SLOWDOWN_FACTOR)]
 
 
-def _task(example: str, model: str | None, data: Path | None, size: str | None = None):
+def _task(
+    example: str, model: str | None, data: Path | None, size: str | None = None, seed: int = 0
+):
     from hetrain.runtime.api import task_from_factory
     from hetrain.runtime.data import HF_EXAMPLES, charlm_task, example_task
 
@@ -44,7 +46,7 @@ def _task(example: str, model: str | None, data: Path | None, size: str | None =
     if model is not None:
         if data is not None:
             raise InputError("--data", "", "not used with --model (the factory loads its data)")
-        return task_from_factory(model)
+        return task_from_factory(model, seed)
     if data is not None:
         if example != "charlm":
             raise InputError("--data", "", "a text file is only used by --example charlm")
@@ -106,7 +108,7 @@ def run_train(
     from hetrain.runtime.api import build_job, run_job
     from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
 
-    task = _task(example, model, data, size)
+    task = _task(example, model, data, size, seed)
     name = task.name if model is None else "model"
     run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"

@@ -3,7 +3,7 @@
 :func:`fit_device`), stage timing and the fit of speed, κ and λ (:func:`time_stages`,
 :func:`fit_stages`), point-to-point link measurement (:func:`measure_p2p`)."""
 
-from hetrain.profiler.chain import profile_chain
+from hetrain.profiler.chain import MetaModelMode, profile_chain, profile_on_meta
 from hetrain.profiler.link import LinkFit, measure_p2p
 from hetrain.profiler.timing import (
     DeviceFit,
@@ -23,7 +23,9 @@ __all__ = [
     "fit_device",
     "fit_stages",
     "measure_p2p",
+    "MetaModelMode",
     "profile_chain",
+    "profile_on_meta",
     "time_layers",
     "time_stages",
 ]

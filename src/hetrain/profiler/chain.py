@@ -15,16 +15,21 @@ For each child ``l`` of an ``nn.Sequential`` (a pipeline layer), run on an examp
   counted in the first).
 
 All but ``param_bytes`` are divided by ``N`` (per sample, docs/model.md §7). FLOPs and bytes depend
-on
-shapes only, so the module may live on the ``meta`` device (no memory, no compute).
+on shapes only, so the module may live on the ``meta`` device (no memory, no compute): a chain
+with meta inputs, or any module with real inputs under :class:`MetaModelMode`
+(:func:`profile_on_meta`), which keeps the values that Python code of the model reads (masks,
+position ids) real.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from hetrain.profile import LayerProfile, ModelProfile
@@ -120,7 +125,7 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
     for idx in range(chain.num_layers):
         names = chain.layer_tensors[idx]
         params = [chain.tensors[n] for n in names if chain.is_param[n]]
-        param_keys = {_storage_key(p) for p in params if p.device.type != "meta"}
+        param_keys = {_storage_key(p) for p in params}
         param_ids = {id(p) for p in params}
         own = [n for n in names if chain.is_param[n] and n not in shared]
         trainable = sum(_nbytes(chain.tensors[n]) for n in own if not chain.frozen(n))
@@ -130,12 +135,9 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
         def pack(t: torch.Tensor, saved=saved, keys=param_keys, ids=param_ids) -> Any:
             if id(t) in ids:
                 return t
-            key = id(t) if t.device.type == "meta" else _storage_key(t)
+            key = _storage_key(t)  # meta tensors have (empty) storages shared by views too
             if key not in keys:
-                size = t.numel() * t.element_size()
-                if t.device.type != "meta":
-                    size = t.untyped_storage().nbytes()
-                saved[key] = max(saved.get(key, 0), size)
+                saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
             return t
 
         with (
@@ -181,3 +183,96 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
         if chain.is_param[n]
     ]
     return ModelProfile(name=name, layers=layers, shared=shared_list)
+
+
+class MetaModelMode(TorchDispatchMode):
+    """Run a model whose parameters and buffers live on the ``meta`` device on *real* inputs
+    (a shape-only forward and backward that Python code of the model can still branch on).
+
+    Every op with a meta tensor among its arguments runs on meta copies of all of them (shapes
+    only, no memory, no compute); an op on real tensors only runs for real (the masks, position
+    ids and their checks that Hugging Face models compute from the inputs: on meta, their
+    ``.item()``/``all()`` checks would fail); a factory (``arange``, ``ones``...) asked for the
+    ``meta`` device, as ``device=hidden.device`` does, is made on ``device`` (real). Modes
+    entered inside this one (a ``FlopCounterMode``) see every op, with the same shapes as on
+    the real device, so FLOPs and bytes equal a real run's (``tests/profiler/test_chain.py``).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        device = kwargs.get("device")
+        if not tensors and isinstance(device, torch.device) and device.type == "meta":
+            return func(*args, **{**kwargs, "device": self.device})
+        if any(t.device.type == "meta" for t in tensors):
+            flat = [
+                a.to("meta") if isinstance(a, torch.Tensor) and a.device.type != "meta" else a
+                for a in flat
+            ]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+def profile_on_meta(
+    build: Callable[[], nn.Module],
+    example_input: Any,
+    *,
+    name: str = "model",
+    layers: Sequence[str] | None = None,
+    source: str = "model",
+) -> ModelProfile:
+    """:func:`profile_chain` of the module ``build()`` returns, built on the ``meta`` device (no
+    weights allocated, no compute: the published GPT-2 small / BERT-base / ResNet-50 shapes in
+    seconds; a module that ``build`` makes elsewhere, a copy, is moved there), cut as in
+    training (:func:`hetrain.runtime.cutting.cut_module`, cut points
+    ``layers`` or the default blocks) and run under :class:`MetaModelMode` on the real
+    ``example_input`` (CPU tensors whose first dimension is the batch).
+
+    Returns:
+        The same profile as :func:`profile_chain` of the module built on the CPU (FLOPs,
+        parameter, activation and saved-activation bytes, shared and frozen tensors).
+
+    Raises:
+        InputError: as :func:`~hetrain.runtime.cutting.cut_module` (a cut point naming no
+            module, a model that cannot be captured).
+        ValueError: as :func:`profile_chain`.
+    """
+    from hetrain.runtime.cutting import cut_module
+
+    with torch.device("meta"):
+        module = build()
+    if any(t.device.type != "meta" for t in [*module.parameters(), *module.buffers()]):
+        module = _to_meta_keeping_ties(module)  # built elsewhere (a copy of a module)
+    module.train()
+    with MetaModelMode(next(iter(_tensors(example_input)), torch.empty(0)).device):
+        # the cut records the forward on the first sample, as for a real module
+        first = _first_sample(example_input)
+        chain = cut_module(module, first, layers, source=source)
+        return profile_chain(chain, example_input, name=name)
+
+
+def _to_meta_keeping_ties(module: nn.Module) -> nn.Module:
+    """``module`` moved to the meta device with every tied parameter still one object
+    (``Module.to("meta")`` makes a new parameter per use)."""
+    uses: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    module = module.to("meta")
+    for names in uses.values():
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, first)
+    return module
+
+
+def _first_sample(obj: Any) -> Any:
+    """``obj`` with every tensor cut to its first sample (``t[:1]``)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t[:1], obj)

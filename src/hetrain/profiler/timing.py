@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 
 from hetrain.calibration import SpeedFit, StageOverheadFit, fit_speed_kappa, fit_stage_overheads
 from hetrain.profile import ModelProfile
+
+if TYPE_CHECKING:
+    from hetrain.runtime.cutting import Chain
 
 
 @dataclass(frozen=True)
@@ -38,25 +42,30 @@ def _sync(device: torch.device) -> None:
 
 
 def time_layers(
-    model: nn.Sequential,
-    make_input: Callable[[int], torch.Tensor],
+    model: nn.Sequential | Chain,
+    make_input: Callable[[int], Any],
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     *,
     warmup: int = 2,
     repeats: int = 5,
     threads: int | None = 1,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> LayerTimes:
     """Time every layer's forward and backward, per micro-batch size: ``warmup`` untimed
     rounds, then the median of ``repeats`` timed ones (a round = one pass per size, sizes
     interleaved so that they see the same background load) (``time.perf_counter``; CUDA is
     synchronised around each layer).
 
-    A pass runs the layers in order, each on the detached output of the previous one (input
-    gradients on, as inside a pipeline), then the backward of each layer in reverse order with
-    the gradient the next layer produced (ones for the last). ``threads`` sets
-    ``torch.set_num_threads`` for the measurement (1 = what one local rank gets) and restores
-    it afterwards. ``progress(done, total)`` is called after every pass (a progress bar).
+    ``model`` is an ``nn.Sequential`` (layer ``l`` = child ``l``) or a
+    :class:`~hetrain.runtime.cutting.Chain` of any module (layer ``l`` runs as the stage
+    ``[l, l + 1)``, as in training); ``make_input(n)`` returns the model's inputs for ``n``
+    samples (a tensor or a pytree). A pass runs the layers in order, each on the detached
+    output of the previous one (input gradients on for floating-point tensors, as inside a
+    pipeline), then the backward of each layer in reverse order with the gradient the next
+    layer produced (ones for the last). ``threads`` sets ``torch.set_num_threads`` for the
+    measurement (1 = what one local rank gets) and restores it afterwards.
+    ``progress(samples)`` is called after every pass with its micro-batch size (a progress
+    bar whose remaining time follows the work done).
 
     Raises:
         ValueError: empty ``microbatch_sizes``, a size < 1, ``repeats < 1`` or ``warmup < 0``.
@@ -65,65 +74,94 @@ def time_layers(
         raise ValueError("time_layers: expected micro-batch sizes >= 1")
     if repeats < 1 or warmup < 0:
         raise ValueError("time_layers: expected repeats >= 1 and warmup >= 0")
-    children = list(model)  # not .children(): it skips a module used twice
-    device = next(model.parameters()).device
+    chain = _as_chain(model)
+    stages = [(a, a + 1) for a in range(chain.num_layers)]
+    device = _device_of(chain)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        fwd = np.zeros((len(microbatch_sizes), len(children)))
+        fwd = np.zeros((len(microbatch_sizes), len(stages)))
         bwd = np.zeros_like(fwd)
-        runs_f = [[[] for _ in children] for _ in microbatch_sizes]
-        runs_b = [[[] for _ in children] for _ in microbatch_sizes]
+        runs_f = [[[] for _ in stages] for _ in microbatch_sizes]
+        runs_b = [[[] for _ in stages] for _ in microbatch_sizes]
         # sizes interleaved within each repeat: on a shared machine all sizes see the same load
         for rep in range(warmup + repeats):
             for i, mu in enumerate(microbatch_sizes):
-                f_s, b_s = _one_pass(children, make_input(mu), device)
+                f_s, b_s = _one_pass(chain, stages, make_input(mu), device)
                 if progress is not None:
-                    total = (warmup + repeats) * len(microbatch_sizes)
-                    progress(rep * len(microbatch_sizes) + i + 1, total)
+                    progress(int(mu))
                 if rep >= warmup:
-                    for l_idx in range(len(children)):
+                    for l_idx in range(len(stages)):
                         runs_f[i][l_idx].append(f_s[l_idx])
                         runs_b[i][l_idx].append(b_s[l_idx])
         for i in range(len(microbatch_sizes)):
             fwd[i] = [statistics.median(r) for r in runs_f[i]]
             bwd[i] = [statistics.median(r) for r in runs_b[i]]
-        model.zero_grad(set_to_none=True)
+        chain.module.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(old_threads)
     used = threads or old_threads
     return LayerTimes(tuple(int(m) for m in microbatch_sizes), fwd, bwd, used)
 
 
-def _one_pass(children: Sequence[nn.Module], x: torch.Tensor, device: torch.device):
-    """Forward then backward of ``children`` in order, each timed; a child may be an
-    ``nn.Sequential`` of several layers (a stage)."""
-    f_s, b_s = [0.0] * len(children), [0.0] * len(children)
-    ins, outs = [], []
-    for idx, child in enumerate(children):
-        xin = x.detach()
-        if idx > 0 and xin.is_floating_point():
-            xin.requires_grad_(True)
+def _as_chain(model: Any) -> Chain:
+    from hetrain.runtime.cutting import Chain, cut_module
+
+    return model if isinstance(model, Chain) else cut_module(model)
+
+
+def _device_of(chain: Chain) -> torch.device:
+    first = next(iter(chain.tensors.values()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _float_leaves(obj: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    flat = tree_flatten(obj)[0]
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _one_pass(
+    chain: Chain, stages: Sequence[tuple[int, int]], inputs: Any, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Forward then backward of the consecutive ``stages`` ``[a, b)`` of ``chain`` on one
+    micro-batch ``inputs``, each timed (seconds)."""
+    from hetrain.profiler.chain import _detach_for_next
+
+    f_s, b_s = [0.0] * len(stages), [0.0] * len(stages)
+    ins: list[Any] = []
+    outs: list[Any] = []
+    x: Any = None
+    for idx, (a, b) in enumerate(stages):
+        xin = None if idx == 0 else _detach_for_next(x, requires_grad=True)
         _sync(device)
         t0 = time.perf_counter()
-        y = child(xin)
+        y = chain.stage_forward(a, b, xin, inputs)
         _sync(device)
         f_s[idx] = time.perf_counter() - t0
         ins.append(xin)
         outs.append(y)
         x = y
-    grad = torch.ones_like(outs[-1])
-    for idx in range(len(children) - 1, -1, -1):
+    last = len(stages) - 1
+    for idx in range(last, -1, -1):
+        out = _float_leaves(outs[idx])
+        if idx == last:
+            pairs = [(t, torch.ones_like(t)) for t in out if t.requires_grad]
+        else:
+            received = _float_leaves(ins[idx + 1])
+            pairs = [
+                (t, r.grad)
+                for t, r in zip(out, received, strict=True)
+                if t.requires_grad and r.grad is not None
+            ]
         _sync(device)
         t0 = time.perf_counter()
-        if outs[idx].requires_grad:
-            outs[idx].backward(grad)
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         _sync(device)
         b_s[idx] = time.perf_counter() - t0
-        grad = ins[idx].grad
-        if grad is None:
-            break
     return f_s, b_s
 
 
@@ -183,21 +221,23 @@ def default_stage_lengths(num_layers: int) -> tuple[int, ...]:
 
 
 def time_stages(
-    model: nn.Sequential,
-    make_input: Callable[[int], torch.Tensor],
+    model: nn.Sequential | Chain,
+    make_input: Callable[[int], Any],
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     lengths: Sequence[int] | None = None,
     *,
     warmup: int = 2,
     repeats: int = 5,
     threads: int | None = 1,
+    progress: Callable[[int], None] | None = None,
 ) -> StageTimes:
     """Time stages (chains of consecutive layers) of several lengths, each stage's forward and
     backward as one unit as a pipeline stage runs them: for each length ``n`` in ``lengths``
     (default :func:`default_stage_lengths`) the chain is cut into consecutive stages of ``n``
     layers (the last one shorter when ``n`` does not divide ``L``) and a pass runs them in
-    order as :func:`time_layers` runs single layers. ``warmup`` untimed rounds, then the median
-    of ``repeats`` (a round = one pass per size and length, interleaved).
+    order as :func:`time_layers` runs single layers (``model`` and ``make_input`` as there).
+    ``warmup`` untimed rounds, then the median of ``repeats`` (a round = one pass per size and
+    length, interleaved); ``progress(samples)`` after every pass, as in :func:`time_layers`.
 
     The times feed :func:`fit_device`'s ``stages`` fit of ``t = μ F / s + κ + λ |S|``: the
     overhead that grows with the layers of a stage (``λ``) is told from the one per stage
@@ -211,8 +251,8 @@ def time_stages(
         raise ValueError("time_stages: expected micro-batch sizes >= 1")
     if repeats < 1 or warmup < 0:
         raise ValueError("time_stages: expected repeats >= 1 and warmup >= 0")
-    children = list(model)
-    num_layers = len(children)
+    chain = _as_chain(model)
+    num_layers = chain.num_layers
     lengths = tuple(lengths) if lengths is not None else default_stage_lengths(num_layers)
     if not lengths or min(lengths) < 1 or max(lengths) > num_layers:
         raise ValueError(f"time_stages: expected stage lengths in 1..{num_layers}, got {lengths}")
@@ -220,8 +260,7 @@ def time_stages(
         [(a, min(a + n, num_layers)) for a in range(0, num_layers, n)] for n in sorted(set(lengths))
     ]
     stages = tuple(st for tiling in tilings for st in tiling)
-    modules = [[nn.Sequential(*children[a:b]) for a, b in tiling] for tiling in tilings]
-    device = next(model.parameters()).device
+    device = _device_of(chain)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -230,14 +269,16 @@ def time_stages(
         for rep in range(warmup + repeats):
             for i, mu in enumerate(microbatch_sizes):
                 col = 0
-                for mods in modules:
-                    f_s, b_s = _one_pass(mods, make_input(mu), device)
+                for tiling in tilings:
+                    f_s, b_s = _one_pass(chain, tiling, make_input(mu), device)
+                    if progress is not None:
+                        progress(int(mu))
                     if rep >= warmup:
-                        for j in range(len(mods)):
+                        for j in range(len(tiling)):
                             runs[i][col + j].append(f_s[j] + b_s[j])
-                    col += len(mods)
+                    col += len(tiling)
         train = np.array([[statistics.median(r) for r in row] for row in runs])
-        model.zero_grad(set_to_none=True)
+        chain.module.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(old_threads)
     used = threads or old_threads

@@ -161,15 +161,19 @@ def task_from_objects(
     )
 
 
-def task_from_factory(spec: str) -> Task:
+def task_from_factory(spec: str, seed: int | None = None) -> Task:
     """The task of ``--model pkg.module:factory``: the factory returns a :class:`Task`, or a
     mapping with ``model`` (chain or list of blocks), ``dataset`` and ``loss_fn`` (optional
-    ``val_dataset``, ``evaluate``).
+    ``val_dataset``, ``evaluate``). With ``seed``, torch's global generator is seeded with it
+    just before the factory is called, so a model the factory builds has the same random
+    weights in every run with that ``--seed`` (and on every node of a torchrun job).
 
     Raises:
         InputError: the factory fails or returns something else.
     """
     factory = load_model_factory(spec)
+    if seed is not None:
+        torch.manual_seed(seed)
     try:
         made = factory()
     except Exception as exc:  # the user's code: report it in one line

@@ -185,6 +185,9 @@ class _Run:
     meta_of: dict[int, tuple[torch.Tensor, torch.Tensor]]
     grad_enabled: bool
     device: torch.device = torch.device("cpu")
+    # the model lives on the meta device (a shape-only profile): the outputs of the replay
+    # before the stage, by id (the only meta tensors a stage may not use)
+    replayed: dict[int, torch.Tensor] | None = None
 
 
 class _MetaMode(TorchDispatchMode):
@@ -201,7 +204,8 @@ class _MetaMode(TorchDispatchMode):
             return t
         hit = self.run.meta_of.get(id(t))
         if hit is None:
-            m = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            with _disable_current_modes():  # a meta copy, whatever an outer mode does
+                m = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
             hit = self.run.meta_of[id(t)] = (t, m)
         return hit[1]
 
@@ -209,6 +213,8 @@ class _MetaMode(TorchDispatchMode):
         if t.device.type != "meta":
             return t
         hit = self.run.real_of.get(id(t))
+        if hit is None and self.run.replayed is not None and id(t) not in self.run.replayed:
+            return t  # a meta model's tensor, or computed from one within the stage
         if hit is None or t.requires_grad:
             raise CaptureError(
                 self.cut.source,
@@ -242,7 +248,10 @@ class _MetaMode(TorchDispatchMode):
             try:
                 # outer modes (a FLOP counter) must not see this shape-only replay
                 with _disable_current_modes():
-                    return func(*args, **kwargs)
+                    out = func(*args, **kwargs)
+                if self.run.replayed is not None:
+                    self.run.replayed.update((id(t), t) for t in leaves(out))
+                return out
             except CaptureError:
                 raise
             except Exception as exc:
@@ -351,6 +360,7 @@ class ModuleCut(Chain):
                 hint = f"; near names: {', '.join(near)}" if near else ""
                 raise InputError(source, "layers", f"no module named {b!r}{hint}")
         self._index_tensors()
+        self._meta_model = any(t.device.type == "meta" for t in self.tensors.values())
         self.blocks = [mods[b] for b in blocks]
         self._record(list(blocks), example_inputs)
         self._run: _Run | None = None
@@ -554,6 +564,7 @@ class ModuleCut(Chain):
             meta_of={},
             grad_enabled=torch.is_grad_enabled(),
             device=next(iter(leaves(inputs)), torch.empty(0)).device,
+            replayed={} if self._meta_model else None,
         )
         self._run = run
         try:
