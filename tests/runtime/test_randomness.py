@@ -15,7 +15,10 @@ from hetrain.plan import plan_from_dict
 from hetrain.runtime import OptimizerSpec, Worker
 from hetrain.runtime.randomness import (
     InvariantRandomness,
+    bits_per_sample,
     draw_key,
+    keep_per_sample,
+    keep_threshold,
     splitmix64,
     splitmix64_int,
     uniform_per_sample,
@@ -52,6 +55,42 @@ def test_uniform_draws_are_per_sample_and_uniform():
     assert abs(big.var().item() - 1 / 12) < 0.002
     with pytest.raises(InputError, match="no sample dimension"):
         uniform_per_sample(key, rows, (4, 5))
+
+
+def test_draws_follow_the_documented_formula():
+    # Z(key, s, j) = splitmix64(splitmix64(key + s*phi) + (j+1)*phi'), u = (Z >> 11) * 2^-53
+    phi, phi2, m64 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, (1 << 64) - 1
+    key = draw_key(3, 11, "transformer.h.0.attn", 2)
+    rows = torch.tensor([0, 7, 2**40 + 3])
+    z = bits_per_sample(key, rows, (3, 2, 3))
+    u = uniform_per_sample(key, rows, (3, 2, 3))
+    for a, s in enumerate(rows.tolist()):
+        k_s = splitmix64_int(key + s * phi)
+        for j in range(6):
+            want = splitmix64_int((k_s + (j + 1) * phi2) & m64)
+            assert z[a, j].item() == _signed(want)
+            assert u[a].reshape(-1)[j].item() == (want >> 11) * 2.0**-53
+
+
+def test_keep_mask_is_u_at_least_p_on_the_integers():
+    key = draw_key(1, 2, "drop", 0)
+    rows = torch.arange(4, 9)
+    u = uniform_per_sample(key, rows, (5, 7, 11))
+    # p on a drawn value (the boundary: u == p is kept), just above it, and usual rates
+    grid = sorted(u.reshape(-1).tolist())
+    for p in [grid[10], math.nextafter(grid[10], 1.0), grid[-1], 0.1, 0.5, 1 / 3, 0.9, 0.0]:
+        keep = keep_per_sample(key, rows, (5, 7, 11), p)
+        assert keep.dtype == torch.bool and keep.shape == (5, 7, 11)
+        assert torch.equal(keep, u >= p), p
+    assert not keep_per_sample(key, rows, (5, 7, 11), 1.0).any()
+    assert keep_threshold(1.0) == 1 << 64 and keep_threshold(0.0) == 0
+    assert keep_threshold(0.5) == 1 << 63
+    # flattened (B*T, H) rows and another micro-batch composition give the sample's same mask
+    flat = keep_per_sample(key, rows, (35, 11), 0.3)
+    assert torch.equal(flat.reshape(5, 7, 11), u >= 0.3)
+    part = keep_per_sample(key, torch.tensor([8, 5]), (2, 7, 11), 0.3)
+    assert torch.equal(part[0], flat.reshape(5, 7, 11)[4])
+    assert torch.equal(part[1], flat.reshape(5, 7, 11)[1])
 
 
 class _Net(nn.Module):

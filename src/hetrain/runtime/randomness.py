@@ -19,10 +19,13 @@ counter-based hash, and global module forward hooks that keep the innermost modu
 name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
 sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
 
-Draws: ``u = splitmix64(splitmix64(key(seed, step, path, call) + sample * φ) + (j + 1) * φ')``,
-53 bits -> ``[0, 1)`` (Steele, Lea, Flood, *Fast splittable pseudorandom number generators*,
-OOPSLA 2014), on int64 tensors with wrap-around arithmetic and masked logical shifts, so CPU and
-GPU give the same numbers. Backward reuses the forward's masks (autograd keeps them).
+Draws: the 64 bits ``Z = splitmix64(k_s + (j + 1) * φ')`` of element ``j`` of sample ``s``, with
+the per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
+*Fast splittable pseudorandom number generators*, OOPSLA 2014); ``u = (Z >> 11) * 2^-53`` in
+``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as
+``Z >= ceil(p * 2^53) * 2^11`` (bool, no floats); both on int64 tensors with wrap-around
+arithmetic and masked logical shifts, in place, so CPU and GPU give the same numbers. Backward
+reuses the forward's masks (autograd keeps them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -97,12 +100,43 @@ def draw_key(seed: int, step: int, path: str, call: int) -> int:
     return splitmix64_int(z + int(call) * _GOLDEN)
 
 
-def uniform_per_sample(
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """:func:`splitmix64` in place on ``z`` (``tmp``: a scratch tensor of ``z``'s shape): the
+    same bits, without a new tensor per operation (the draws' cost is memory traffic)."""
+    for shift, mult in ((30, _signed(_C1)), (27, _signed(_C2)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1  # logical shift
+        z ^= tmp
+        if mult is not None:
+            z *= mult
+    return z
+
+
+_J_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _element_offsets(per_sample: int, device: torch.device) -> torch.Tensor:
+    """``(j + 1) * φ'`` for ``j < per_sample`` (int64, wrap-around), kept per size and device
+    (a model has a handful of dropout shapes)."""
+    key = (per_sample, device)
+    out = _J_CACHE.get(key)
+    if out is None:
+        if len(_J_CACHE) > 64:
+            _J_CACHE.clear()
+        out = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device)
+        out *= _signed(_GOLDEN2)
+        _J_CACHE[key] = out
+    return out
+
+
+def bits_per_sample(
     key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
 ) -> torch.Tensor:
-    """Uniform ``[0, 1)`` float64 numbers of ``shape``, whose dim 0 holds the samples
-    ``sample_index`` (``n`` rows, or ``n * r`` rows flattened sample-major): element ``j`` of
-    sample ``s`` (row-major within the sample) gets ``U(key, s, j)``.
+    """The 64 random bits of every element of a tensor of ``shape`` whose dim 0 holds the
+    samples ``sample_index`` (``n`` rows, or ``n * r`` rows flattened sample-major), as int64
+    of shape ``[n, prod(shape) // n]`` (the uint64 value's bits): element ``j`` of sample ``s``
+    (row-major within the sample) gets ``Z(key, s, j) = splitmix64(k_s + (j + 1) * φ')`` with
+    the per-sample key ``k_s = splitmix64(key + s * φ)`` (one splitmix64 per element).
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
@@ -120,9 +154,53 @@ def uniform_per_sample(
     device = device if device is not None else sample_index.device
     rows = sample_index.to(device=device, dtype=torch.int64)
     ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
-    j = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN2)
-    z = splitmix64(ks[:, None] + j[None, :])
-    return (_srl(z, 11).to(torch.float64) * 2.0**-53).reshape(shape)
+    z = torch.add(ks[:, None], _element_offsets(per_sample, device)[None, :])
+    return _mix_(z, torch.empty_like(z))
+
+
+def uniform_per_sample(
+    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float64 numbers of ``shape`` (dim 0: the samples ``sample_index``, as
+    in :func:`bits_per_sample`): ``U(key, s, j) = (Z(key, s, j) >> 11) * 2^-53`` (the top 53
+    bits, logical shift).
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    z = bits_per_sample(key, sample_index, shape, device)
+    return (_srl(z, 11).to(torch.float64) * 2.0**-53).reshape(tuple(int(d) for d in shape))
+
+
+def keep_threshold(p: float) -> int:
+    """The uint64 threshold ``T(p) = ceil(p * 2^53) * 2^11`` with ``Z >= T(p)`` exactly when
+    ``U = (Z >> 11) * 2^-53 >= p`` (``U`` a multiple of ``2^-53``); ``2^64`` for ``p = 1``."""
+    return math.ceil(float(p) * 2.0**53) << 11
+
+
+def keep_per_sample(
+    key: int,
+    sample_index: torch.Tensor,
+    shape: Sequence[int],
+    p: float,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The bool keep mask ``U(key, s, j) >= p`` of ``shape`` (dim 0: the samples
+    ``sample_index``, as in :func:`bits_per_sample`), computed on the integer bits as
+    ``Z >= T(p)`` (:func:`keep_threshold`; unsigned order via the int64 order of ``Z ^ 2^63``),
+    without floats: the same mask as ``uniform_per_sample(...) >= p``, at a fraction of the
+    memory traffic.
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    shape = tuple(int(d) for d in shape)
+    z = bits_per_sample(key, sample_index, shape, device)
+    threshold = keep_threshold(p)
+    if threshold >= 1 << 64:  # p = 1: nothing is kept
+        return torch.zeros(shape, dtype=torch.bool, device=z.device)
+    z ^= -(1 << 63)
+    return torch.ge(z, _signed(threshold ^ (1 << 63))).reshape(shape)
 
 
 # -------------------------------------------------------------------------------- arguments
@@ -343,6 +421,16 @@ class InvariantRandomness:
         except InputError as exc:
             raise InputError("model", path or "<root>", exc.expected) from None
 
+    def keep(self, shape: Sequence[int], p: float, device: torch.device) -> torch.Tensor:
+        """The bool keep mask ``u >= p`` of ``shape`` for the next draw site (the same mask as
+        ``uniform(shape, device) >= p``, see :func:`keep_per_sample`)."""
+        assert self._rows is not None
+        key, path = self.next_key()
+        try:
+            return keep_per_sample(key, self._rows, shape, p, device)
+        except InputError as exc:
+            raise InputError("model", path or "<root>", exc.expected) from None
+
 
 def _dropout(
     rng: InvariantRandomness,
@@ -354,13 +442,13 @@ def _dropout(
     alpha: bool,
 ) -> torch.Tensor:
     """Dropout as ATen's ``_dropout_impl`` (same scaling, alpha-dropout affine correction), with
-    the keep mask ``u >= p`` from :meth:`InvariantRandomness.uniform`."""
+    the keep mask ``u >= p`` from :meth:`InvariantRandomness.keep`."""
     if p < 0 or p > 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0 or x.numel() == 0:
         return x
     shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2) if feature else tuple(x.shape)
-    keep = rng.uniform(shape, x.device) >= p
+    keep = rng.keep(shape, p, x.device)
     if p == 1:
         return x.mul_(0) if inplace else x * 0
     noise = keep.to(x.dtype)
@@ -369,7 +457,7 @@ def _dropout(
         b = (noise - 1) * (_ALPHA_SELU * a) + _ALPHA_SELU * a * p
         noise = noise * a
         return x.mul_(noise).add_(b) if inplace else x * noise + b
-    noise = noise / (1 - p)
+    noise.div_(1 - p)
     return x.mul_(noise) if inplace else x * noise
 
 
@@ -386,7 +474,7 @@ def _sdpa(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -
         return func(*args, **kwargs)
     q, k = a["query"], a["key"]
     shape = (*q.shape[:-1], k.shape[-2])
-    keep = rng.uniform(shape, q.device) >= a["dropout_p"]
+    keep = rng.keep(shape, float(a["dropout_p"]), q.device)
     mask = a["attn_mask"]
     if mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
