@@ -6,19 +6,20 @@ same seed on the same global batches of the ``gpt2`` example (bytes of ``pydoc_d
 context 64, the deterministic sampler), AdamW with the example's learning rate, clipping at 1.0,
 one torch thread, in this process:
 
-- ``plain``: ``model(x)``, cross-entropy, ``backward``, ``clip_grad_norm_``, ``step``;
+- ``plain``: fetch the batch, ``model(x)``, cross-entropy, ``backward``, ``clip_grad_norm_``,
+  ``step``;
 - ``hetrain``: :func:`hetrain.runtime.worker_main.run_worker` (the per-rank loop of ``hetrain
   train --workers 1``, a one-rank gloo group): the engine's cut model (one stage spanning every
   layer), plan-invariant dropout, metrics.
 
-Iterations per second of the whole loop (data, step, and for hetrain its metrics line) over
-steps ``warmup .. steps - 2``: both loops fetch each step's batch from the task's training
-source, which notes the wall clock and this thread's CPU clock at every fetch (hetrain's last
-step, which also gathers the run's timeline, is left out). The two alternate ``--repeats`` times
-and the medians are compared; the wall-clock ratio is the target, the CPU-time ratio (this
-thread's ``time.thread_time``) is printed too, being far less sensitive to other processes on a
-shared machine. The last line is JSON ``{"plain_it_s", "hetrain_it_s", "ratio", "cpu_ratio",
-"dropout", "load", "pass"}``.
+The two run in lockstep, so that both see the same machine load (this machine is shared): when
+hetrain's loop fetches the batch of step ``k`` from the task's training source, the source first
+runs step ``k`` of the plain loop and times it. hetrain's step ``k`` is then the time from the
+end of that plain step to the next fetch: its whole loop (data, engine step, metrics line).
+Iterations per second over steps ``warmup .. steps - 2`` (hetrain's last step, which also
+gathers the run's timeline, is left out), wall clock (the target) and this thread's CPU time
+(``time.thread_time``, printed too); ``--repeats`` fresh runs, medians compared. The last line
+is JSON ``{"plain_it_s", "hetrain_it_s", "ratio", "cpu_ratio", "dropout", "load", "pass"}``.
 
 Usage: ``.venv/bin/python bench/hf_workers1.py [--steps 40] [--warmup 5] [--repeats 3]
 [--dropout 0.1]``
@@ -30,10 +31,11 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,12 +47,23 @@ from hetrain.runtime.worker_main import lr_multiplier, run_worker
 TARGET = 0.95
 
 
-class _Clocked:
-    """A training source that notes ``(wall, thread CPU)`` clocks at every ``batch`` call."""
+def _clocks() -> np.ndarray:
+    return np.array([time.perf_counter(), time.thread_time()])
 
-    def __init__(self, source) -> None:
+
+class _Lockstep:
+    """hetrain's training source: before the batch of the loop's step ``k`` (the sampler's
+    indices of step ``k``; the start-up's smaller fetches pass through) it runs ``plain_step(k)``;
+    keeps ``(wall_s, cpu_s)`` per step of both loops."""
+
+    def __init__(self, source, sampler, steps: int, plain_step: Callable[[int], None]) -> None:
         self.source = source
-        self.stamps: list[tuple[float, float]] = []
+        self.sampler = sampler
+        self.steps = steps
+        self.plain_step = plain_step
+        self.plain: list[np.ndarray] = []
+        self.hetrain: list[np.ndarray] = []
+        self._mark: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.source)
@@ -59,53 +72,59 @@ class _Clocked:
         return getattr(self.source, name)
 
     def batch(self, indices):
-        self.stamps.append((time.perf_counter(), time.thread_time()))
+        k = len(self.plain)
+        if k < self.steps and np.array_equal(np.asarray(indices), self.sampler.indices(k)):
+            start = _clocks()
+            if self._mark is not None:
+                self.hetrain.append(start - self._mark)
+            self.plain_step(k)
+            self._mark = _clocks()
+            self.plain.append(self._mark - start)
         return self.source.batch(indices)
 
-    def rates(self, steps: int, first: int, last: int) -> tuple[float, float]:
-        """Steps per wall second and per CPU second from the fetch of step ``first`` to that of
-        step ``last`` (the loop's fetches are the last ``steps`` ones)."""
-        loop = self.stamps[-steps:]
-        (w0, c0), (w1, c1) = loop[first], loop[last]
-        return (last - first) / (w1 - w0), (last - first) / (c1 - c0)
 
-
-def plain(task, job, steps: int, warmup: int) -> tuple[float, float]:
-    """(wall, CPU) iterations per second of a plain PyTorch loop (no hetrain code in it)."""
+def plain_loop(task, job) -> Callable[[int], None]:
+    """Step ``k`` of a plain PyTorch loop (no hetrain code in it), as a function."""
     torch.manual_seed(job.seed)
     model = task.build_model()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
     factor = lr_multiplier(job)
     sampler = GlobalBatchSampler(len(task.train), job.batch, job.seed)
-    source = _Clocked(task.train)
-    for step in range(steps):
-        x, y = source.batch(sampler.indices(step))
+
+    def step(k: int) -> None:
+        x, y = task.train.batch(sampler.indices(k))
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
-            group["lr"] = job.lr * factor(step)
+            group["lr"] = job.lr * factor(k)
         opt.step()
-    return source.rates(steps, warmup, steps - 1)
+
+    return step
 
 
-def hetrain_run(task, steps: int, warmup: int, folder: str) -> tuple[float, float]:
-    """(wall, CPU) iterations per second of ``hetrain train --workers 1`` (its per-rank loop)."""
-    source = _Clocked(task.train)
-    task = dataclasses.replace(task, train=source)
+def side_by_side(task, steps: int, warmup: int, folder: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(plain, hetrain)`` iterations per ``[wall, CPU]`` second, run in lockstep."""
     job = build_job(
         task, workers=1, steps=steps, metrics_out=os.path.join(folder, "m.jsonl"), run_dir=folder
     )
     job.adaptive = False
+    sampler = GlobalBatchSampler(len(task.train), job.batch, job.seed)
+    source = _Lockstep(task.train, sampler, steps, plain_loop(task, job))
+    job.task = dataclasses.replace(job.task, train=source)
     store = dist.FileStore(os.path.join(folder, "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         run_worker(job, num_threads=1)
     finally:
         dist.destroy_process_group()
-    return source.rates(steps, warmup, steps - 1)
+    if len(source.hetrain) != steps - 1:
+        raise RuntimeError(f"timed {len(source.hetrain)} hetrain steps, expected {steps - 1}")
+    window = slice(warmup, steps - 1)
+    n = steps - 1 - warmup
+    return n / np.sum(source.plain[window], axis=0), n / np.sum(source.hetrain[window], axis=0)
 
 
 def main() -> None:
@@ -115,33 +134,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout (example: 0.1)")
     args = ap.parse_args()
-    if not 1 <= args.warmup < args.steps - 1:
-        ap.error("--warmup: expected 1 <= warmup < steps - 1")
+    if not 0 <= args.warmup < args.steps - 1:
+        ap.error("--warmup: expected 0 <= warmup < steps - 1")
     torch.set_num_threads(1)
     task = example_task("gpt2", "tiny")
     if args.dropout != 0.1:
         rate = args.dropout
         task = dataclasses.replace(task, build_model=lambda: gpt2_model("tiny", rate, HF_CONTEXT))
-    job = build_job(task, workers=1, steps=args.steps)
-    plain_runs, hetrain_runs = [], []
+    runs = []
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory() as folder:
-            hetrain_runs.append(hetrain_run(task, args.steps, args.warmup, folder))
-        plain_runs.append(plain(task, job, args.steps, args.warmup))
-        (pw, pc), (hw, hc) = plain_runs[-1], hetrain_runs[-1]
+            runs.append(side_by_side(task, args.steps, args.warmup, folder))
+        (pw, pc), (hw, hc) = runs[-1]
         print(
             f"repeat {r}: plain {pw:.3f} it/s ({pc:.3f} per CPU s), "
             f"hetrain {hw:.3f} it/s ({hc:.3f} per CPU s)"
         )
-    p = statistics.median(w for w, _ in plain_runs)
-    h = statistics.median(w for w, _ in hetrain_runs)
-    pc = statistics.median(c for _, c in plain_runs)
-    hc = statistics.median(c for _, c in hetrain_runs)
-    ratio, cpu_ratio = h / p, hc / pc
+    p, pc = np.median([run[0] for run in runs], axis=0)
+    h, hc = np.median([run[1] for run in runs], axis=0)
+    ratio, cpu_ratio = float(h / p), float(hc / pc)
     load = os.getloadavg()[0]
     verdict = "PASS" if ratio >= TARGET else "FAIL"
     print(
-        f"GPT-2 tiny (dropout {args.dropout}), batch {job.batch}: plain {p:.3f} it/s, "
+        f"GPT-2 tiny (dropout {args.dropout}), batch {task.defaults['batch']}: plain {p:.3f} it/s, "
         f"hetrain --workers 1 {h:.3f} it/s"
     )
     print(
@@ -151,8 +166,8 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "plain_it_s": p,
-                "hetrain_it_s": h,
+                "plain_it_s": float(p),
+                "hetrain_it_s": float(h),
                 "ratio": ratio,
                 "cpu_ratio": cpu_ratio,
                 "dropout": args.dropout,

@@ -19,13 +19,15 @@ counter-based hash, and global module forward hooks that keep the innermost modu
 name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
 sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
 
-Draws: the 64 bits ``Z = splitmix64(k_s + (j + 1) * φ')`` of element ``j`` of sample ``s``, with
-the per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
-*Fast splittable pseudorandom number generators*, OOPSLA 2014); ``u = (Z >> 11) * 2^-53`` in
-``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as
-``Z >= ceil(p * 2^53) * 2^11`` (bool, no floats); both on int64 tensors with wrap-around
-arithmetic and masked logical shifts, in place, so CPU and GPU give the same numbers. Backward
-reuses the forward's masks (autograd keeps them).
+Draws: the 64-bit words ``Z(i) = splitmix64(k_s + (i + 1) * φ')`` of sample ``s``, with the
+per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
+*Fast splittable pseudorandom number generators*, OOPSLA 2014), each split into two 32-bit draws:
+of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the high half of
+``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in ``[0, 1)``. A
+dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p * 2^32)`` (bool, no
+floats); all on int64 tensors with wrap-around arithmetic and masked logical shifts, in place,
+so CPU and GPU give the same numbers. Backward reuses the forward's masks (autograd keeps
+them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -53,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from hetrain.errors import InputError
 
 _M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _GOLDEN2 = 0xD1B54A32D192ED03
 _C1 = 0xBF58476D1CE4E5B9
@@ -129,20 +132,13 @@ def _element_offsets(per_sample: int, device: torch.device) -> torch.Tensor:
     return out
 
 
-def bits_per_sample(
-    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
-) -> torch.Tensor:
-    """The 64 random bits of every element of a tensor of ``shape`` whose dim 0 holds the
-    samples ``sample_index`` (``n`` rows, or ``n * r`` rows flattened sample-major), as int64
-    of shape ``[n, prod(shape) // n]`` (the uint64 value's bits): element ``j`` of sample ``s``
-    (row-major within the sample) gets ``Z(key, s, j) = splitmix64(k_s + (j + 1) * φ')`` with
-    the per-sample key ``k_s = splitmix64(key + s * φ)`` (one splitmix64 per element).
+def _layout(sample_index: torch.Tensor, shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(n, m, h)``: samples, draws per sample, 64-bit words per sample (``ceil(m / 2)``).
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
     """
     n = int(sample_index.numel())
-    shape = tuple(int(d) for d in shape)
     if not shape or n == 0 or shape[0] % n:
         raise InputError(
             "model",
@@ -150,32 +146,62 @@ def bits_per_sample(
             f"a tensor of shape {list(shape)} has no sample dimension of {n} rows in dim 0; "
             "hetrain draws randomness per sample",
         )
-    per_sample = math.prod(shape) // n
+    m = math.prod(shape) // n
+    return n, m, (m + 1) // 2
+
+
+def words_per_sample(
+    key: int, sample_index: torch.Tensor, count: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The 64-bit words ``Z(key, s, i) = splitmix64(k_s + (i + 1) * φ')``, ``i < count``, of the
+    samples ``s`` in ``sample_index``, with the per-sample key ``k_s = splitmix64(key + s * φ)``
+    (one splitmix64 per word, computed in place): int64 ``[n, count]`` holding the uint64 bits."""
     device = device if device is not None else sample_index.device
-    rows = sample_index.to(device=device, dtype=torch.int64)
+    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
     ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
-    z = torch.add(ks[:, None], _element_offsets(per_sample, device)[None, :])
+    z = torch.add(ks[:, None], _element_offsets(count, device)[None, :])
     return _mix_(z, torch.empty_like(z))
+
+
+def draws_per_sample(
+    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """The 32-bit draws ``V(key, s, j)`` (int64 in ``[0, 2^32)``) of a tensor of ``shape`` whose
+    dim 0 holds the samples ``sample_index`` (``n`` rows, or ``n * r`` rows flattened
+    sample-major): element ``j`` (row-major within the sample) of sample ``s``, of ``m`` draws
+    per sample, ``h = ceil(m / 2)``, gets the high half of word ``j`` for ``j < h`` and the low
+    half of word ``j - h`` otherwise: ``V = Z(key, s, j) >> 32`` or ``Z(key, s, j - h) mod 2^32``
+    (:func:`words_per_sample`; one splitmix64 per two draws).
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    shape = tuple(int(d) for d in shape)
+    n, m, h = _layout(sample_index, shape)
+    z = words_per_sample(key, sample_index, h, device)
+    out = torch.empty((n, m), dtype=torch.int64, device=z.device)
+    torch.bitwise_right_shift(z, 32, out=out[:, :h])
+    out[:, :h] &= _M32
+    torch.bitwise_and(z[:, : m - h], _M32, out=out[:, h:])
+    return out.reshape(shape)
 
 
 def uniform_per_sample(
     key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
 ) -> torch.Tensor:
-    """Uniform ``[0, 1)`` float64 numbers of ``shape`` (dim 0: the samples ``sample_index``, as
-    in :func:`bits_per_sample`): ``U(key, s, j) = (Z(key, s, j) >> 11) * 2^-53`` (the top 53
-    bits, logical shift).
+    """Uniform ``[0, 1)`` float64 numbers ``U = V * 2^-32`` of ``shape`` (``V``: the draws of
+    :func:`draws_per_sample`, same layout).
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
     """
-    z = bits_per_sample(key, sample_index, shape, device)
-    return (_srl(z, 11).to(torch.float64) * 2.0**-53).reshape(tuple(int(d) for d in shape))
+    return draws_per_sample(key, sample_index, shape, device).to(torch.float64) * 2.0**-32
 
 
 def keep_threshold(p: float) -> int:
-    """The uint64 threshold ``T(p) = ceil(p * 2^53) * 2^11`` with ``Z >= T(p)`` exactly when
-    ``U = (Z >> 11) * 2^-53 >= p`` (``U`` a multiple of ``2^-53``); ``2^64`` for ``p = 1``."""
-    return math.ceil(float(p) * 2.0**53) << 11
+    """The draw threshold ``T(p) = ceil(p * 2^32)``: ``V >= T(p)`` exactly when ``U = V * 2^-32
+    >= p``; ``2^32`` (nothing kept) for ``p = 1``."""
+    return math.ceil(float(p) * 2.0**32)
 
 
 def keep_per_sample(
@@ -186,21 +212,27 @@ def keep_per_sample(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """The bool keep mask ``U(key, s, j) >= p`` of ``shape`` (dim 0: the samples
-    ``sample_index``, as in :func:`bits_per_sample`), computed on the integer bits as
-    ``Z >= T(p)`` (:func:`keep_threshold`; unsigned order via the int64 order of ``Z ^ 2^63``),
-    without floats: the same mask as ``uniform_per_sample(...) >= p``, at a fraction of the
-    memory traffic.
+    ``sample_index``, as in :func:`draws_per_sample`), computed on the integers as
+    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words, in place: the high halves by
+    the int64 order of ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned order), the low
+    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, at
+    about half the memory traffic of torch's ``bernoulli_`` on CPU.
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
     """
     shape = tuple(int(d) for d in shape)
-    z = bits_per_sample(key, sample_index, shape, device)
+    n, m, h = _layout(sample_index, shape)
     threshold = keep_threshold(p)
-    if threshold >= 1 << 64:  # p = 1: nothing is kept
+    z = words_per_sample(key, sample_index, h, device)
+    if threshold > _M32:  # p = 1: nothing is kept
         return torch.zeros(shape, dtype=torch.bool, device=z.device)
+    out = torch.empty((n, m), dtype=torch.bool, device=z.device)
     z ^= -(1 << 63)
-    return torch.ge(z, _signed(threshold ^ (1 << 63))).reshape(shape)
+    torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
+    z &= _M32
+    torch.ge(z[:, : m - h], threshold, out=out[:, h:])
+    return out.reshape(shape)
 
 
 # -------------------------------------------------------------------------------- arguments
