@@ -21,13 +21,13 @@ sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it
 
 Draws: the 64-bit words ``Z(i) = splitmix64(k_s + (i + 1) * φ')`` of sample ``s``, with the
 per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
-*Fast splittable pseudorandom number generators*, OOPSLA 2014), each split into two 32-bit draws:
-of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the high half of
-``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in ``[0, 1)``. A
-dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p * 2^32)`` (bool, no
-floats); all on int64 tensors with wrap-around arithmetic and masked logical shifts, in place,
-so CPU and GPU give the same numbers. Backward reuses the forward's masks (autograd keeps
-them).
+*Fast splittable pseudorandom number generators*, OOPSLA 2014), each split into two 32-bit
+draws ``V``: of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the
+high half of ``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in
+``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p *
+2^32)`` (bool, no floats); all on int64 tensors with wrap-around arithmetic and masked logical
+shifts, in place, so CPU and GPU give the same numbers. Backward reuses the forward's masks
+(autograd keeps them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -215,8 +215,8 @@ def keep_per_sample(
     ``sample_index``, as in :func:`draws_per_sample`), computed on the integers as
     ``V >= T(p)`` (:func:`keep_threshold`) straight from the words, in place: the high halves by
     the int64 order of ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned order), the low
-    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, at
-    about half the memory traffic of torch's ``bernoulli_`` on CPU.
+    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, and
+    on CPU cheaper than torch's ``bernoulli_`` (docs/runtime.md "Randomness and BatchNorm cost").
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
