@@ -116,19 +116,21 @@ def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
 
 
 _J_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_J_CACHE_MAX_WORDS = 1 << 20  # 8 MiB per entry; longer rows are computed each time
 
 
-def _element_offsets(per_sample: int, device: torch.device) -> torch.Tensor:
-    """``(j + 1) * φ'`` for ``j < per_sample`` (int64, wrap-around), kept per size and device
-    (a model has a handful of dropout shapes)."""
-    key = (per_sample, device)
+def _element_offsets(count: int, device: torch.device) -> torch.Tensor:
+    """``(i + 1) * φ'`` for ``i < count`` (int64, wrap-around), kept per size and device when
+    short (a model has a handful of dropout shapes; at most 16 entries of 8 MiB)."""
+    key = (count, device)
     out = _J_CACHE.get(key)
     if out is None:
-        if len(_J_CACHE) > 64:
-            _J_CACHE.clear()
-        out = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device)
+        out = torch.arange(1, count + 1, dtype=torch.int64, device=device)
         out *= _signed(_GOLDEN2)
-        _J_CACHE[key] = out
+        if count <= _J_CACHE_MAX_WORDS:
+            if len(_J_CACHE) >= 16:
+                _J_CACHE.clear()
+            _J_CACHE[key] = out
     return out
 
 
