@@ -1,10 +1,14 @@
 """Cost of plan-invariant randomness and ghost BatchNorm per micro-batch forward+backward.
 
-Interleaved timing (median of rounds) of one training forward+backward, with and without the
-engine's per-micro-batch contexts (``InvariantRandomness.forward`` + ``NormBlocks.forward``):
+Interleaved timing (median of rounds, this thread's CPU time: ``time.thread_time``, far less
+sensitive than the wall clock to other processes on a shared machine) of one training
+forward+backward, with and without the engine's per-micro-batch contexts
+(``InvariantRandomness.forward`` + ``NormBlocks.forward``):
 - the char-GPT without dropout (the contexts only check the generator state);
-- Hugging Face GPT-2 tiny with dropout 0.1 (mode on: hashed masks, SDPA math kernel) against
-  torch's own (plan-dependent) dropout;
+- Hugging Face GPT-2 tiny with dropout 0.1 (mode on: hashed masks; SDPA with an explicit mask
+  in ATen's math kernel, which plain torch on CPU also runs when ``dropout_p > 0``) against
+  torch's own (plan-dependent) dropout, at B=16, T=32 and at the ``gpt2`` example's B=32,
+  T=64;
 - a small ResNet-style Conv+BatchNorm chain, ghost BN (G=4) against torch's BatchNorm.
 
 Run: ``.venv/bin/python bench/randomness_overhead.py`` (writes nothing; results are copied to
@@ -27,10 +31,10 @@ from hetrain.runtime.randomness import InvariantRandomness
 def _time(fn, rounds: int = 15, reps: int = 5) -> float:
     out = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(reps):
             fn()
-        out.append((time.perf_counter() - t0) / reps)
+        out.append((time.thread_time() - t0) / reps)
     return statistics.median(out)
 
 
@@ -77,6 +81,8 @@ def main() -> None:
     hf = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(0, 256, (16, 32))
     _pair("HF GPT-2 tiny, dropout 0.1 (B=16, T=32)", hf, ids, lambda y: y.logits.mean())
+    ids = torch.randint(0, 256, (32, 64))
+    _pair("HF GPT-2 tiny, dropout 0.1 (B=32, T=64)", hf, ids, lambda y: y.logits.mean())
 
     conv = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1),

@@ -16,9 +16,13 @@ from hetrain.runtime import OptimizerSpec, Worker
 from hetrain.runtime.randomness import (
     InvariantRandomness,
     draw_key,
+    draws_per_sample,
+    keep_per_sample,
+    keep_threshold,
     splitmix64,
     splitmix64_int,
     uniform_per_sample,
+    words_per_sample,
 )
 from hetrain.runtime.testing import run_ranks
 
@@ -52,6 +56,52 @@ def test_uniform_draws_are_per_sample_and_uniform():
     assert abs(big.var().item() - 1 / 12) < 0.002
     with pytest.raises(InputError, match="no sample dimension"):
         uniform_per_sample(key, rows, (4, 5))
+
+
+def test_draws_follow_the_documented_formula():
+    # Z(s, i) = splitmix64(splitmix64(key + s*phi) + (i+1)*phi'); of m draws per sample,
+    # h = ceil(m/2): draw j < h is the high half of Z(s, j), draw j >= h the low half of
+    # Z(s, j - h); u = V * 2^-32
+    phi, phi2, m64 = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, (1 << 64) - 1
+    key = draw_key(3, 11, "transformer.h.0.attn", 2)
+    rows = torch.tensor([0, 7, 2**40 + 3])
+    for shape in [(3, 2, 3), (3, 7)]:  # m = 6 (h = 3) and m = 7 (h = 4, one half unused)
+        m = shape[1] * (shape[2] if len(shape) > 2 else 1)
+        h = (m + 1) // 2
+        v = draws_per_sample(key, rows, shape).reshape(3, m)
+        u = uniform_per_sample(key, rows, shape).reshape(3, m)
+        for a, s in enumerate(rows.tolist()):
+            k_s = splitmix64_int(key + s * phi)
+            words = [splitmix64_int((k_s + (i + 1) * phi2) & m64) for i in range(h)]
+            want = [words[j] >> 32 if j < h else words[j - h] & 0xFFFFFFFF for j in range(m)]
+            assert v[a].tolist() == want
+            assert u[a].tolist() == [w * 2.0**-32 for w in want]
+            assert words_per_sample(key, rows, h)[a].tolist() == [_signed(w) for w in words]
+
+
+def test_keep_mask_is_u_at_least_p_on_the_integers():
+    key = draw_key(1, 2, "drop", 0)
+    rows = torch.arange(4, 9)
+    for shape in [(5, 7, 11), (5, 2, 4)]:  # odd and even draws per sample
+        u = uniform_per_sample(key, rows, shape)
+        grid = sorted(u.reshape(-1).tolist())
+        # p on a drawn value (the boundary: u == p is kept), just above it, usual rates, 0
+        for p in [grid[10], math.nextafter(grid[10], 1.0), grid[-1], 0.1, 0.5, 1 / 3, 0.9, 0.0]:
+            keep = keep_per_sample(key, rows, shape, p)
+            assert keep.dtype == torch.bool and keep.shape == shape
+            assert torch.equal(keep, u >= p), p
+        assert not keep_per_sample(key, rows, shape, 1.0).any()
+    assert keep_threshold(1.0) == 1 << 32 and keep_threshold(0.0) == 0
+    assert keep_threshold(0.5) == 1 << 31 and keep_threshold(2**-33) == 1
+    # flattened (B*T, H) rows and another micro-batch composition give the sample's same mask
+    u = uniform_per_sample(key, rows, (5, 7, 11))
+    flat = keep_per_sample(key, rows, (35, 11), 0.3)
+    assert torch.equal(flat.reshape(5, 7, 11), u >= 0.3)
+    part = keep_per_sample(key, torch.tensor([8, 5]), (2, 7, 11), 0.3)
+    assert torch.equal(part[0], flat.reshape(5, 7, 11)[4])
+    assert torch.equal(part[1], flat.reshape(5, 7, 11)[1])
+    big = keep_per_sample(key, torch.arange(100), (100, 1001), 0.1)
+    assert abs(big.float().mean().item() - 0.9) < 0.004  # 1e5 draws: sd 9.5e-4
 
 
 class _Net(nn.Module):

@@ -538,7 +538,8 @@ class Worker:
         random_problem = float(bool(self.randomness.problems) and not self._random_reported)
         rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
         reduced = torch.stack([loss_part, sq, count_part, flag, rflag])
-        dist.all_reduce(reduced)
+        if self.world_size > 1:  # one rank: the sum is its own values
+            dist.all_reduce(reduced)
         loss, sqnorm, count, mode, random_problems = reduced.tolist()
         if random_problems > 0:
             self._report_random_problems()

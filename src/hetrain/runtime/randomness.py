@@ -19,10 +19,15 @@ counter-based hash, and global module forward hooks that keep the innermost modu
 name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
 sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
 
-Draws: ``u = splitmix64(splitmix64(key(seed, step, path, call) + sample * φ) + (j + 1) * φ')``,
-53 bits -> ``[0, 1)`` (Steele, Lea, Flood, *Fast splittable pseudorandom number generators*,
-OOPSLA 2014), on int64 tensors with wrap-around arithmetic and masked logical shifts, so CPU and
-GPU give the same numbers. Backward reuses the forward's masks (autograd keeps them).
+Draws: the 64-bit words ``Z(i) = splitmix64(k_s + (i + 1) * φ')`` of sample ``s``, with the
+per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
+*Fast splittable pseudorandom number generators*, OOPSLA 2014), each split into two 32-bit
+draws ``V``: of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the
+high half of ``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in
+``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p *
+2^32)`` (bool, no floats); all on int64 tensors with wrap-around arithmetic and masked logical
+shifts, in place, so CPU and GPU give the same numbers. Backward reuses the forward's masks
+(autograd keeps them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -50,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from hetrain.errors import InputError
 
 _M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _GOLDEN2 = 0xD1B54A32D192ED03
 _C1 = 0xBF58476D1CE4E5B9
@@ -97,18 +103,44 @@ def draw_key(seed: int, step: int, path: str, call: int) -> int:
     return splitmix64_int(z + int(call) * _GOLDEN)
 
 
-def uniform_per_sample(
-    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
-) -> torch.Tensor:
-    """Uniform ``[0, 1)`` float64 numbers of ``shape``, whose dim 0 holds the samples
-    ``sample_index`` (``n`` rows, or ``n * r`` rows flattened sample-major): element ``j`` of
-    sample ``s`` (row-major within the sample) gets ``U(key, s, j)``.
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """:func:`splitmix64` in place on ``z`` (``tmp``: a scratch tensor of ``z``'s shape): the
+    same bits, without a new tensor per operation (the draws' cost is memory traffic)."""
+    for shift, mult in ((30, _signed(_C1)), (27, _signed(_C2)), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1  # logical shift
+        z ^= tmp
+        if mult is not None:
+            z *= mult
+    return z
+
+
+_J_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_J_CACHE_MAX_WORDS = 1 << 20  # 8 MiB per entry; longer rows are computed each time
+
+
+def _element_offsets(count: int, device: torch.device) -> torch.Tensor:
+    """``(i + 1) * φ'`` for ``i < count`` (int64, wrap-around), kept per size and device when
+    short (a model has a handful of dropout shapes; at most 16 entries of 8 MiB)."""
+    key = (count, device)
+    out = _J_CACHE.get(key)
+    if out is None:
+        out = torch.arange(1, count + 1, dtype=torch.int64, device=device)
+        out *= _signed(_GOLDEN2)
+        if count <= _J_CACHE_MAX_WORDS:
+            if len(_J_CACHE) >= 16:
+                _J_CACHE.clear()
+            _J_CACHE[key] = out
+    return out
+
+
+def _layout(sample_index: torch.Tensor, shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(n, m, h)``: samples, draws per sample, 64-bit words per sample (``ceil(m / 2)``).
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
     """
     n = int(sample_index.numel())
-    shape = tuple(int(d) for d in shape)
     if not shape or n == 0 or shape[0] % n:
         raise InputError(
             "model",
@@ -116,13 +148,93 @@ def uniform_per_sample(
             f"a tensor of shape {list(shape)} has no sample dimension of {n} rows in dim 0; "
             "hetrain draws randomness per sample",
         )
-    per_sample = math.prod(shape) // n
+    m = math.prod(shape) // n
+    return n, m, (m + 1) // 2
+
+
+def words_per_sample(
+    key: int, sample_index: torch.Tensor, count: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The 64-bit words ``Z(key, s, i) = splitmix64(k_s + (i + 1) * φ')``, ``i < count``, of the
+    samples ``s`` in ``sample_index``, with the per-sample key ``k_s = splitmix64(key + s * φ)``
+    (one splitmix64 per word, computed in place): int64 ``[n, count]`` holding the uint64 bits."""
     device = device if device is not None else sample_index.device
-    rows = sample_index.to(device=device, dtype=torch.int64)
+    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
     ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
-    j = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device) * _signed(_GOLDEN2)
-    z = splitmix64(ks[:, None] + j[None, :])
-    return (_srl(z, 11).to(torch.float64) * 2.0**-53).reshape(shape)
+    z = torch.add(ks[:, None], _element_offsets(count, device)[None, :])
+    return _mix_(z, torch.empty_like(z))
+
+
+def draws_per_sample(
+    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """The 32-bit draws ``V(key, s, j)`` (int64 in ``[0, 2^32)``) of a tensor of ``shape`` whose
+    dim 0 holds the samples ``sample_index`` (``n`` rows, or ``n * r`` rows flattened
+    sample-major): element ``j`` (row-major within the sample) of sample ``s``, of ``m`` draws
+    per sample, ``h = ceil(m / 2)``, gets the high half of word ``j`` for ``j < h`` and the low
+    half of word ``j - h`` otherwise: ``V = Z(key, s, j) >> 32`` or ``Z(key, s, j - h) mod 2^32``
+    (:func:`words_per_sample`; one splitmix64 per two draws).
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    shape = tuple(int(d) for d in shape)
+    n, m, h = _layout(sample_index, shape)
+    z = words_per_sample(key, sample_index, h, device)
+    out = torch.empty((n, m), dtype=torch.int64, device=z.device)
+    torch.bitwise_right_shift(z, 32, out=out[:, :h])
+    out[:, :h] &= _M32
+    torch.bitwise_and(z[:, : m - h], _M32, out=out[:, h:])
+    return out.reshape(shape)
+
+
+def uniform_per_sample(
+    key: int, sample_index: torch.Tensor, shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float64 numbers ``U = V * 2^-32`` of ``shape`` (``V``: the draws of
+    :func:`draws_per_sample`, same layout).
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    return draws_per_sample(key, sample_index, shape, device).to(torch.float64) * 2.0**-32
+
+
+def keep_threshold(p: float) -> int:
+    """The draw threshold ``T(p) = ceil(p * 2^32)``: ``V >= T(p)`` exactly when ``U = V * 2^-32
+    >= p``; ``2^32`` (nothing kept) for ``p = 1``."""
+    return math.ceil(float(p) * 2.0**32)
+
+
+def keep_per_sample(
+    key: int,
+    sample_index: torch.Tensor,
+    shape: Sequence[int],
+    p: float,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The bool keep mask ``U(key, s, j) >= p`` of ``shape`` (dim 0: the samples
+    ``sample_index``, as in :func:`draws_per_sample`), computed on the integers as
+    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words, in place: the high halves by
+    the int64 order of ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned order), the low
+    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, and
+    on CPU cheaper than torch's ``bernoulli_`` (docs/runtime.md "Randomness and BatchNorm cost").
+
+    Raises:
+        InputError: ``shape[0]`` is not a multiple of ``n``.
+    """
+    shape = tuple(int(d) for d in shape)
+    n, m, h = _layout(sample_index, shape)
+    threshold = keep_threshold(p)
+    z = words_per_sample(key, sample_index, h, device)
+    if threshold > _M32:  # p = 1: nothing is kept
+        return torch.zeros(shape, dtype=torch.bool, device=z.device)
+    out = torch.empty((n, m), dtype=torch.bool, device=z.device)
+    z ^= -(1 << 63)
+    torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
+    z &= _M32
+    torch.ge(z[:, : m - h], threshold, out=out[:, h:])
+    return out.reshape(shape)
 
 
 # -------------------------------------------------------------------------------- arguments
@@ -343,6 +455,16 @@ class InvariantRandomness:
         except InputError as exc:
             raise InputError("model", path or "<root>", exc.expected) from None
 
+    def keep(self, shape: Sequence[int], p: float, device: torch.device) -> torch.Tensor:
+        """The bool keep mask ``u >= p`` of ``shape`` for the next draw site (the same mask as
+        ``uniform(shape, device) >= p``, see :func:`keep_per_sample`)."""
+        assert self._rows is not None
+        key, path = self.next_key()
+        try:
+            return keep_per_sample(key, self._rows, shape, p, device)
+        except InputError as exc:
+            raise InputError("model", path or "<root>", exc.expected) from None
+
 
 def _dropout(
     rng: InvariantRandomness,
@@ -354,13 +476,13 @@ def _dropout(
     alpha: bool,
 ) -> torch.Tensor:
     """Dropout as ATen's ``_dropout_impl`` (same scaling, alpha-dropout affine correction), with
-    the keep mask ``u >= p`` from :meth:`InvariantRandomness.uniform`."""
+    the keep mask ``u >= p`` from :meth:`InvariantRandomness.keep`."""
     if p < 0 or p > 1:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0 or x.numel() == 0:
         return x
     shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2) if feature else tuple(x.shape)
-    keep = rng.uniform(shape, x.device) >= p
+    keep = rng.keep(shape, p, x.device)
     if p == 1:
         return x.mul_(0) if inplace else x * 0
     noise = keep.to(x.dtype)
@@ -369,7 +491,7 @@ def _dropout(
         b = (noise - 1) * (_ALPHA_SELU * a) + _ALPHA_SELU * a * p
         noise = noise * a
         return x.mul_(noise).add_(b) if inplace else x * noise + b
-    noise = noise / (1 - p)
+    noise.div_(1 - p)
     return x.mul_(noise) if inplace else x * noise
 
 
@@ -386,7 +508,7 @@ def _sdpa(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -
         return func(*args, **kwargs)
     q, k = a["query"], a["key"]
     shape = (*q.shape[:-1], k.shape[-2])
-    keep = rng.uniform(shape, q.device) >= a["dropout_p"]
+    keep = rng.keep(shape, float(a["dropout_p"]), q.device)
     mask = a["attn_mask"]
     if mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
         mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(

@@ -705,8 +705,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             )
             # the step's measurements; they also carry each rank's stop request (SIGTERM), so
             # every rank learns of one at the same step, without another collective
-            rows = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
-            dist.all_gather(rows, mine)
+            rows = [mine]
+            if world > 1:
+                rows = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
+                dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
             stopping = any(r[4] > 0 for r in table)
             want_timeline = step == job.steps - 1 or (
