@@ -256,7 +256,10 @@ def test_budget_driven_changes_are_flagged_with_the_costs_that_drove_them():
         }
     )  # fmt: skip
     state = cluster.state()
-    pol = LyapunovController(TWO_PROFILE, TWO_CONFIG, v=1.0, budgets={"money": 0.002})
+    # without the learned multiplier the queue alone drives the change (dual_learning=False)
+    pol = LyapunovController(
+        TWO_PROFILE, TWO_CONFIG, v=1.0, budgets={"money": 0.002}, dual_learning=False
+    )
     seen: list[Decision] = []
     for t in range(40):
         dec = pol.decide(t, state)
