@@ -240,7 +240,7 @@ class LyapunovController:
         self.queue_warm_start = bool(queue_warm_start)
         self.dual_learning = bool(dual_learning)
         self.pool_size = 8
-        self.frontier_factors = (0.5, 2.0)
+        self.frontier_factors: tuple[float, ...] = ()
         self._warm_started = False
         self._reset_ref = False
         self._prev_available: np.ndarray | None = None
@@ -1062,9 +1062,10 @@ class LyapunovController:
 
     def _search(self, observed: ClusterState, weights: dict[str, float]) -> None:
         """A planner search at ``weights``; with budgets also at ``weights`` scaled by each
-        factor of :attr:`frontier_factors` (cold, without the warm start), so that the pool
-        holds plans along the time/spend frontier around the current multiplier, among which
-        the per-slot choice (and the learned multiplier) then picks by the slot's prices."""
+        factor of :attr:`frontier_factors` (default none; warm-started from the first), so
+        that the pool holds plans along the time/spend frontier around the current multiplier,
+        among which the per-slot choice (and the learned multiplier) then picks by the slot's
+        prices."""
         from hetrain.planner import best_plan
 
         self.searches += 1
