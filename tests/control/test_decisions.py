@@ -256,7 +256,10 @@ def test_budget_driven_changes_are_flagged_with_the_costs_that_drove_them():
         }
     )  # fmt: skip
     state = cluster.state()
-    pol = LyapunovController(TWO_PROFILE, TWO_CONFIG, v=1.0, budgets={"money": 0.002})
+    # without the learned multiplier the queue alone drives the change (dual_learning=False)
+    pol = LyapunovController(
+        TWO_PROFILE, TWO_CONFIG, v=1.0, budgets={"money": 0.002}, dual_learning=False
+    )
     seen: list[Decision] = []
     for t in range(40):
         dec = pol.decide(t, state)
@@ -306,3 +309,21 @@ def test_decide_takes_the_runtime_s_current_plan():
     # moving to d0 gains 0.5 s a slot for a 3 s migration over ~8 slots of expected persistence
     assert dec.reason == "faster" and dec.plan.plan_id == 8
     assert dec.migration_time_s == pytest.approx(3.0, rel=0.01)
+
+
+def test_a_persisting_gain_refused_after_a_turbulent_start_is_taken_by_the_age_rule():
+    # 30 slots where the faster device swaps every slot teach the persistence estimate that a
+    # state lasts ~1 slot (H ≈ 0.3); then d1 stays the faster one. Moving costs 3 s and gains
+    # 0.5 s a slot: the geometric horizon alone never pays it back, the age rule (rent or buy)
+    # switches once the gain forgone reaches the migration, (a + 1) · 0.5 >= 3: decisions 31-35
+    # refuse (a = 0..4), decision 36 (a = 5) switches, the plan runs from slot 37.
+    rows = []
+    for t in range(30):
+        rows += _slowed(t, "d1", "d0") if t % 2 == 0 else _slowed(t, "d0", "d1")
+    rows += _slowed(30, "d0", "d1")
+    res, used = _run(rows, 50)
+    assert set(used[:30]) == {("d0",)}
+    assert res.plan_changes == 1
+    first = used.index(("d1",))
+    assert first == 37, used
+    assert used[first:] == [("d1",)] * (50 - first)

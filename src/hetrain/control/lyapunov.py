@@ -196,6 +196,7 @@ class LyapunovController:
         persistence_threshold: float = 0.1,
         persistence_prior_slots: float = 10.0,
         queue_warm_start: bool = True,
+        dual_learning: bool = True,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -237,7 +238,9 @@ class LyapunovController:
             threshold=persistence_threshold, prior_slots=persistence_prior_slots
         )
         self.queue_warm_start = bool(queue_warm_start)
+        self.dual_learning = bool(dual_learning)
         self.pool_size = 8
+        self.frontier_factors: tuple[float, ...] = ()
         self._warm_started = False
         self._reset_ref = False
         self._prev_available: np.ndarray | None = None
@@ -257,6 +260,23 @@ class LyapunovController:
         self._ids: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._last_plan_id = -1
+        # consecutive decisions that refused a structure change the objective asked for (the
+        # age of the refused gain, docs/controller.md "Persistence"), and this decision's flag
+        self._refused_slots = 0
+        self._gain_refused = False
+        # realised share ρ of the predicted gains of applied structure changes: the last change
+        # under audit and the sums (seconds) of predicted and realised gains
+        self._audit: dict[str, Any] | None = None
+        self.predicted_gain_s = 0.0
+        self.realized_gain_s = 0.0
+        self.realized_prior_slots = 2.0
+        self._audited_slots = 0
+        # learned multipliers (docs/controller.md "Budgets"): per past slot, the figures
+        # (T, money, energy) of the plans the controller weighed, and the multipliers η̂_j
+        self.dual_window_slots = 1000
+        self._slot_figures: list[tuple[float, float, float]] = []
+        self._dual_history: list[np.ndarray] = []
+        self.eta_hat: dict[str, float] = {}
         # counters for reports and tests
         self.searches = 0
         self.switches = 0
@@ -279,10 +299,42 @@ class LyapunovController:
         return self._current
 
     def queue_weights(self) -> dict[str, float]:
-        """Current planner weights ``Q̂_j`` (empty without budgets)."""
+        """Current planner weights ``V·η̂_j + Q̂_j`` (seconds per unit of resource j; empty
+        without budgets): the learned multiplier plus the normalised backlog
+        (docs/controller.md "Budgets")."""
         if not self.budgeted or self.reference_time_s is None:
             return {}
-        return self.queues.weights(self.reference_time_s)
+        q = self.queues.weights(self.reference_time_s)
+        return {j: self.effective_v * self.eta_hat.get(j, 0.0) + w for j, w in q.items()}
+
+    def _learn_multipliers(self) -> None:
+        """``η̂_j``: the smallest multipliers with which choosing, in every past slot of the
+        window, the plan minimising ``T + Σ_j η_j y_j`` among the plans weighed in that slot
+        (on the state observed then) would have met every budget
+        (:func:`~hetrain.control.dual.bisect_multipliers`); the stale-information reference's
+        multiplier, learned from past slots only."""
+        if not self._dual_history:
+            return
+        width = max(len(f) for f in self._dual_history)
+        figs = np.zeros((len(self._dual_history), 3, width))
+        figs[:, 0, :] = np.inf  # padding: never chosen
+        for i, f in enumerate(self._dual_history):
+            figs[i, :, : len(f)] = f.T
+        rows = np.arange(figs.shape[0])
+        col = {"money": 1, "energy": 2}
+        budgets = self.queues.budgets
+
+        def spend(eta: dict[str, float]) -> dict[str, float]:
+            obj = figs[:, 0, :].copy()
+            for j, x in eta.items():
+                obj = obj + x * figs[:, col[j], :]
+            pick = np.argmin(obj, axis=1)
+            return {j: float(np.mean(figs[rows, col[j], pick])) for j in budgets}
+
+        t_ref = float(self.reference_time_s or 1.0)
+        self.eta_hat = bisect_multipliers(
+            spend, budgets, {j: t_ref / b for j, b in budgets.items()}, iterations=20
+        )
 
     def decide(
         self, step: int, observed: ClusterState, current_plan: Plan | None = None
@@ -319,9 +371,23 @@ class LyapunovController:
         if self.budgeted and self.queue_warm_start and not self._warm_started:
             self._warm_start_queues(observed)
         self._warm_started = True
+        if self.budgeted and self.dual_learning:
+            self._learn_multipliers()
         weights = self.queue_weights()
+        self._gain_refused = False
+        self._slot_figures = []
+        if int(available.sum()) <= self.incremental_above:
+            self._audit_gain(step, observed)
         proposal = self._propose(step, observed, weights)
         decision = self._gate(step, self._current, proposal, observed, weights)
+        if self._slot_figures and self.budgeted and self.dual_learning:
+            self._dual_history.append(np.asarray(self._slot_figures, dtype=float))
+            del self._dual_history[: -self.dual_window_slots]
+        self._slot_figures = []
+        if decision.structure_changed or not self._gain_refused:
+            self._refused_slots = 0
+        else:
+            self._refused_slots += 1
         if self._reset_ref or decision.structure_changed:
             t_lb = lower_bound_s(observed, self.profile, self.config.batch)
             _, t_pred = self._rebalance(decision.plan, observed)
@@ -329,6 +395,16 @@ class LyapunovController:
             self._reset_ref = False
         if decision.structure_changed and self._current is not None:
             self.switches += 1
+            gain = (decision.predicted_time_s_before or math.inf) - decision.predicted_time_s_after
+            if not decision.forced and not decision.budget_driven and math.isfinite(gain):
+                start = step + self.decision_delay_slots  # the first slot it runs
+                self._audit = {
+                    "old": self._current,
+                    "new": decision.plan,
+                    "gain": gain,
+                    "start": start,
+                    "end": start + max(math.ceil(decision.persistence_slots), 1),
+                }
         self._current = decision.plan
         self.last_decision = decision
         return decision
@@ -387,6 +463,15 @@ class LyapunovController:
             "searches": self.searches,
             "switches": self.switches,
             "persistence": self.persistence.state_dict(),
+            "refused_slots": self._refused_slots,
+            "realized_gain": [self.predicted_gain_s, self.realized_gain_s, self._audited_slots],
+            "audit": None
+            if self._audit is None
+            else {
+                **self._audit,
+                "old": self._audit["old"].to_json_dict(),
+                "new": self._audit["new"].to_json_dict(),
+            },
         }
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
@@ -433,6 +518,20 @@ class LyapunovController:
         self.searches = int(data["searches"])
         self.switches = int(data["switches"])
         self.persistence.load_state_dict(data["persistence"])
+        self._refused_slots = int(data.get("refused_slots", 0))
+        pred, real, audited = data.get("realized_gain", [0.0, 0.0, 0])
+        self.predicted_gain_s, self.realized_gain_s = float(pred), float(real)
+        self._audited_slots = int(audited)
+        audit = data.get("audit")
+        self._audit = (
+            None
+            if audit is None
+            else {
+                **audit,
+                "old": Plan.model_validate(audit["old"]),
+                "new": Plan.model_validate(audit["new"]),
+            }
+        )
 
     # ------------------------------------------------------------------ the gate
     def _predict(self, plan: Plan, state: ClusterState) -> _Figures:
@@ -452,8 +551,52 @@ class LyapunovController:
     def _objective_of(self, fig: _Figures, weights: Mapping[str, float]) -> float:
         return self.effective_v * fig.time_s + sum(w * fig.cost[j] for j, w in weights.items())
 
+    def realized_share(self) -> float:
+        """``ρ = (Σ realised + P) / (Σ predicted + P)`` clipped to [0.05, 1]: the share of
+        the per-slot gains predicted for applied structure changes that the later measured
+        states confirmed (each change audited over its payback horizon, from the first slot it
+        ran); ``P`` is a prior of :attr:`realized_prior_slots` slots of the mean predicted gain
+        fully realised."""
+        if self.predicted_gain_s <= 0:
+            return 1.0
+        audited = max(self._audited_slots, 1)
+        prior = self.realized_prior_slots * self.predicted_gain_s / audited
+        rho = (self.realized_gain_s + prior) / (self.predicted_gain_s + prior)
+        return min(max(rho, 0.05), 1.0)
+
+    def _audit_gain(self, step: int, observed: ClusterState) -> None:
+        """Account one slot of the audited change: on the newest observed state (measured in
+        slot ``step − 1``), the gain ``T(old) − T(new)`` (shares re-solved for both) against
+        the gain predicted when the change was decided."""
+        audit = self._audit
+        if audit is None or step - 1 < audit["start"]:
+            return
+        available = np.asarray(observed.available, dtype=bool)
+        if step - 1 >= audit["end"] or not (
+            self._usable(audit["old"], available) and self._usable(audit["new"], available)
+        ):
+            self._audit = None
+            return
+        old, _ = self._rebalance(audit["old"], observed)
+        new, _ = self._rebalance(audit["new"], observed)
+        t_old = self._predict(old, observed).time_s
+        t_new = self._predict(new, observed).time_s
+        if not (math.isfinite(t_old) and math.isfinite(t_new)):
+            self._audit = None
+            return
+        self.predicted_gain_s += audit["gain"]
+        self.realized_gain_s += t_old - t_new
+        self._audited_slots += 1
+
     def _payback_slots(self) -> float:
+        """The payback horizon ``H = max(m p^{delay+1}, a + 1)`` (slots): the expected
+        persistence of the observed state (:class:`PersistenceEstimator`), or, when larger, the
+        age ``a`` of a gain that was refused in each of the ``a`` slots before (a gain seen for
+        ``a`` slots is expected to last as many more: the rent-or-buy rule, which switches once
+        the gain forgone equals the migration time; Karlin et al., *Competitive snoopy
+        caching*, 1988). Capped by ``horizon_slots``."""
         h = self.persistence.benefit_slots(self.decision_delay_slots)
+        h = max(h, self._refused_slots + 1.0) * self.realized_share()
         if self.horizon_slots is not None:
             h = min(h, self.horizon_slots)
         return h
@@ -551,6 +694,9 @@ class LyapunovController:
         )
         rate = self._migration_rate(proposal, observed, weights)
         ok, budget, why = self._rule(before, after, t_mig, structure, horizon, weights, rate)
+        if not ok and structure:
+            j_b, j_a = self._objective_of(before, weights), self._objective_of(after, weights)
+            self._gain_refused = self._gain_refused or j_a < j_b * (1.0 - self.switch_margin)
         if ok:
             reason = "budget" if budget else ("faster" if structure else "rebalance")
             return self._decision(
@@ -645,6 +791,7 @@ class LyapunovController:
                 v=1.0,
                 queues=queues or None,
                 time_budget_s=self._search_budget(observed),
+                reproducible=self._search_budget(observed) is None,
             )
 
         fastest = plan_for({})
@@ -659,6 +806,9 @@ class LyapunovController:
             {j: t_ref / b for j, b in budgets.items()},
             iterations=10,
         )
+        if self.dual_learning:
+            self.eta_hat = dict(eta)  # the queues start empty; η̂ is learned from here on
+            return
         for j, x in eta.items():
             self.queues.backlog[j] = x * self.effective_v * budgets[j] ** 2 / t_ref
 
@@ -911,9 +1061,15 @@ class LyapunovController:
         return False
 
     def _search(self, observed: ClusterState, weights: dict[str, float]) -> None:
+        """A planner search at ``weights``; with budgets also at ``weights`` scaled by each
+        factor of :attr:`frontier_factors` (default none; warm-started from the first), so
+        that the pool holds plans along the time/spend frontier around the current multiplier,
+        among which the per-slot choice (and the learned multiplier) then picks by the slot's
+        prices."""
         from hetrain.planner import best_plan
 
         self.searches += 1
+        budget = self._search_budget(observed)
         found = best_plan(
             observed,
             self.profile,
@@ -921,17 +1077,42 @@ class LyapunovController:
             v=self.effective_v,
             queues=weights or None,
             warm_start=self._current,
-            time_budget_s=self._search_budget(observed),
+            time_budget_s=budget,
+            reproducible=budget is None,
         )
-        key = found.structure()
-        self._pool = [c for c in self._pool if c.plan.structure() != key]
-        self._pool.insert(0, _Candidate(found, self._arrays(found)))
+        extra: list[Plan] = []
+        if any(w > 0 for w in weights.values()):
+            for factor in self.frontier_factors:
+                scaled = {j: w * factor for j, w in weights.items()}
+                try:
+                    extra.append(
+                        best_plan(
+                            observed,
+                            self.profile,
+                            self.config,
+                            v=self.effective_v,
+                            queues=scaled,
+                            warm_start=found,
+                            time_budget_s=budget,
+                            reproducible=budget is None,
+                        )
+                    )
+                except NoFeasiblePlanError:
+                    continue
+        for plan in [*extra, found]:
+            key = plan.structure()
+            self._pool = [c for c in self._pool if c.plan.structure() != key]
+            self._pool.insert(0, _Candidate(plan, self._arrays(plan)))
         del self._pool[self.pool_size :]
 
     def _objective(self, plan: Plan, state: ClusterState, weights: dict[str, float]) -> float:
         ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
         if not ev.fits:
             return math.inf
+        if self.budgeted and math.isfinite(ev.iteration_time_s):
+            self._slot_figures.append(
+                (ev.iteration_time_s, float(ev.cost["money"]), float(ev.cost["energy"]))
+            )
         return self.effective_v * ev.iteration_time_s + sum(
             w * ev.cost[name] for name, w in weights.items()
         )
@@ -981,7 +1162,7 @@ class LyapunovController:
                 penalty = self._migration_rate(plan, observed, weights) * migration_time_s(
                     self._current, plan, observed, self.profile, self.config.optimizer_state_factor
                 )
-            options.append((score + penalty, plan))
+            options.append((score + penalty, plan, score))
         if current is None:
             if not options:
                 raise NoFeasiblePlanError("no known plan fits the available devices")
@@ -990,6 +1171,10 @@ class LyapunovController:
         best = min(options, key=lambda o: o[0], default=None)
         if best is not None and best[0] < current_score * (1.0 - self.switch_margin):
             return best[1]
+        # a structure that beats the current one before its migration is paid (the age rule)
+        self._gain_refused = any(
+            raw < current_score * (1.0 - self.switch_margin) for _, _, raw in options
+        )
         return current
 
 

@@ -50,6 +50,7 @@ POLISH_MAX_SOLVES_PER_DEVICE = 40
 POLISH_TIME_FRACTION = 0.25
 POLISH_SMALL_DEVICES = 12
 POLISH_SMALL_CPU_S = 1.0
+POLISH_REPRODUCIBLE_SOLVES_PER_DEVICE = 4  # the polish of a reproducible search: solves only
 
 
 def oversized_layer(ctx: SearchContext) -> tuple[int, float, int, float] | None:
@@ -105,6 +106,7 @@ def best_plan(
     warm_start: Plan | None = None,
     time_budget_s: float | None = None,
     include_baselines: bool = True,
+    reproducible: bool = False,
 ) -> Plan:
     """The plan minimising ``v·T + Σ_j queues[j]·y_j`` (plain ``T`` without queues) over the
     available devices (docs/model.md §4), with ``iteration_time_s``, ``lower_bound_s`` and ``cost``
@@ -132,6 +134,9 @@ def best_plan(
         include_baselines: also evaluate the docs/model.md §6 static plans and keep one if it is
             better (guarantees the result is never worse than them, also when
             ``time_budget_s`` cut the search short).
+        reproducible: bound the polish by its solve count only, not by CPU time, so that the
+            same inputs give the same plan whatever the machine's load (with
+            ``time_budget_s=None``; the online controller's choice up to 16 devices).
 
     With ``config.norm_block = G`` every share and μ is a multiple of ``G`` (the problem is
     solved in blocks of ``G`` samples, exactly: :mod:`hetrain.planner.norm_block`).
@@ -184,6 +189,9 @@ def best_plan(
             budget = POLISH_TIME_FRACTION * family_cpu
             if warm_start is None and len(ctx.available) <= POLISH_SMALL_DEVICES:
                 budget = max(budget, POLISH_SMALL_CPU_S)
+            solves = POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available)
+            if reproducible:
+                budget, solves = None, POLISH_REPRODUCIBLE_SOLVES_PER_DEVICE * len(ctx.available)
 
             def starts() -> list[Candidate]:
                 """The best whole-cluster pipeline (splits cached: cheap)."""
@@ -192,7 +200,7 @@ def best_plan(
                 return [min(found, key=lambda c: c.objective)] if found else []
 
             best = local_search(
-                ctx, best, max_solves=POLISH_MAX_SOLVES_PER_DEVICE * len(ctx.available),
+                ctx, best, max_solves=solves,
                 deadline=deadline, cpu_budget_s=budget, starts=starts,
             )  # fmt: skip
     if exhaustive and (deadline is None or time.perf_counter() < deadline):

@@ -69,6 +69,7 @@ class ReferenceResult:
     bound_s: float | None = None
     slots: int = 0
     per_slot_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    per_slot_plan: list[Plan | None] = field(default_factory=list, repr=False)
 
 
 def slot_states(
@@ -169,7 +170,7 @@ def compute_references(
     seed: int = 0,
     extra_plans: Iterable[Plan | None] = (),
     search_every: int = 5,
-    search_time_budget_s: float = 0.3,
+    search_time_budget_s: float | None = None,
     eta_grid: tuple[float, ...] = (0.3, 1.0, 3.0),
 ) -> dict[str, ReferenceResult]:
     """The ``hindsight`` bound and the ``stale`` reference (module docstring) at ``budgets``
@@ -185,7 +186,10 @@ def compute_references(
         extra_plans: more structures for the pool (e.g. every plan a policy ran).
         search_every: run the planner every this many slots (and at slot 0 and whenever the
             set of available devices changes).
-        search_time_budget_s: the planner's soft time budget per search (seconds).
+        search_time_budget_s: the planner's soft time budget per search (seconds); None
+            (default): none, and the search is the controller's reproducible one (bounded by
+            solve counts, not by CPU time), so the references do not depend on the machine's
+            load and search exactly as the controller may.
         eta_grid: with budgets, multipliers searched besides 0, in units of
             ``T_ref / ȳ_j`` (``T_ref``: the first slot's fastest plan time).
 
@@ -233,6 +237,7 @@ def compute_references(
                         queues=eta or None,
                         warm_start=warm.get(key),
                         time_budget_s=search_time_budget_s,
+                        reproducible=search_time_budget_s is None,
                     )
                 except NoFeasiblePlanError:
                     continue
@@ -294,7 +299,8 @@ def compute_references(
     choice = pick(stale_f, eta_s)
     t_s, c_s = means(judged, choice)
     per_slot = judged[np.arange(len(choice)), 0, choice]
-    out["stale"] = ReferenceResult("stale", t_s, c_s, eta_s, None, len(live), per_slot)
+    chosen = [stale_pool.plans[int(k) // 2] for k in choice]
+    out["stale"] = ReferenceResult("stale", t_s, c_s, eta_s, None, len(live), per_slot, chosen)
     if budgets:
         choice0 = pick(stale_f, {})
         t0, c0 = means(judged, choice0)
