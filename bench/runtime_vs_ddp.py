@@ -202,11 +202,6 @@ def run_hetrain(
 
     controller = ControllerThread().start()
     job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
-    # the controller runs in this (launching) process, as under ``hetrain train``
-    from hetrain.runtime.adapt import ControllerThread
-
-    controller = ControllerThread().start()
-    job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [
