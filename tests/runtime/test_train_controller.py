@@ -160,7 +160,8 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
 
 def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     """``hetrain train --example digits --workers 4 --steps 150`` (w1 3x slower from step 50):
-    equal shares for identical ranks before, w1 at most half the mean used share from 70."""
+    equal shares for identical ranks before (unless a re-plan logged the runtime's 25 %
+    predicted gain for an uneven plan), w1 at most half the mean used share from 70."""
     code = main(
         [
             "train",
@@ -181,12 +182,21 @@ def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     plans = {e["plan_id"]: e["plan"] for e in events if e["event"] == "plan"}
     steps = [e for e in events if e["event"] == "step"]
     replans = [e for e in events if e["event"] == "replan"]
+    adopted = {r["plan_id"]: r for r in replans}
     for e in steps:
         shares = {d: 0 for d in ("w0", "w1", "w2", "w3")}
         shares.update({d: g["batch"] for g in plans[e["plan_id"]]["groups"] for d in g["devices"]})
         if e["step"] < 50:
             used = [b for b in shares.values() if b > 0]
-            assert max(used) <= 1.3 * min(used) and len(used) == 4, (e["step"], shares)
+            if not (max(used) <= 1.3 * min(used) and len(used) == 4):
+                # issue 10's exception: identical ranks get shares within 30 % of each other
+                # unless the controller's logged figures show the uneven plan faster. 4 busy
+                # ranks on 2 cores do slow one rank down for several steps (a quiet CI run
+                # idled w2 at step 6 on such figures), so such a plan must have been chosen
+                # by a re-plan that logged the runtime's 25 % predicted gain
+                r = adopted.get(e["plan_id"])
+                assert r is not None, (e["step"], shares)
+                assert r["predicted_time_s"] < 0.75 * r["current_time_s"], (e["step"], shares, r)
         if e["step"] >= 70:
             used = [b for b in shares.values() if b > 0]
             assert shares["w1"] <= 0.5 * np.mean(used), (e["step"], shares)
