@@ -226,9 +226,10 @@ def keep_per_sample(
     shape = tuple(int(d) for d in shape)
     n, m, h = _layout(sample_index, shape)
     threshold = keep_threshold(p)
+    if threshold > _M32:  # p = 1: nothing is kept, no words needed
+        device = device if device is not None else sample_index.device
+        return torch.zeros(shape, dtype=torch.bool, device=device)
     z = words_per_sample(key, sample_index, h, device)
-    if threshold > _M32:  # p = 1: nothing is kept
-        return torch.zeros(shape, dtype=torch.bool, device=z.device)
     out = torch.empty((n, m), dtype=torch.bool, device=z.device)
     z ^= -(1 << 63)
     torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
