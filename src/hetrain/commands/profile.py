@@ -61,7 +61,7 @@ def parse_stage_lengths(text: str) -> tuple[int, ...]:
 
 #: ``--measure`` defaults (docs/profiling.md §2). Small models: 4 micro-batch sizes, 2 warm-up
 #: and 5 timed rounds, stages of 1, 2, L/2 and L layers. The published shapes (GPT-2 small,
-#: BERT-base, ResNet-50): sizes 1 and 2, no warm-up, 2 timed rounds, stages of 1 and L layers,
+#: BERT-base, ResNet-50): sizes 1 and 2, no warm-up, 1 timed round, stages of 1 and L layers,
 #: and the language models timed on windows of 128 tokens, so that GPT-2 small finishes in
 #: about a minute on one CPU thread; every one of these is an option (heavier is opt-in).
 LIGHT_MEASURE = {"microbatch_sizes": "1,2", "repeats": 1, "warmup": 0, "seq_len": 128}
@@ -209,7 +209,8 @@ HF_EXAMPLES = ("gpt2", "bert", "resnet")
 class _Subject:
     """What ``hetrain profile`` profiles and times: ``make_input(n)`` -> ``n`` samples of real
     model inputs; ``profile(inputs, label)`` -> the counted profile; ``build()`` -> the chain
-    with real weights on the CPU (for timing)."""
+    with real weights on the CPU (for timing); ``source``: the options that name it
+    (``--example gpt2 --size base``), for messages and the measured files' headers."""
 
     name: str
     label: str
@@ -217,6 +218,7 @@ class _Subject:
     make_input: Callable[[int], Any]
     profile: Callable[[Any, str], Any]
     build: Callable[[], Any]
+    source: str
 
 
 def _chain_subject(ex, seed: int, device: str) -> _Subject:
@@ -244,7 +246,9 @@ def _chain_subject(ex, seed: int, device: str) -> _Subject:
         return model
 
     label = f"{ex.name} ({ex.description}; {count_device})"
-    return _Subject(ex.name, label, count_device, make_input, profile, build)
+    return _Subject(
+        ex.name, label, count_device, make_input, profile, build, f"--example {ex.name}"
+    )
 
 
 def hf_inputs(example: str, size: str, batch: int, seed: int = 0, seq_len: int | None = None):
@@ -280,16 +284,6 @@ def hf_build(example: str, size: str):
         model = hf.resnet_model(size)
     model.train()
     return model
-
-
-def hf_example(example: str, size: str, batch: int, seed: int = 0):
-    """``(model, inputs, description)`` of a Hugging Face example of ``size``
-    (:func:`hf_build`, :func:`hf_inputs`); random weights and inputs from ``seed``."""
-    import torch
-
-    torch.manual_seed(seed)
-    model = hf_build(example, size)
-    return model, hf_inputs(example, size, batch, seed), _hf_description(example, size)
 
 
 def _hf_description(example: str, size: str) -> str:
@@ -335,14 +329,20 @@ def _module_subject(
             return profile_chain(task_chain(task, module, verify=True), inputs, name=label)
 
         return _Subject(
-            model_spec, f"{model_spec} ({count_device})", count_device, make_input, profile, build
+            model_spec,
+            f"{model_spec} ({count_device})",
+            count_device,
+            make_input,
+            profile,
+            build,
+            f"--model {model_spec}",
         )
     size = _size(size)
     count_device = device or ("meta" if size == "base" else "cpu")
-    source = f"--example {example}"
+    source = f"--example {example} --size {size}"
 
-    def make_hf_input(n: int, seq_len: int | None = None) -> Any:
-        return hf_inputs(example, size, n, seed, seq_len)
+    def make_hf_input(n: int) -> Any:
+        return hf_inputs(example, size, n, seed)
 
     def build_hf() -> Any:
         torch.manual_seed(seed)
@@ -357,7 +357,9 @@ def _module_subject(
         return profile_chain(chain, inputs, name=label)
 
     label = f"{example} {size} ({_hf_description(example, size)}; {count_device})"
-    return _Subject(f"{example}-{size}", label, count_device, make_hf_input, profile_hf, build_hf)
+    return _Subject(
+        f"{example}-{size}", label, count_device, make_hf_input, profile_hf, build_hf, source
+    )
 
 
 def _write_profile(profile, out: Path | None) -> bool:
@@ -422,7 +424,7 @@ def _measure(
     probe = make_input(1)
     timed_shape = tuple(probe.shape[1:])
     model = subject.build()
-    chain = cut_module(model, probe, source=f"--example {subject.name}")
+    chain = cut_module(model, probe, source=subject.source)
     num_layers = chain.num_layers
     if lengths is None:  # stages of 1 (time_layers'), 2, L/2 and L layers; large: 1 and L
         from hetrain.profiler.timing import default_stage_lengths
@@ -523,7 +525,7 @@ def _measure(
     cpath = cluster_out or out.with_name(out.stem + ".cluster.yaml")
     cpath.parent.mkdir(parents=True, exist_ok=True)
     header = (
-        f"# measured by `hetrain profile --example {subject.name} --measure` on "
+        f"# measured by `hetrain profile {subject.source} --measure` on "
         f"{platform.node()}\n"
         f"# ({platform.processor() or platform.machine()}, {times.threads} thread(s) per rank);"
         f" speed/kappa/lambda fit rms rel error {device_fit.rms_rel_error:.3f}\n"
