@@ -240,7 +240,6 @@ class LyapunovController:
         self.queue_warm_start = bool(queue_warm_start)
         self.dual_learning = bool(dual_learning)
         self.pool_size = 8
-        self.frontier_factors: tuple[float, ...] = ()
         self._warm_started = False
         self._reset_ref = False
         self._prev_available: np.ndarray | None = None
@@ -1061,11 +1060,8 @@ class LyapunovController:
         return False
 
     def _search(self, observed: ClusterState, weights: dict[str, float]) -> None:
-        """A planner search at ``weights``; with budgets also at ``weights`` scaled by each
-        factor of :attr:`frontier_factors` (default none; warm-started from the first), so
-        that the pool holds plans along the time/spend frontier around the current multiplier,
-        among which the per-slot choice (and the learned multiplier) then picks by the slot's
-        prices."""
+        """A planner search at ``weights``; the plan found joins the pool (replacing a pooled
+        plan of the same structure)."""
         from hetrain.planner import best_plan
 
         self.searches += 1
@@ -1080,29 +1076,9 @@ class LyapunovController:
             time_budget_s=budget,
             reproducible=budget is None,
         )
-        extra: list[Plan] = []
-        if any(w > 0 for w in weights.values()):
-            for factor in self.frontier_factors:
-                scaled = {j: w * factor for j, w in weights.items()}
-                try:
-                    extra.append(
-                        best_plan(
-                            observed,
-                            self.profile,
-                            self.config,
-                            v=self.effective_v,
-                            queues=scaled,
-                            warm_start=found,
-                            time_budget_s=budget,
-                            reproducible=budget is None,
-                        )
-                    )
-                except NoFeasiblePlanError:
-                    continue
-        for plan in [*extra, found]:
-            key = plan.structure()
-            self._pool = [c for c in self._pool if c.plan.structure() != key]
-            self._pool.insert(0, _Candidate(plan, self._arrays(plan)))
+        key = found.structure()
+        self._pool = [c for c in self._pool if c.plan.structure() != key]
+        self._pool.insert(0, _Candidate(found, self._arrays(found)))
         del self._pool[self.pool_size :]
 
     def _objective(self, plan: Plan, state: ClusterState, weights: dict[str, float]) -> float:
