@@ -36,6 +36,7 @@ Imports numpy and the planning modules only; torch only for the store, lazily.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -336,6 +337,7 @@ class PlanController:
         self._votes = 0
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
+        self._step_residuals_s: list[float] = []
 
     # ---- measurements ----
     def observe(
@@ -347,7 +349,15 @@ class PlanController:
     ) -> None:
         """Step ``step`` ran under plan ``plan_id``; ``compute_time_s[device]`` = the measured
         compute seconds of its stage (emulated slow-down included); ``iteration_time_s`` the
-        step's measured time (fed to the controller's ``record``: ``T_ref``, queues)."""
+        step's measured time (fed to the controller's ``record``: ``T_ref``, queues; and,
+        for the plan in force, the fixed step time ``F`` of :meth:`step_overhead_s`)."""
+        if (
+            iteration_time_s is not None
+            and math.isfinite(iteration_time_s)
+            and int(plan_id) == int(self.current.plan_id or 0)
+            and self.observed_steps > 0
+        ):
+            self._observe_step_residual(float(iteration_time_s))
         if iteration_time_s is not None and math.isfinite(iteration_time_s):
             if self._pending is None:
                 self.policy.record(step, float(iteration_time_s), {})
@@ -368,14 +378,34 @@ class PlanController:
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()
 
+    def _observe_step_residual(self, iteration_time_s: float) -> None:
+        """Residual of one step of the plan in force against its prediction with ``F = 0``
+        on the estimates before the step's compute is fed; ``F`` = the median of the last
+        ``estimates.window`` residuals, floored at 0 (a median like the speeds: one stalled
+        step does not move it; docs/profiling.md §6). Used by :meth:`predictions` (the logged
+        predicted time, the report's predicted-vs-measured plot); decisions compare plans on
+        :attr:`config`, where a time common to every plan changes no ranking."""
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        state = self.observed_state()
+        predicted = predict_iteration_time_s(self.current, state, self.profile, bare)
+        recent = self._step_residuals_s
+        recent.append(iteration_time_s - predicted)
+        del recent[: -self.estimates.window]
+
+    def step_overhead_s(self) -> float:
+        """The learned fixed time per iteration ``F`` (s, ``TrainingConfig.step_overhead_s``):
+        median of the recent residuals of the plan in force, ``>= 0``; 0 before any."""
+        recent = getattr(self, "_step_residuals_s", [])  # states saved before F: none
+        return max(0.0, float(np.median(recent))) if recent else 0.0
+
     def observed_state(self) -> ClusterState:
         """The base state with the measured speeds."""
         return self.estimates.apply(self.base_state)
 
     def predictions(self) -> dict[str, float]:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
-        docs/model.md
-        §6) on the current estimates."""
+        docs/model.md §6) on the current estimates, both with the learned fixed step time
+        ``F`` (:meth:`step_overhead_s`, also returned)."""
         state = self.observed_state()
         even = even_dp_plan(
             self.base_state.ids,
@@ -384,11 +414,11 @@ class PlanController:
             1,
             norm_block=self.config.norm_block,
         )
+        config = dataclasses.replace(self.config, step_overhead_s=self.step_overhead_s())
         return {
-            "predicted_time_s": predict_iteration_time_s(
-                self.current, state, self.profile, self.config
-            ),
-            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, self.config),
+            "predicted_time_s": predict_iteration_time_s(self.current, state, self.profile, config),
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
+            "step_overhead_s": config.step_overhead_s,
         }
 
     # ---- decisions ----
