@@ -31,7 +31,9 @@ two local ranks, :func:`hetrain.profiler.measure_p2p`; emulated slow links as em
   earlier iterations of the same run, as the runtime feeds the controller, and ``F``
   re-learned from the residuals of those iterations
   (:meth:`hetrain.calibration.ClusterEstimator.observe_iteration`): the median of these
-  one-step-ahead predictions.
+  one-step-ahead predictions; and the same with the runtime's own controller
+  (:class:`hetrain.runtime.adapt.PlanController`, the ``runtime_controller_*`` keys), fed step
+  by step as the launcher's controller process is.
 
 Every device computes at ``F0 = 8``x slow-down or more, so that most of a rank's compute time
 is sleep. A device emulated with factor ``f`` has speed ``s·F0/f``, ``κ·f/F0`` and ``λ·f/F0``
@@ -78,6 +80,7 @@ from hetrain.models.registry import EXAMPLES
 from hetrain.plan import plan_from_dict
 from hetrain.profiler import measure_p2p, profile_chain
 from hetrain.runtime import Emulation, OptimizerSpec, Worker, gather_measurements
+from hetrain.runtime.adapt import PlanController
 from hetrain.runtime.testing import run_ranks
 
 WORLD = 4
@@ -408,6 +411,27 @@ def one_step_ahead(plan, offline, steps, profile, config, compute_kappa, first: 
     return out
 
 
+def one_step_ahead_runtime(plan, offline, steps, profile, config, first: int) -> list[float]:
+    """As :func:`one_step_ahead`, with the runtime's own controller
+    (:class:`hetrain.runtime.adapt.PlanController` on the offline state: median-of-13 speeds
+    that subtract its κ and λ, ``F`` from the residuals of the plan in force) fed each step as
+    the launcher's controller process is: ``observe(step, plan id, per-device compute,
+    iteration time)``; the prediction for step ``t`` is its ``predictions()`` after steps
+    ``< t`` (with the calibrated ``F`` until it has learned one)."""
+    bare = dataclasses.replace(config, step_overhead_s=0.0)
+    ctl = PlanController(offline, profile, bare, plan.model_copy(update={"plan_id": 0}), len(steps))
+    out = []
+    for t, rows in enumerate(steps):
+        if t >= first:
+            pred = ctl.predictions()
+            learned = pred["step_overhead_s"] > 0 or ctl.observed_steps > 1
+            fixed = 0.0 if learned else config.step_overhead_s
+            out.append(pred["predicted_time_s"] + fixed)
+        compute = {r["device_id"]: r["compute_time_s"] for r in rows if r["batch"] > 0}
+        ctl.observe(t, 0, compute, max(r["iteration_time_s"] for r in rows))
+    return out
+
+
 def _print_table(title, names, pairs):
     print(title)
     print(f"{'plan':<38}{'predicted s':>12}{'measured s':>12}{'error':>9}")
@@ -521,7 +545,7 @@ def main() -> None:
             else " (no update/jitter refinement: --no-refine)"
         )
     )
-    offline_pairs, online_pairs = [], []
+    offline_pairs, online_pairs, runtime_pairs = [], [], []
     for s, steps in zip(scenarios, runs, strict=True):
         offline = cluster_state(s, speed, kappa + kappa_p2p, lam, bw, lat)
         compute_kappa = np.array([kappa * s.factor(d) / F0 for d in IDS])
@@ -537,6 +561,8 @@ def main() -> None:
         )
         ev_on = evaluate_plan(plan, online_state(offline, steps, arrays.train_flops,
                                                  compute_kappa)[0], arrays, config)  # fmt: skip
+        runtime_ahead = one_step_ahead_runtime(plan, offline, steps, arrays, config, args.online)
+        runtime_pairs.append([statistics.median(runtime_ahead), measured])
         offline_pairs.append([ev_off.iteration_time_s, measured])
         online_pairs.append([statistics.median(ahead), measured])
         if args.verbose:
@@ -564,11 +590,20 @@ def main() -> None:
         names,
         online_pairs,
     )
+    rt_med, rt_max = _print_table(
+        "C. online, the runtime's own controller (PlanController: median of the last 13 speeds, "
+        "F from the plan in force's residuals), fed step by step as in `hetrain train`; median "
+        f"of the {args.steps} one-step-ahead predictions",
+        names,
+        runtime_pairs,
+    )
     targets = [
         ("offline median", off_med, TARGETS["offline_median"]),
         ("offline max", off_max, TARGETS["offline_max"]),
         ("online median", on_med, TARGETS["online_median"]),
         ("online max", on_max, TARGETS["online_max"]),
+        ("online (runtime controller) median", rt_med, TARGETS["online_median"]),
+        ("online (runtime controller) max", rt_max, TARGETS["online_max"]),
     ]
     for label, got, limit in targets:
         verdict = "PASS" if got <= limit else "FAIL"
@@ -586,6 +621,10 @@ def main() -> None:
                 "clock": args.clock,
                 "update_time_s_per_param_byte": omega,
                 "group_time_jitter": jitter,
+                "step_overhead_s": step_overhead,
+                "runtime_controller_pairs": runtime_pairs,
+                "runtime_controller_median_abs_rel_error": rt_med,
+                "runtime_controller_max_abs_rel_error": rt_max,
                 "offline_pairs": offline_pairs,
                 "offline_median_abs_rel_error": off_med,
                 "offline_max_abs_rel_error": off_max,
