@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,7 +90,27 @@ def split_table(
     devices = np.asarray(devices, dtype=np.int64)
     bounds = np.asarray(bounds, dtype=np.int64).reshape(-1, len(devices) + 1)
     mu = int(microbatch_size)
-    k_stages = len(devices)
+    fill, bottleneck, nmax = split_rows(state, prefix, devices, bounds, mu,
+                                        optimizer_state_factor, schedule)  # fmt: skip
+    return SplitTable(bounds, fill, bottleneck, nmax, mu)
+
+
+def split_rows(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    bounds: np.ndarray,
+    microbatch_sizes: int | np.ndarray,
+    optimizer_state_factor: float,
+    schedule: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`split_table`'s ``(fill_s, bottleneck_s, max_microbatches)`` (shape ``(P,)``
+    each) of splits ``bounds`` (shape ``(P, K + 1)``) with a micro-batch size per split
+    (``microbatch_sizes``: shape ``(P,)``, or one ``int`` for all), so that the splits of
+    several ``μ`` are timed in one pass."""
+    mu = microbatch_sizes
+    if not isinstance(mu, int):
+        mu = np.asarray(mu, dtype=np.int64)[:, None]
     flops = prefix.train_flops[bounds[:, 1:]] - prefix.train_flops[bounds[:, :-1]]
     compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
     lam = state.layer_overhead_s[devices]
@@ -97,7 +118,7 @@ def split_table(
         compute = compute + lam * np.diff(bounds, axis=1)
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
-    if k_stages > 1:
+    if len(devices) > 1:
         bw = link_bandwidths_bytes_per_s(state, devices)
         transfer = mu * prefix.boundary_bytes[bounds[:, 1:-1] - 1] / bw + 2.0 * state.latency_s
         fill = fill + transfer.sum(axis=1)
@@ -108,14 +129,14 @@ def split_table(
         None, act, state.memory_bytes[devices], mu, optimizer_state_factor, schedule,
         fixed_bytes=fixed,
     )  # fmt: skip
-    return SplitTable(bounds, fill, bottleneck, nmax, mu)
+    return fill, bottleneck, nmax
 
 
 def max_microbatches(
     theta_bytes: np.ndarray | None,
     act_bytes_per_sample: np.ndarray,
     limit_bytes: np.ndarray,
-    microbatch_size: int,
+    microbatch_size: int | np.ndarray,
     optimizer_state_factor: float,
     schedule: str,
     *,
@@ -154,12 +175,18 @@ def max_microbatches(
     return nk.min(axis=1)
 
 
+# μ-chunks of the stage matrices hold at most about this many elements per array (a 2 MiB
+# float64 array... of 256 Ki elements), so long models stay within memory
+STAGE_MATRIX_ELEMENTS = 1 << 18
+
+
 @dataclass(frozen=True)
 class _StageMatrices:
-    """Per stage k over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
-    ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)`` (inf where out of position),
-    and the memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes) and ``per_alive`` (``μ Σ m``, bytes
-    per micro-batch held alive), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+    """Per micro-batch size ``u`` and stage ``k`` over ``(i, j)`` (stage = layers ``[i, j)``),
+    shape ``(U, K, L + 1, L + 1)``: ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)``
+    (inf where out of position); the memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes, shape
+    ``(1, L + 1, L + 1)``) and ``per_alive`` (``μ Σ m``, bytes per micro-batch held alive,
+    shape ``(U, 1, L + 1, L + 1)``), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
 
     total: np.ndarray
     worst: np.ndarray
@@ -168,52 +195,68 @@ class _StageMatrices:
     limit: np.ndarray
     schedule: str
 
-    def masked(self, n_design: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(total, worst)`` with stages that do not fit ``n_design`` micro-batches set to
+    def masked(self, levels: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(total, worst)`` of the micro-batch sizes ``rows`` (shape ``(R,)``), shape
+        ``(R, K, L + 1, L + 1)``, with stages that do not fit ``levels[r]`` micro-batches set to
         inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe)."""
-        k_stages = self.total.shape[0]
-        n_d = max(int(n_design), 1)
+        k_stages = self.total.shape[1]
+        n_d = np.maximum(np.asarray(levels, dtype=np.int64), 1)[:, None, None, None]
         if self.schedule == "gpipe":
-            alive = np.full((k_stages, 1, 1), n_d)
+            alive = np.broadcast_to(n_d, (len(n_d), k_stages, 1, 1))
         else:
-            alive = np.minimum(n_d, k_stages - np.arange(k_stages))[:, None, None]
-        ok = self.fixed + alive * self.per_alive <= self.limit
-        return np.where(ok, self.total, np.inf), np.where(ok, self.worst, np.inf)
+            alive = np.minimum(n_d, (k_stages - np.arange(k_stages))[None, :, None, None])
+        ok = self.fixed + alive * self.per_alive[rows] <= self.limit
+        return np.where(ok, self.total[rows], np.inf), np.where(ok, self.worst[rows], np.inf)
 
 
 def _stage_matrices(
     state: ClusterState,
     prefix: ProfilePrefix,
     devices: np.ndarray,
-    microbatch_size: int,
+    microbatch_sizes: Sequence[int],
     optimizer_state_factor: float,
     schedule: str,
+    cache: dict | None = None,
 ) -> _StageMatrices:
-    """The :class:`_StageMatrices` of one group and ``μ`` (same formulas as
-    :func:`hetrain.costmodel.stage_times_s` / :func:`~hetrain.costmodel.stage_memory_bytes`)."""
+    """The :class:`_StageMatrices` of one group for each ``μ`` of ``microbatch_sizes`` (same
+    formulas as :func:`hetrain.costmodel.stage_times_s` /
+    :func:`~hetrain.costmodel.stage_memory_bytes`). ``cache``: a dict for the matrices that
+    depend only on the profile (the caller's, for one profile)."""
     num_layers = prefix.num_layers
     k_stages = len(devices)
+    key = ("stage-matrices", num_layers, float(optimizer_state_factor))
+    base = None if cache is None else cache.get(key)
+    if base is None:
+        idx = np.arange(num_layers + 1)
+        flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
+        fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
+        act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
+        span = idx[None, None, :] - idx[None, :, None]
+        base = (flops, fixed, act, span)
+        if cache is not None:
+            cache[key] = base
+    flops, fixed, act, span = base
     idx = np.arange(num_layers + 1)
     i, j = idx[None, :, None], idx[None, None, :]
     kk = np.arange(k_stages)[:, None, None]
-    mu = microbatch_size
-    flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
-    fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
-    act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
+    mu = np.asarray(microbatch_sizes, dtype=np.int64)[:, None, None, None]  # (U, 1, 1, 1)
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    compute = mu * flops / speed + kappa
+    compute = mu * flops / speed + kappa  # (U, K, L + 1, L + 1)
     lam = state.layer_overhead_s[devices]
     if np.any(lam):
-        compute = compute + lam[:, None, None] * (j - i)
+        compute = compute + lam[:, None, None] * span
     ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
     ok &= (kk != k_stages - 1) | (j == num_layers)
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)
-        transfer = mu * prefix.boundary_bytes[last][None, :] / bw[:, None] + 2.0 * state.latency_s
-        transfer[-1] = 0.0
-        transfer = transfer[:, None, :]
+        transfer = (
+            mu[:, :, 0] * prefix.boundary_bytes[last][None, None, :] / bw[None, :, None]
+            + 2.0 * state.latency_s
+        )  # (U, K, L + 1)
+        transfer[:, -1] = 0.0
+        transfer = transfer[:, :, None, :]
         total = compute + transfer
         worst = np.maximum(compute, transfer)
     else:
@@ -230,45 +273,82 @@ def _stage_matrices(
     )
 
 
-def _min_sum_splits(sums: np.ndarray, maxes: np.ndarray, betas: np.ndarray) -> np.ndarray:
-    """Min-sum DP over split points with every stage/boundary time ``≤ beta``, for all
-    ``betas`` at once (a leading axis of size ``len(betas)``, in chunks of 64); bounds of
-    shape ``(R, K + 1)`` for the feasible ``betas``, in order."""
-    if len(betas) > 64:
-        parts = [_min_sum_splits(sums, maxes, betas[i : i + 64]) for i in range(0, len(betas), 64)]
-        return np.concatenate(parts)
-    n1 = sums.shape[1]
-    nb = len(betas)
-    best = np.full((nb, n1), np.inf)
-    best[:, 0] = 0.0
-    choices = []
-    rows = np.arange(nb)[:, None]
-    cols = np.arange(n1)[None, :]
-    for s, m in zip(sums, maxes, strict=True):
-        masked = np.where(m[None, :, :] <= betas[:, None, None], s[None, :, :], np.inf)
-        cand = best[:, :, None] + masked
+def _stage_window(k: int, k_stages: int, num_layers: int) -> tuple[int, int]:
+    """``(lo, hi)``: a middle stage ``k`` (``0 < k < K − 1``) starts at a layer in
+    ``[lo, hi)`` and ends in ``(lo, hi]`` (every stage holds at least one layer); outside, its
+    entries of :class:`_StageMatrices` are inf."""
+    return k, num_layers - (k_stages - 1 - k)
+
+
+def _least_bottleneck(maxes: np.ndarray) -> np.ndarray:
+    """Least possible ``M`` over splits (min-max DP), per row of ``maxes`` (shape
+    ``(R, K, L + 1, L + 1)``), shape ``(R,)``. The first stage starts at layer 0 and the last
+    ends at ``L``, so only that row/column of theirs is read (the values are those of the DP
+    over every ``(i, j)``: the entries skipped are inf)."""
+    k_stages, n1 = maxes.shape[1], maxes.shape[2]
+    best = maxes[:, 0, 0, :]
+    if k_stages == 1:
+        return best[:, -1].copy()
+    for k in range(1, k_stages - 1):
+        lo, hi = _stage_window(k, k_stages, n1 - 1)
+        new = np.full((len(best), n1), np.inf)
+        new[:, lo + 1 : hi + 1] = np.min(
+            np.maximum(best[:, lo:hi, None], maxes[:, k, lo:hi, lo + 1 : hi + 1]), axis=1
+        )
+        best = new
+    last = maxes[:, k_stages - 1, k_stages - 1 : n1 - 1, n1 - 1]
+    return np.min(np.maximum(best[:, k_stages - 1 : n1 - 1], last), axis=1)
+
+
+def _min_sum_splits(
+    sums: np.ndarray, maxes: np.ndarray, owner: np.ndarray, betas: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Min-sum DP over split points with every stage/boundary time ``≤ betas[r]``, for all
+    ``betas`` (shape ``(R,)``) at once, row ``r`` on the matrices ``sums[owner[r]]`` /
+    ``maxes[owner[r]]`` (shape ``(U, K, L + 1, L + 1)``). Returns the bounds (shape
+    ``(F, K + 1)``) of the feasible rows and those rows' indices (shape ``(F,)``, in order).
+
+    Only the window of each stage where its entries can be finite is computed (the first
+    stage starts at layer 0, the last ends at ``L``, :func:`_stage_window`); the minimum and
+    the first index reaching it are those of the DP over every ``(i, j)``."""
+    k_stages, n1 = maxes.shape[1], maxes.shape[2]
+    rows = np.arange(len(betas))
+    beta2 = betas[:, None]
+    m = maxes[owner, 0, 0, :]
+    best = np.where(m <= beta2, sums[owner, 0, 0, :], np.inf)  # 0 + the first stage's time
+    choices: list[np.ndarray | None] = [None]
+    if k_stages > 1:
+        beta3 = betas[:, None, None]
+        for k in range(1, k_stages - 1):
+            lo, hi = _stage_window(k, k_stages, n1 - 1)
+            m = maxes[owner, k, lo:hi, lo + 1 : hi + 1]
+            cand = best[:, lo:hi, None] + np.where(
+                m <= beta3, sums[owner, k, lo:hi, lo + 1 : hi + 1], np.inf
+            )
+            arg = np.argmin(cand, axis=1)
+            value = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            best = np.full((len(betas), n1), np.inf)
+            best[:, lo + 1 : hi + 1] = value
+            choice = np.zeros((len(betas), n1), dtype=np.int64)
+            choice[:, lo + 1 : hi + 1] = np.where(np.isfinite(value), arg + lo, 0)
+            choices.append(choice)
+        k = k_stages - 1
+        m = maxes[owner, k, k : n1 - 1, n1 - 1]
+        cand = best[:, k : n1 - 1] + np.where(m <= beta2, sums[owner, k, k : n1 - 1, n1 - 1],
+                                              np.inf)  # fmt: skip
         arg = np.argmin(cand, axis=1)
-        best = cand[rows, arg, cols]
-        choices.append(arg)
-    ok = np.flatnonzero(np.isfinite(best[:, -1]))
-    if not len(ok):
-        return np.zeros((0, len(sums) + 1), dtype=np.int64)
-    k_stages = len(sums)
-    bounds = np.empty((len(ok), k_stages + 1), dtype=np.int64)
+        final = cand[rows, arg]
+        last_choice = arg + k
+    else:
+        final = best[:, n1 - 1]
+    ok = np.flatnonzero(np.isfinite(final))
+    bounds = np.zeros((len(ok), k_stages + 1), dtype=np.int64)
     bounds[:, k_stages] = n1 - 1
-    for k in range(k_stages - 1, -1, -1):
-        bounds[:, k] = choices[k][ok, bounds[:, k + 1]]
-    return bounds
-
-
-def _least_bottleneck(maxes: list[np.ndarray]) -> float:
-    """Least possible ``M`` over splits (min-max DP)."""
-    n1 = maxes[0].shape[0]
-    best = np.full(n1, np.inf)
-    best[0] = -np.inf
-    for m in maxes:
-        best = np.min(np.maximum(best[:, None], m), axis=0)
-    return float(best[-1])
+    if k_stages > 1:
+        bounds[:, k_stages - 1] = last_choice[ok]
+        for k in range(k_stages - 2, 0, -1):
+            bounds[:, k] = choices[k][ok, bounds[:, k + 1]]
+    return bounds, ok
 
 
 def envelope_splits(
@@ -301,61 +381,119 @@ def envelope_splits(
     Returns:
         a :class:`SplitTable`, empty (P = 0) when no split fits in memory.
     """
+    return envelope_splits_many(
+        state, prefix, devices, [microbatch_size], optimizer_state_factor, schedule, [n_design],
+        exact=exact, n_caps=[n_cap], ladder=ladder, ladder_ratio=ladder_ratio,
+    )[0]  # fmt: skip
+
+
+def envelope_splits_many(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    microbatch_sizes: Sequence[int],
+    optimizer_state_factor: float,
+    schedule: str,
+    n_designs: Sequence[int],
+    *,
+    exact: bool | None = None,
+    n_caps: Sequence[int | None] | None = None,
+    ladder: int = 8,
+    ladder_ratio: float = 1.25,
+    cache: dict | None = None,
+) -> list[SplitTable]:
+    """:func:`envelope_splits` of one group for each ``μ`` of ``microbatch_sizes`` (with its
+    ``n_designs`` and ``n_caps`` entry), the same tables, computed together: the stage
+    matrices, the least bottlenecks and the min-sum DPs of every ``μ`` and ``β`` run as one
+    numpy pass per stage (the planner asks for several ``μ`` of a group at once).
+    ``cache``: a dict for matrices that depend only on the profile (one profile per dict)."""
     devices = np.asarray(devices, dtype=np.int64)
+    mus = [int(m) for m in microbatch_sizes]
+    designs = [int(n) for n in n_designs]
+    caps = [designs[u] if n_caps is None or n_caps[u] is None else int(n_caps[u])
+            for u in range(len(mus))]  # fmt: skip
     k_stages = len(devices)
     num_layers = prefix.num_layers
-    if k_stages > num_layers:
-        return split_table(state, prefix, devices, np.zeros((0, k_stages + 1), np.int64),
-                           microbatch_size, optimizer_state_factor, schedule)  # fmt: skip
     empty = np.zeros((0, k_stages + 1), dtype=np.int64)
+
+    def none_fit(mu: int) -> SplitTable:
+        return split_table(state, prefix, devices, empty, mu, optimizer_state_factor, schedule)
+
+    if k_stages > num_layers:
+        return [none_fit(mu) for mu in mus]
     # (a lower bound on the memory every split needs: shared tensors counted once)
     params = prefix.total_fixed_memory_bytes(optimizer_state_factor)
     if params > float(np.sum(state.memory_bytes[devices])):
-        return split_table(state, prefix, devices, empty, microbatch_size,
-                           optimizer_state_factor, schedule)  # fmt: skip
-    mats = _stage_matrices(
-        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule
-    )
-    # memory at n_design; when nothing fits, lower levels (halving) down to one micro-batch
-    # (one micro-batch first: when even that does not fit, nothing does)
-    levels = [1] if n_design <= 1 else [1, int(n_design)]
-    while levels[-1] > 2:
-        levels.append(levels[-1] // 2)
-    for tried, level in enumerate(levels):
-        sums, maxes = mats.masked(level)
+        return [none_fit(mu) for mu in mus]
+    out: list[SplitTable | None] = [None] * len(mus)
+    step = max(1, STAGE_MATRIX_ELEMENTS // (k_stages * (num_layers + 1) ** 2))
+    for c0 in range(0, len(mus), step):
+        chunk = list(range(c0, min(len(mus), c0 + step)))
+        mats = _stage_matrices(state, prefix, devices, [mus[u] for u in chunk],
+                               optimizer_state_factor, schedule, cache)  # fmt: skip
+        count = len(chunk)
+        # memory at n_design; when nothing fits, lower levels (halving) down to one
+        # micro-batch (one micro-batch first: when even that does not fit, nothing does)
+        sums, maxes = mats.masked(np.ones(count, dtype=np.int64), np.arange(count))
         beta_star = _least_bottleneck(maxes)
-        if tried == 0 and not np.isfinite(beta_star):
-            break
-        if tried > 0 and np.isfinite(beta_star):
-            break
-    else:
-        level = 1
-        sums, maxes = mats.masked(level)
-        beta_star = _least_bottleneck(maxes)
-    if not np.isfinite(beta_star):
-        return split_table(state, prefix, devices, empty, microbatch_size,
-                           optimizer_state_factor, schedule)  # fmt: skip
-    values = np.unique(maxes[np.isfinite(maxes)])
-    values = values[values >= beta_star]
-    if exact is None:
-        exact = len(values) <= 24
-    if exact:
-        betas = values
-    else:
-        betas = np.concatenate((beta_star * ladder_ratio ** np.arange(ladder), [np.inf]))
-    all_bounds = _min_sum_splits(sums, maxes, np.asarray(betas, dtype=float) * (1 + 1e-12))
-    found: dict[tuple[int, ...], None] = {}
-    for b in all_bounds:
-        found[tuple(int(x) for x in b)] = None
-    bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k_stages + 1)
-    table = split_table(
-        state, prefix, devices, bounds, microbatch_size, optimizer_state_factor, schedule
-    )
-    cap = max(int(n_design if n_cap is None else n_cap), 1)
-    capped = np.minimum(table.max_microbatches, cap)
-    return pareto(
-        SplitTable(table.bounds, table.fill_s, table.bottleneck_s, capped, table.microbatch_size)
-    )
+        design = np.array([designs[u] for u in chunk], dtype=np.int64)
+        retry = np.flatnonzero(np.isfinite(beta_star) & (design > 1))
+        if len(retry):
+            s2, m2 = mats.masked(design[retry], retry)
+            b2 = _least_bottleneck(m2)
+            for r, row in enumerate(retry):
+                if np.isfinite(b2[r]):
+                    sums[row], maxes[row], beta_star[row] = s2[r], m2[r], b2[r]
+                    continue
+                level = int(design[row])
+                while level > 2:
+                    level //= 2
+                    s3, m3 = mats.masked(np.array([level]), np.array([row]))
+                    b3 = _least_bottleneck(m3)
+                    if np.isfinite(b3[0]):
+                        sums[row], maxes[row], beta_star[row] = s3[0], m3[0], b3[0]
+                        break
+        owners, betas = [], []
+        for r, u in enumerate(chunk):
+            if not np.isfinite(beta_star[r]):
+                out[u] = none_fit(mus[u])
+                continue
+            m = maxes[r]
+            values = np.unique(m[(m >= beta_star[r]) & (m < np.inf)])
+            use_exact = len(values) <= 24 if exact is None else exact
+            if use_exact:
+                found = values
+            else:
+                found = np.concatenate((beta_star[r] * ladder_ratio ** np.arange(ladder), [np.inf]))
+            betas.append(np.asarray(found, dtype=float) * (1 + 1e-12))
+            owners.append(np.full(len(found), r, dtype=np.int64))
+        if not betas:
+            continue
+        owner = np.concatenate(owners)
+        all_bounds, feasible = _min_sum_splits(sums, maxes, owner, np.concatenate(betas))
+        row_of = owner[feasible]
+        per_u, mu_rows = [], []
+        for r, u in enumerate(chunk):
+            if out[u] is not None:
+                continue
+            found_b: dict[tuple[int, ...], None] = dict.fromkeys(
+                map(tuple, all_bounds[row_of == r].tolist())
+            )
+            bounds = np.asarray(list(found_b), dtype=np.int64).reshape(-1, k_stages + 1)
+            per_u.append((u, bounds))
+            mu_rows.append(np.full(len(bounds), mus[u], dtype=np.int64))
+        stacked = np.concatenate([b for _, b in per_u])
+        fill, bottleneck, nmax = split_rows(state, prefix, devices, stacked,
+                                            np.concatenate(mu_rows),
+                                            optimizer_state_factor, schedule)  # fmt: skip
+        start = 0
+        for u, bounds in per_u:
+            sl = slice(start, start + len(bounds))
+            start += len(bounds)
+            cap = max(caps[u], 1)
+            out[u] = pareto(SplitTable(bounds, fill[sl], bottleneck[sl],
+                                       np.minimum(nmax[sl], cap), mus[u]))  # fmt: skip
+    return out  # type: ignore[return-value]
 
 
 def pareto(table: SplitTable) -> SplitTable:

@@ -26,6 +26,7 @@ caller (:mod:`hetrain.planner.search`) over active subsets, since it needs the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +101,20 @@ class GroupOptions:
         return best, p
 
 
+@functools.lru_cache(maxsize=16)
+def _dp_indices(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the share DP over ``b = 0..B`` (rows) and a group's share ``x`` (columns), shape
+    ``(B + 1, B + 1)``: the rest ``b − x`` (clipped at 0) and whether ``x > b``. Read-only."""
+    bb = np.arange(batch + 1)[:, None]
+    xx = np.arange(batch + 1)[None, :]
+    rest = np.clip(bb - xx, 0, None)
+    invalid = xx > bb
+    invalid = np.broadcast_to(invalid, rest.shape).copy()
+    rest.flags.writeable = False
+    invalid.flags.writeable = False
+    return rest, invalid
+
+
 @dataclass(frozen=True)
 class ShareSolution:
     """``max_group_time_s`` = ``max_g T_g``; ``shares`` ``b_g`` and chosen ``option`` index per
@@ -165,11 +180,48 @@ class ShareProblem:
 
     def lp_bound_s(self) -> float:
         """The LP relaxation's optimum: least ``T`` with ``Σ_g max_p (T − δ_p)/α_p ≥ B``
-        (memory and integrality dropped), a lower bound on ``max_g T_g``."""
+        (memory and integrality dropped), a lower bound on ``max_g T_g``.
+
+        The capacity ``f(T) = Σ_g counts_g max(0, max_p (T − δ_p)/α_p)`` is convex,
+        piecewise linear and increasing where positive, so Newton's method from
+        ``T_0 = min_p (δ_p + α_p B)`` (``f(T_0) ≥ B``), with the slope of each group's best
+        option, stays at or above the root and reaches it in at most one step per linear
+        piece (a few); the root is returned less a relative ``1e-12`` (a lower bound also
+        after rounding). Falls back to bisection if it has not converged after 64 steps."""
         if not len(self._mu):
             return np.inf
         alpha = self._bottleneck / self._mu
         delta = self._fill - self._bottleneck
+        inv_alpha = 1.0 / alpha
+        counts = self.counts[self._nonempty].astype(float)
+        starts = self._starts
+        sizes = np.diff(np.append(starts, len(alpha)))
+        batch = float(self.batch)
+        t = float(np.min(delta + alpha * self.batch))
+        for _ in range(64):
+            per = (t - delta) * inv_alpha
+            best = np.maximum.reduceat(per, starts)
+            total = float(np.dot(np.maximum(best, 0.0), counts))
+            excess = total - batch
+            if not np.isfinite(excess):
+                break
+            if excess <= 1e-12 * batch:
+                return max(t * (1.0 - 1e-12), 0.0)
+            # each positive group's slope: 1/α of its best option at t
+            hit = per == np.repeat(best, sizes)
+            first = np.maximum.reduceat(np.where(hit, inv_alpha, 0.0), starts)
+            slope = float(np.dot(np.where(best > 0.0, first, 0.0), counts))
+            if not (slope > 0.0 and np.isfinite(slope)):
+                break
+            step = excess / slope
+            if not step > 1e-15 * abs(t):
+                return max(t * (1.0 - 1e-12), 0.0)
+            t -= step
+        return self._lp_bound_bisection(alpha, delta)
+
+    def _lp_bound_bisection(self, alpha: np.ndarray, delta: np.ndarray) -> float:
+        """:meth:`lp_bound_s` by bisection (to a relative ``1e-12``; returns the infeasible
+        end, a lower bound)."""
 
         def cap(t: float) -> float:
             per = np.maximum((t - delta) / alpha, 0.0)
@@ -197,27 +249,24 @@ class ShareProblem:
             return self._solve_dp()
         return self._solve_bisection()
 
-    def _members(self) -> list[GroupOptions]:
-        return [g for g, c in zip(self.groups, self.counts, strict=True) for _ in range(c)]
-
     def _solve_dp(self) -> ShareSolution | None:
         b_total = self.batch
-        members = self._members()
-        tables = [g.time_table(b_total) for g in members]
-        bb = np.arange(b_total + 1)[:, None]
-        xx = np.arange(b_total + 1)[None, :]
-        valid = xx <= bb
-        rest = np.clip(bb - xx, 0, None)
-        best = tables[0][0]
+        # (members of one entry share their table)
+        per_entry = [g.time_table(b_total)[0] for g in self.groups]
+        tables = [per_entry[e] for e, c in enumerate(self.counts) for _ in range(c)]
+        rest, invalid = _dp_indices(b_total)
+        rows = np.arange(b_total + 1)
+        best = tables[0]
         choices = []
-        for t, _ in tables[1:]:
-            vals = np.where(valid, np.maximum(best[rest], t[xx]), np.inf)
+        for t in tables[1:]:
+            vals = np.maximum(best[rest], t[None, :])
+            vals[invalid] = np.inf
             arg = np.argmin(vals, axis=1)
-            best = vals[np.arange(b_total + 1), arg]
+            best = vals[rows, arg]
             choices.append(arg)
         if not np.isfinite(best[b_total]):
             return None
-        shares = np.zeros(g_count := len(members), dtype=np.int64)
+        shares = np.zeros(g_count := len(tables), dtype=np.int64)
         left = b_total
         for g in range(g_count - 1, 0, -1):
             x = int(choices[g - 1][left])
