@@ -25,6 +25,7 @@ Complexity: ``O(K L²)`` per ``β`` (numpy), ``O(K L²)`` more for the least bot
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -52,6 +53,14 @@ class SplitTable:
 
     def __len__(self) -> int:
         return len(self.fill_s)
+
+
+def empty_table(num_stages: int, microbatch_size: int) -> SplitTable:
+    """A :class:`SplitTable` without splits (nothing fits), bounds of shape ``(0, K + 1)``."""
+    return SplitTable(
+        np.zeros((0, num_stages + 1), dtype=np.int64), np.zeros(0), np.zeros(0),
+        np.zeros(0, dtype=np.int64), int(microbatch_size),
+    )  # fmt: skip
 
 
 def enumerate_splits(num_layers: int, num_stages: int) -> np.ndarray:
@@ -184,12 +193,14 @@ STAGE_MATRIX_ELEMENTS = 1 << 18
 class _StageMatrices:
     """Per micro-batch size ``u`` and stage ``k`` over ``(i, j)`` (stage = layers ``[i, j)``),
     shape ``(U, K, L + 1, L + 1)``: ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)``
-    (inf where out of position); the memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes, shape
-    ``(1, L + 1, L + 1)``) and ``per_alive`` (``μ Σ m``, bytes per micro-batch held alive,
-    shape ``(U, 1, L + 1, L + 1)``), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+    (meaningful where ``position``, shape ``(K, L + 1, L + 1)``, is true); the memory terms
+    ``fixed`` (``θ' (2 + o) + φ``, bytes, shape ``(1, L + 1, L + 1)``) and ``per_alive``
+    (``μ Σ m``, bytes per micro-batch held alive, shape ``(U, 1, L + 1, L + 1)``), with
+    ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
 
     total: np.ndarray
     worst: np.ndarray
+    position: np.ndarray
     fixed: np.ndarray
     per_alive: np.ndarray
     limit: np.ndarray
@@ -205,8 +216,28 @@ class _StageMatrices:
             alive = np.broadcast_to(n_d, (len(n_d), k_stages, 1, 1))
         else:
             alive = np.minimum(n_d, (k_stages - np.arange(k_stages))[None, :, None, None])
-        ok = self.fixed + alive * self.per_alive[rows] <= self.limit
-        return np.where(ok, self.total[rows], np.inf), np.where(ok, self.worst[rows], np.inf)
+        alive = alive.astype(float)  # (small integers: exact; no casting in the product)
+        every = len(rows) == len(self.total) and np.array_equal(rows, np.arange(len(rows)))
+        per_alive = self.per_alive if every else self.per_alive[rows]
+        ok = self.fixed + alive * per_alive <= self.limit
+        ok &= self.position
+        total = self.total if every else self.total[rows]
+        worst = self.worst if every else self.worst[rows]
+        return np.where(ok, total, np.inf), np.where(ok, worst, np.inf)
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_positions(k_stages: int, num_layers: int) -> np.ndarray:
+    """Where stage ``k`` can hold layers ``[i, j)``, shape ``(K, L + 1, L + 1)`` (bool,
+    read-only): ``k ≤ i < j ≤ L − (K − 1 − k)`` (every stage holds a layer), the last stage
+    ends at ``L``."""
+    idx = np.arange(num_layers + 1)
+    i, j = idx[None, :, None], idx[None, None, :]
+    kk = np.arange(k_stages)[:, None, None]
+    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
+    ok &= (kk != k_stages - 1) | (j == num_layers)
+    ok.flags.writeable = False
+    return ok
 
 
 def _stage_matrices(
@@ -237,17 +268,14 @@ def _stage_matrices(
             cache[key] = base
     flops, fixed, act, span = base
     idx = np.arange(num_layers + 1)
-    i, j = idx[None, :, None], idx[None, None, :]
-    kk = np.arange(k_stages)[:, None, None]
-    mu = np.asarray(microbatch_sizes, dtype=np.int64)[:, None, None, None]  # (U, 1, 1, 1)
+    # (U, 1, 1, 1); integers as floats: exact, and no casting in the products
+    mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
     compute = mu * flops / speed + kappa  # (U, K, L + 1, L + 1)
     lam = state.layer_overhead_s[devices]
     if np.any(lam):
         compute = compute + lam[:, None, None] * span
-    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
-    ok &= (kk != k_stages - 1) | (j == num_layers)
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)
@@ -264,8 +292,9 @@ def _stage_matrices(
     # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
     # and every split found is re-checked exactly by split_table
     return _StageMatrices(
-        total=np.where(ok, total, np.inf),
-        worst=np.where(ok, worst, np.inf),
+        total=total,
+        worst=worst,
+        position=_stage_positions(k_stages, num_layers),
         fixed=fixed,
         per_alive=mu * act,
         limit=state.memory_bytes[devices][:, None, None],
@@ -414,10 +443,9 @@ def envelope_splits_many(
             for u in range(len(mus))]  # fmt: skip
     k_stages = len(devices)
     num_layers = prefix.num_layers
-    empty = np.zeros((0, k_stages + 1), dtype=np.int64)
 
     def none_fit(mu: int) -> SplitTable:
-        return split_table(state, prefix, devices, empty, mu, optimizer_state_factor, schedule)
+        return empty_table(k_stages, mu)
 
     if k_stages > num_layers:
         return [none_fit(mu) for mu in mus]
@@ -433,26 +461,35 @@ def envelope_splits_many(
                                optimizer_state_factor, schedule, cache)  # fmt: skip
         count = len(chunk)
         # memory at n_design; when nothing fits, lower levels (halving) down to one
-        # micro-batch (one micro-batch first: when even that does not fit, nothing does)
-        sums, maxes = mats.masked(np.ones(count, dtype=np.int64), np.arange(count))
+        # micro-batch; when even one does not fit, nothing does. (Feasibility only shrinks
+        # as the level grows, so a split fitting n_design also fits one micro-batch: the
+        # design level is tried first, one micro-batch only where it fails.)
+        design = np.maximum(np.array([designs[u] for u in chunk], dtype=np.int64), 1)
+        sums, maxes = mats.masked(design, np.arange(count))
         beta_star = _least_bottleneck(maxes)
-        design = np.array([designs[u] for u in chunk], dtype=np.int64)
-        retry = np.flatnonzero(np.isfinite(beta_star) & (design > 1))
+        retry = np.flatnonzero(~np.isfinite(beta_star) & (design > 1))
         if len(retry):
-            s2, m2 = mats.masked(design[retry], retry)
-            b2 = _least_bottleneck(m2)
+            s1, m1 = mats.masked(np.ones(len(retry), dtype=np.int64), retry)
+            b1 = _least_bottleneck(m1)
+            # every halved level n_design // 2, // 4, ... > 1 of each row that fits one
+            pairs = []
             for r, row in enumerate(retry):
-                if np.isfinite(b2[r]):
-                    sums[row], maxes[row], beta_star[row] = s2[r], m2[r], b2[r]
+                if not np.isfinite(b1[r]):
                     continue
+                sums[row], maxes[row], beta_star[row] = s1[r], m1[r], b1[r]
                 level = int(design[row])
                 while level > 2:
                     level //= 2
-                    s3, m3 = mats.masked(np.array([level]), np.array([row]))
-                    b3 = _least_bottleneck(m3)
-                    if np.isfinite(b3[0]):
-                        sums[row], maxes[row], beta_star[row] = s3[0], m3[0], b3[0]
-                        break
+                    pairs.append((row, level))
+            if pairs:
+                rows_p = np.array([row for row, _ in pairs], dtype=np.int64)
+                s2, m2 = mats.masked(np.array([lv for _, lv in pairs]), rows_p)
+                b2 = _least_bottleneck(m2)
+                done: set[int] = set()
+                for p, (row, _) in enumerate(pairs):  # the first level that fits, per row
+                    if row not in done and np.isfinite(b2[p]):
+                        sums[row], maxes[row], beta_star[row] = s2[p], m2[p], b2[p]
+                        done.add(row)
         owners, betas = [], []
         for r, u in enumerate(chunk):
             if not np.isfinite(beta_star[r]):
@@ -502,6 +539,17 @@ def pareto(table: SplitTable) -> SplitTable:
     if len(table) <= 1:
         return table
     a, m, n = table.fill_s, table.bottleneck_s, table.max_microbatches
+    if np.all(n == n[0]):
+        # one micro-batch limit (the usual case): sorted by (A, M, index), a split is
+        # dominated iff an earlier one has M no larger; the same splits as below, O(P log P)
+        order = np.lexsort((np.arange(len(a)), m, a))
+        m_sorted = m[order]
+        before = np.concatenate(([np.inf], np.minimum.accumulate(m_sorted)[:-1]))
+        keep = np.sort(order[before > m_sorted])
+        if len(keep) == len(a):
+            return table
+        return SplitTable(table.bounds[keep], a[keep], m[keep], n[keep],
+                          table.microbatch_size)  # fmt: skip
     weak = (a[:, None] <= a[None, :]) & (m[:, None] <= m[None, :]) & (n[:, None] >= n[None, :])
     strict = (a[:, None] < a[None, :]) | (m[:, None] < m[None, :]) | (n[:, None] > n[None, :])
     idx = np.arange(len(a))

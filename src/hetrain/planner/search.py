@@ -58,6 +58,7 @@ from hetrain.plan import GroupPlan, Plan
 from hetrain.planner.partition import (
     SplitTable,
     count_splits,
+    empty_table,
     enumerate_splits,
     envelope_splits,
     envelope_splits_many,
@@ -237,7 +238,15 @@ class SearchContext:
         missing = [mu for mu in dict.fromkeys(mus) if ("env", sig, mu, fixed_key) not in cache]
         if missing:
             # all missing μ of the group at once (one numpy pass per stage for all of them)
-            if fixed_bounds is not None:
+            if self.rate_bound(tuple(int(d) for d in devices)) <= 0.0:
+                # no split holds the parameters (with gradients and optimizer state): no
+                # split fits one micro-batch of any μ either
+                found = [empty_table(len(devices), mu) for mu in missing]
+                if fixed_bounds is None:
+                    asig = self.approx_signature(devices)
+                    for mu in missing:
+                        cache.setdefault(("bounds", asig, mu), found[0].bounds)
+            elif fixed_bounds is not None:
                 bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
                 found = self._timed_many(devices, [bounds] * len(missing), missing)
             else:
