@@ -272,10 +272,11 @@ def _stage_matrices(
     mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    compute = mu * flops / speed + kappa  # (U, K, L + 1, L + 1)
+    compute = mu * flops / speed  # (U, K, L + 1, L + 1)
+    compute += kappa
     lam = state.layer_overhead_s[devices]
     if np.any(lam):
-        compute = compute + lam[:, None, None] * span
+        compute += lam[:, None, None] * span
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)
@@ -286,7 +287,7 @@ def _stage_matrices(
         transfer[:, -1] = 0.0
         transfer = transfer[:, :, None, :]
         total = compute + transfer
-        worst = np.maximum(compute, transfer)
+        worst = np.maximum(compute, transfer, out=compute)
     else:
         total = worst = compute
     # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
@@ -350,10 +351,11 @@ def _min_sum_splits(
         beta3 = betas[:, None, None]
         for k in range(1, k_stages - 1):
             lo, hi = _stage_window(k, k_stages, n1 - 1)
-            m = maxes[owner, k, lo:hi, lo + 1 : hi + 1]
-            cand = best[:, lo:hi, None] + np.where(
-                m <= beta3, sums[owner, k, lo:hi, lo + 1 : hi + 1], np.inf
-            )
+            # (best + the stage's time where its bottleneck is within β, inf elsewhere; in
+            # place on the gathered copy)
+            cand = sums[owner, k, lo:hi, lo + 1 : hi + 1]
+            np.putmask(cand, maxes[owner, k, lo:hi, lo + 1 : hi + 1] > beta3, np.inf)
+            cand += best[:, lo:hi, None]
             arg = np.argmin(cand, axis=1)
             value = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
             best = np.full((len(betas), n1), np.inf)
@@ -467,29 +469,27 @@ def envelope_splits_many(
         design = np.maximum(np.array([designs[u] for u in chunk], dtype=np.int64), 1)
         sums, maxes = mats.masked(design, np.arange(count))
         beta_star = _least_bottleneck(maxes)
-        retry = np.flatnonzero(~np.isfinite(beta_star) & (design > 1))
-        if len(retry):
-            s1, m1 = mats.masked(np.ones(len(retry), dtype=np.int64), retry)
-            b1 = _least_bottleneck(m1)
-            # every halved level n_design // 2, // 4, ... > 1 of each row that fits one
-            pairs = []
-            for r, row in enumerate(retry):
-                if not np.isfinite(b1[r]):
-                    continue
-                sums[row], maxes[row], beta_star[row] = s1[r], m1[r], b1[r]
-                level = int(design[row])
-                while level > 2:
-                    level //= 2
-                    pairs.append((row, level))
-            if pairs:
-                rows_p = np.array([row for row, _ in pairs], dtype=np.int64)
-                s2, m2 = mats.masked(np.array([lv for _, lv in pairs]), rows_p)
-                b2 = _least_bottleneck(m2)
-                done: set[int] = set()
-                for p, (row, _) in enumerate(pairs):  # the first level that fits, per row
-                    if row not in done and np.isfinite(b2[p]):
-                        sums[row], maxes[row], beta_star[row] = s2[p], m2[p], b2[p]
-                        done.add(row)
+        # where it fails: the halved levels n_design // 2, // 4, ... (> 1), then one
+        # micro-batch (none: nothing fits), one round per level for the rows still failing
+        ladders = {}
+        for row in np.flatnonzero(~np.isfinite(beta_star) & (design > 1)):
+            level, steps = int(design[row]), []
+            while level > 2:
+                level //= 2
+                if level > 1:
+                    steps.append(level)
+            ladders[int(row)] = [*steps, 1]
+        while ladders:
+            rows_p = np.array(list(ladders), dtype=np.int64)
+            levels = np.array([steps.pop(0) for steps in ladders.values()], dtype=np.int64)
+            s2, m2 = mats.masked(levels, rows_p)
+            b2 = _least_bottleneck(m2)
+            for p, row in enumerate(rows_p):
+                if np.isfinite(b2[p]):
+                    sums[row], maxes[row], beta_star[row] = s2[p], m2[p], b2[p]
+                    del ladders[int(row)]
+                elif not ladders[int(row)]:
+                    del ladders[int(row)]
         owners, betas = [], []
         for r, u in enumerate(chunk):
             if not np.isfinite(beta_star[r]):

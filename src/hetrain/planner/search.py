@@ -212,10 +212,15 @@ class SearchContext:
         best = np.full(num_layers + 1, np.inf)
         best[0] = 0.0
         for k, d in enumerate(devs):
-            worst = flops / st.speed_flops[d]
+            # per-sample stage times where the stage's parameters fit d (per speed/memory)
+            dkey = ("rate-device", float(st.speed_flops[d]), float(st.memory_bytes[d]))
+            worst = self.option_cache.get(dkey)
+            if worst is None:
+                worst = np.where(valid & (theta <= st.memory_bytes[d]),
+                                 flops / st.speed_flops[d], np.inf)  # fmt: skip
+                self.option_cache[dkey] = worst
             if k < len(devs) - 1:
                 worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
-            worst = np.where(valid & (theta <= st.memory_bytes[d]), worst, np.inf)
             best = np.min(np.maximum(best[:, None], worst), axis=0)
         bottleneck = float(best[-1])
         rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
