@@ -51,10 +51,6 @@ POLISH_TIME_FRACTION = 0.25
 POLISH_SMALL_DEVICES = 12
 POLISH_SMALL_CPU_S = 1.0
 POLISH_REPRODUCIBLE_SOLVES_PER_DEVICE = 4  # the polish of a reproducible search: solves only
-# the CPU-time budget stops the polish only after this many solves (a faster candidate family
-# leaves a smaller budget: on sailor's 16 GPT-Neo devices the improving pipeline swap is the
-# polish's 7th solve, cut off in most loaded runs without this floor)
-POLISH_MIN_SOLVES = 8
 
 
 def oversized_layer(ctx: SearchContext) -> tuple[int, float, int, float] | None:
@@ -206,7 +202,6 @@ def best_plan(
             best = local_search(
                 ctx, best, max_solves=solves,
                 deadline=deadline, cpu_budget_s=budget, starts=starts,
-                min_solves=0 if budget is None else POLISH_MIN_SOLVES,
             )  # fmt: skip
     if exhaustive and (deadline is None or time.perf_counter() < deadline):
         best = exhaustive_search(ctx, best, deadline=deadline)

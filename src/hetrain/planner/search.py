@@ -1273,7 +1273,6 @@ def local_search(
     deadline: float | None = None,
     cpu_budget_s: float | None = None,
     starts: Callable[[], Sequence[Candidate]] | None = None,
-    min_solves: int = 0,
 ) -> Candidate | None:
     """Polish by first-improvement local search over :func:`_structure_moves` (each
     neighbour re-solved by :func:`solve_structure`: stages, μ refined around the shares,
@@ -1281,8 +1280,7 @@ def local_search(
     ``starts()`` (e.g. the best whole-cluster pipeline, which a descent from a hybrid rarely
     reaches; computed only then), at most ``max_solves`` structure
     solves in all, until ``deadline`` (``time.perf_counter()``) and within ``cpu_budget_s``
-    seconds of process CPU time, which is checked only once ``min_solves`` solves are done
-    (so that those do not depend on the machine's load). Returns the best found."""
+    seconds of process CPU time. Returns the best found."""
     if best is None:
         return best
     cpu_stop = None if cpu_budget_s is None else time.process_time() + cpu_budget_s
@@ -1315,11 +1313,7 @@ def local_search(
                 if (
                     solves >= max_solves
                     or (deadline is not None and time.perf_counter() > deadline)
-                    or (
-                        cpu_stop is not None
-                        and solves >= min_solves
-                        and time.process_time() > cpu_stop
-                    )
+                    or (cpu_stop is not None and time.process_time() > cpu_stop)
                 ):
                     return best if best.objective <= current.objective else current
                 if structure_bound(ctx, trial) >= current.objective:
