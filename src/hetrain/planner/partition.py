@@ -25,8 +25,10 @@ Complexity: ``O(K L²)`` per ``β`` (numpy), ``O(K L²)`` more for the least bot
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +53,14 @@ class SplitTable:
 
     def __len__(self) -> int:
         return len(self.fill_s)
+
+
+def empty_table(num_stages: int, microbatch_size: int) -> SplitTable:
+    """A :class:`SplitTable` without splits (nothing fits), bounds of shape ``(0, K + 1)``."""
+    return SplitTable(
+        np.zeros((0, num_stages + 1), dtype=np.int64), np.zeros(0), np.zeros(0),
+        np.zeros(0, dtype=np.int64), int(microbatch_size),
+    )  # fmt: skip
 
 
 def enumerate_splits(num_layers: int, num_stages: int) -> np.ndarray:
@@ -89,7 +99,27 @@ def split_table(
     devices = np.asarray(devices, dtype=np.int64)
     bounds = np.asarray(bounds, dtype=np.int64).reshape(-1, len(devices) + 1)
     mu = int(microbatch_size)
-    k_stages = len(devices)
+    fill, bottleneck, nmax = split_rows(state, prefix, devices, bounds, mu,
+                                        optimizer_state_factor, schedule)  # fmt: skip
+    return SplitTable(bounds, fill, bottleneck, nmax, mu)
+
+
+def split_rows(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    bounds: np.ndarray,
+    microbatch_sizes: int | np.ndarray,
+    optimizer_state_factor: float,
+    schedule: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`split_table`'s ``(fill_s, bottleneck_s, max_microbatches)`` (shape ``(P,)``
+    each) of splits ``bounds`` (shape ``(P, K + 1)``) with a micro-batch size per split
+    (``microbatch_sizes``: shape ``(P,)``, or one ``int`` for all), so that the splits of
+    several ``μ`` are timed in one pass."""
+    mu = microbatch_sizes
+    if not isinstance(mu, int):
+        mu = np.asarray(mu, dtype=np.int64)[:, None]
     flops = prefix.train_flops[bounds[:, 1:]] - prefix.train_flops[bounds[:, :-1]]
     compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
     lam = state.layer_overhead_s[devices]
@@ -97,7 +127,7 @@ def split_table(
         compute = compute + lam * np.diff(bounds, axis=1)
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
-    if k_stages > 1:
+    if len(devices) > 1:
         bw = link_bandwidths_bytes_per_s(state, devices)
         transfer = mu * prefix.boundary_bytes[bounds[:, 1:-1] - 1] / bw + 2.0 * state.latency_s
         fill = fill + transfer.sum(axis=1)
@@ -108,14 +138,14 @@ def split_table(
         None, act, state.memory_bytes[devices], mu, optimizer_state_factor, schedule,
         fixed_bytes=fixed,
     )  # fmt: skip
-    return SplitTable(bounds, fill, bottleneck, nmax, mu)
+    return fill, bottleneck, nmax
 
 
 def max_microbatches(
     theta_bytes: np.ndarray | None,
     act_bytes_per_sample: np.ndarray,
     limit_bytes: np.ndarray,
-    microbatch_size: int,
+    microbatch_size: int | np.ndarray,
     optimizer_state_factor: float,
     schedule: str,
     *,
@@ -154,75 +184,118 @@ def max_microbatches(
     return nk.min(axis=1)
 
 
+# μ-chunks of the stage matrices hold at most about this many elements per array (a 2 MiB
+# float64 array... of 256 Ki elements), so long models stay within memory
+STAGE_MATRIX_ELEMENTS = 1 << 18
+
+
 @dataclass(frozen=True)
 class _StageMatrices:
-    """Per stage k over ``(i, j)`` (stage = layers ``[i, j)``), shape ``(K, L + 1, L + 1)``:
-    ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)`` (inf where out of position),
-    and the memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes) and ``per_alive`` (``μ Σ m``, bytes
-    per micro-batch held alive), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+    """Per micro-batch size ``u`` and stage ``k`` over ``(i, j)`` (stage = layers ``[i, j)``),
+    shape ``(U, K, L + 1, L + 1)``: ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)``
+    (meaningful where ``position``, shape ``(K, L + 1, L + 1)``, is true); the memory terms
+    ``fixed`` (``θ' (2 + o) + φ``, bytes, shape ``(1, L + 1, L + 1)``) and ``per_alive``
+    (``μ Σ m``, bytes per micro-batch held alive, shape ``(U, 1, L + 1, L + 1)``), with
+    ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
 
     total: np.ndarray
     worst: np.ndarray
+    position: np.ndarray
     fixed: np.ndarray
     per_alive: np.ndarray
     limit: np.ndarray
     schedule: str
 
-    def masked(self, n_design: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(total, worst)`` with stages that do not fit ``n_design`` micro-batches set to
+    def masked(self, levels: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(total, worst)`` of the micro-batch sizes ``rows`` (shape ``(R,)``), shape
+        ``(R, K, L + 1, L + 1)``, with stages that do not fit ``levels[r]`` micro-batches set to
         inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe)."""
-        k_stages = self.total.shape[0]
-        n_d = max(int(n_design), 1)
+        k_stages = self.total.shape[1]
+        n_d = np.maximum(np.asarray(levels, dtype=np.int64), 1)[:, None, None, None]
         if self.schedule == "gpipe":
-            alive = np.full((k_stages, 1, 1), n_d)
+            alive = np.broadcast_to(n_d, (len(n_d), k_stages, 1, 1))
         else:
-            alive = np.minimum(n_d, k_stages - np.arange(k_stages))[:, None, None]
-        ok = self.fixed + alive * self.per_alive <= self.limit
-        return np.where(ok, self.total, np.inf), np.where(ok, self.worst, np.inf)
+            alive = np.minimum(n_d, (k_stages - np.arange(k_stages))[None, :, None, None])
+        alive = alive.astype(float)  # (small integers: exact; no casting in the product)
+        every = len(rows) == len(self.total) and np.array_equal(rows, np.arange(len(rows)))
+        per_alive = self.per_alive if every else self.per_alive[rows]
+        ok = self.fixed + alive * per_alive <= self.limit
+        ok &= self.position
+        total = self.total if every else self.total[rows]
+        worst = self.worst if every else self.worst[rows]
+        return np.where(ok, total, np.inf), np.where(ok, worst, np.inf)
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_positions(k_stages: int, num_layers: int) -> np.ndarray:
+    """Where stage ``k`` can hold layers ``[i, j)``, shape ``(K, L + 1, L + 1)`` (bool,
+    read-only): ``k ≤ i < j ≤ L − (K − 1 − k)`` (every stage holds a layer), the last stage
+    ends at ``L``."""
+    idx = np.arange(num_layers + 1)
+    i, j = idx[None, :, None], idx[None, None, :]
+    kk = np.arange(k_stages)[:, None, None]
+    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
+    ok &= (kk != k_stages - 1) | (j == num_layers)
+    ok.flags.writeable = False
+    return ok
 
 
 def _stage_matrices(
     state: ClusterState,
     prefix: ProfilePrefix,
     devices: np.ndarray,
-    microbatch_size: int,
+    microbatch_sizes: Sequence[int],
     optimizer_state_factor: float,
     schedule: str,
+    cache: dict | None = None,
 ) -> _StageMatrices:
-    """The :class:`_StageMatrices` of one group and ``μ`` (same formulas as
-    :func:`hetrain.costmodel.stage_times_s` / :func:`~hetrain.costmodel.stage_memory_bytes`)."""
+    """The :class:`_StageMatrices` of one group for each ``μ`` of ``microbatch_sizes`` (same
+    formulas as :func:`hetrain.costmodel.stage_times_s` /
+    :func:`~hetrain.costmodel.stage_memory_bytes`). ``cache``: a dict for the matrices that
+    depend only on the profile (the caller's, for one profile)."""
     num_layers = prefix.num_layers
     k_stages = len(devices)
+    key = ("stage-matrices", num_layers, float(optimizer_state_factor))
+    base = None if cache is None else cache.get(key)
+    if base is None:
+        idx = np.arange(num_layers + 1)
+        flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
+        fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
+        act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
+        span = idx[None, None, :] - idx[None, :, None]
+        base = (flops, fixed, act, span)
+        if cache is not None:
+            cache[key] = base
+    flops, fixed, act, span = base
     idx = np.arange(num_layers + 1)
-    i, j = idx[None, :, None], idx[None, None, :]
-    kk = np.arange(k_stages)[:, None, None]
-    mu = microbatch_size
-    flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
-    fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
-    act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
+    # (U, 1, 1, 1); integers as floats: exact, and no casting in the products
+    mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
     speed = state.speed_flops[devices][:, None, None]
     kappa = state.kappa_s[devices][:, None, None]
-    compute = mu * flops / speed + kappa
+    compute = mu * flops / speed  # (U, K, L + 1, L + 1)
+    compute += kappa
     lam = state.layer_overhead_s[devices]
     if np.any(lam):
-        compute = compute + lam[:, None, None] * (j - i)
-    ok = (j > i) & (i >= kk) & (j <= num_layers - (k_stages - 1 - kk))
-    ok &= (kk != k_stages - 1) | (j == num_layers)
+        compute += lam[:, None, None] * span
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)
-        transfer = mu * prefix.boundary_bytes[last][None, :] / bw[:, None] + 2.0 * state.latency_s
-        transfer[-1] = 0.0
-        transfer = transfer[:, None, :]
+        transfer = (
+            mu[:, :, 0] * prefix.boundary_bytes[last][None, None, :] / bw[None, :, None]
+            + 2.0 * state.latency_s
+        )  # (U, K, L + 1)
+        transfer[:, -1] = 0.0
+        transfer = transfer[:, :, None, :]
         total = compute + transfer
-        worst = np.maximum(compute, transfer)
+        worst = np.maximum(compute, transfer, out=compute)
     else:
         total = worst = compute
     # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
     # and every split found is re-checked exactly by split_table
     return _StageMatrices(
-        total=np.where(ok, total, np.inf),
-        worst=np.where(ok, worst, np.inf),
+        total=total,
+        worst=worst,
+        position=_stage_positions(k_stages, num_layers),
         fixed=fixed,
         per_alive=mu * act,
         limit=state.memory_bytes[devices][:, None, None],
@@ -230,45 +303,83 @@ def _stage_matrices(
     )
 
 
-def _min_sum_splits(sums: np.ndarray, maxes: np.ndarray, betas: np.ndarray) -> np.ndarray:
-    """Min-sum DP over split points with every stage/boundary time ``≤ beta``, for all
-    ``betas`` at once (a leading axis of size ``len(betas)``, in chunks of 64); bounds of
-    shape ``(R, K + 1)`` for the feasible ``betas``, in order."""
-    if len(betas) > 64:
-        parts = [_min_sum_splits(sums, maxes, betas[i : i + 64]) for i in range(0, len(betas), 64)]
-        return np.concatenate(parts)
-    n1 = sums.shape[1]
-    nb = len(betas)
-    best = np.full((nb, n1), np.inf)
-    best[:, 0] = 0.0
-    choices = []
-    rows = np.arange(nb)[:, None]
-    cols = np.arange(n1)[None, :]
-    for s, m in zip(sums, maxes, strict=True):
-        masked = np.where(m[None, :, :] <= betas[:, None, None], s[None, :, :], np.inf)
-        cand = best[:, :, None] + masked
+def _stage_window(k: int, k_stages: int, num_layers: int) -> tuple[int, int]:
+    """``(lo, hi)``: a middle stage ``k`` (``0 < k < K − 1``) starts at a layer in
+    ``[lo, hi)`` and ends in ``(lo, hi]`` (every stage holds at least one layer); outside, its
+    entries of :class:`_StageMatrices` are inf."""
+    return k, num_layers - (k_stages - 1 - k)
+
+
+def _least_bottleneck(maxes: np.ndarray) -> np.ndarray:
+    """Least possible ``M`` over splits (min-max DP), per row of ``maxes`` (shape
+    ``(R, K, L + 1, L + 1)``), shape ``(R,)``. The first stage starts at layer 0 and the last
+    ends at ``L``, so only that row/column of theirs is read (the values are those of the DP
+    over every ``(i, j)``: the entries skipped are inf)."""
+    k_stages, n1 = maxes.shape[1], maxes.shape[2]
+    best = maxes[:, 0, 0, :]
+    if k_stages == 1:
+        return best[:, -1].copy()
+    for k in range(1, k_stages - 1):
+        lo, hi = _stage_window(k, k_stages, n1 - 1)
+        new = np.full((len(best), n1), np.inf)
+        new[:, lo + 1 : hi + 1] = np.min(
+            np.maximum(best[:, lo:hi, None], maxes[:, k, lo:hi, lo + 1 : hi + 1]), axis=1
+        )
+        best = new
+    last = maxes[:, k_stages - 1, k_stages - 1 : n1 - 1, n1 - 1]
+    return np.min(np.maximum(best[:, k_stages - 1 : n1 - 1], last), axis=1)
+
+
+def _min_sum_splits(
+    sums: np.ndarray, maxes: np.ndarray, owner: np.ndarray, betas: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Min-sum DP over split points with every stage/boundary time ``≤ betas[r]``, for all
+    ``betas`` (shape ``(R,)``) at once, row ``r`` on the matrices ``sums[owner[r]]`` /
+    ``maxes[owner[r]]`` (shape ``(U, K, L + 1, L + 1)``). Returns the bounds (shape
+    ``(F, K + 1)``) of the feasible rows and those rows' indices (shape ``(F,)``, in order).
+
+    Only the window of each stage where its entries can be finite is computed (the first
+    stage starts at layer 0, the last ends at ``L``, :func:`_stage_window`); the minimum and
+    the first index reaching it are those of the DP over every ``(i, j)``."""
+    k_stages, n1 = maxes.shape[1], maxes.shape[2]
+    rows = np.arange(len(betas))
+    beta2 = betas[:, None]
+    m = maxes[owner, 0, 0, :]
+    best = np.where(m <= beta2, sums[owner, 0, 0, :], np.inf)  # 0 + the first stage's time
+    choices: list[np.ndarray | None] = [None]
+    if k_stages > 1:
+        beta3 = betas[:, None, None]
+        for k in range(1, k_stages - 1):
+            lo, hi = _stage_window(k, k_stages, n1 - 1)
+            # (best + the stage's time where its bottleneck is within β, inf elsewhere; in
+            # place on the gathered copy)
+            cand = sums[owner, k, lo:hi, lo + 1 : hi + 1]
+            np.putmask(cand, maxes[owner, k, lo:hi, lo + 1 : hi + 1] > beta3, np.inf)
+            cand += best[:, lo:hi, None]
+            arg = np.argmin(cand, axis=1)
+            value = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            best = np.full((len(betas), n1), np.inf)
+            best[:, lo + 1 : hi + 1] = value
+            choice = np.zeros((len(betas), n1), dtype=np.int64)
+            choice[:, lo + 1 : hi + 1] = np.where(np.isfinite(value), arg + lo, 0)
+            choices.append(choice)
+        k = k_stages - 1
+        m = maxes[owner, k, k : n1 - 1, n1 - 1]
+        cand = best[:, k : n1 - 1] + np.where(m <= beta2, sums[owner, k, k : n1 - 1, n1 - 1],
+                                              np.inf)  # fmt: skip
         arg = np.argmin(cand, axis=1)
-        best = cand[rows, arg, cols]
-        choices.append(arg)
-    ok = np.flatnonzero(np.isfinite(best[:, -1]))
-    if not len(ok):
-        return np.zeros((0, len(sums) + 1), dtype=np.int64)
-    k_stages = len(sums)
-    bounds = np.empty((len(ok), k_stages + 1), dtype=np.int64)
+        final = cand[rows, arg]
+        last_choice = arg + k
+    else:
+        final = best[:, n1 - 1]
+    ok = np.flatnonzero(np.isfinite(final))
+    bounds = np.zeros((len(ok), k_stages + 1), dtype=np.int64)
     bounds[:, k_stages] = n1 - 1
-    for k in range(k_stages - 1, -1, -1):
-        bounds[:, k] = choices[k][ok, bounds[:, k + 1]]
-    return bounds
-
-
-def _least_bottleneck(maxes: list[np.ndarray]) -> float:
-    """Least possible ``M`` over splits (min-max DP)."""
-    n1 = maxes[0].shape[0]
-    best = np.full(n1, np.inf)
-    best[0] = -np.inf
-    for m in maxes:
-        best = np.min(np.maximum(best[:, None], m), axis=0)
-    return float(best[-1])
+    if k_stages > 1:
+        bounds[:, k_stages - 1] = last_choice[ok]
+        for k in range(k_stages - 2, 0, -1):
+            bounds[:, k] = choices[k][ok, bounds[:, k + 1]]
+    return bounds, ok
 
 
 def envelope_splits(
@@ -301,61 +412,125 @@ def envelope_splits(
     Returns:
         a :class:`SplitTable`, empty (P = 0) when no split fits in memory.
     """
+    return envelope_splits_many(
+        state, prefix, devices, [microbatch_size], optimizer_state_factor, schedule, [n_design],
+        exact=exact, n_caps=[n_cap], ladder=ladder, ladder_ratio=ladder_ratio,
+    )[0]  # fmt: skip
+
+
+def envelope_splits_many(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    microbatch_sizes: Sequence[int],
+    optimizer_state_factor: float,
+    schedule: str,
+    n_designs: Sequence[int],
+    *,
+    exact: bool | None = None,
+    n_caps: Sequence[int | None] | None = None,
+    ladder: int = 8,
+    ladder_ratio: float = 1.25,
+    cache: dict | None = None,
+) -> list[SplitTable]:
+    """:func:`envelope_splits` of one group for each ``μ`` of ``microbatch_sizes`` (with its
+    ``n_designs`` and ``n_caps`` entry), the same tables, computed together: the stage
+    matrices, the least bottlenecks and the min-sum DPs of every ``μ`` and ``β`` run as one
+    numpy pass per stage (the planner asks for several ``μ`` of a group at once).
+    ``cache``: a dict for matrices that depend only on the profile (one profile per dict)."""
     devices = np.asarray(devices, dtype=np.int64)
+    mus = [int(m) for m in microbatch_sizes]
+    designs = [int(n) for n in n_designs]
+    caps = [designs[u] if n_caps is None or n_caps[u] is None else int(n_caps[u])
+            for u in range(len(mus))]  # fmt: skip
     k_stages = len(devices)
     num_layers = prefix.num_layers
+
+    def none_fit(mu: int) -> SplitTable:
+        return empty_table(k_stages, mu)
+
     if k_stages > num_layers:
-        return split_table(state, prefix, devices, np.zeros((0, k_stages + 1), np.int64),
-                           microbatch_size, optimizer_state_factor, schedule)  # fmt: skip
-    empty = np.zeros((0, k_stages + 1), dtype=np.int64)
+        return [none_fit(mu) for mu in mus]
     # (a lower bound on the memory every split needs: shared tensors counted once)
     params = prefix.total_fixed_memory_bytes(optimizer_state_factor)
     if params > float(np.sum(state.memory_bytes[devices])):
-        return split_table(state, prefix, devices, empty, microbatch_size,
-                           optimizer_state_factor, schedule)  # fmt: skip
-    mats = _stage_matrices(
-        state, prefix, devices, microbatch_size, optimizer_state_factor, schedule
-    )
-    # memory at n_design; when nothing fits, lower levels (halving) down to one micro-batch
-    # (one micro-batch first: when even that does not fit, nothing does)
-    levels = [1] if n_design <= 1 else [1, int(n_design)]
-    while levels[-1] > 2:
-        levels.append(levels[-1] // 2)
-    for tried, level in enumerate(levels):
-        sums, maxes = mats.masked(level)
+        return [none_fit(mu) for mu in mus]
+    out: list[SplitTable | None] = [None] * len(mus)
+    step = max(1, STAGE_MATRIX_ELEMENTS // (k_stages * (num_layers + 1) ** 2))
+    for c0 in range(0, len(mus), step):
+        chunk = list(range(c0, min(len(mus), c0 + step)))
+        mats = _stage_matrices(state, prefix, devices, [mus[u] for u in chunk],
+                               optimizer_state_factor, schedule, cache)  # fmt: skip
+        count = len(chunk)
+        # memory at n_design; when nothing fits, lower levels (halving) down to one
+        # micro-batch; when even one does not fit, nothing does. (Feasibility only shrinks
+        # as the level grows, so a split fitting n_design also fits one micro-batch: the
+        # design level is tried first, one micro-batch only where it fails.)
+        design = np.maximum(np.array([designs[u] for u in chunk], dtype=np.int64), 1)
+        sums, maxes = mats.masked(design, np.arange(count))
         beta_star = _least_bottleneck(maxes)
-        if tried == 0 and not np.isfinite(beta_star):
-            break
-        if tried > 0 and np.isfinite(beta_star):
-            break
-    else:
-        level = 1
-        sums, maxes = mats.masked(level)
-        beta_star = _least_bottleneck(maxes)
-    if not np.isfinite(beta_star):
-        return split_table(state, prefix, devices, empty, microbatch_size,
-                           optimizer_state_factor, schedule)  # fmt: skip
-    values = np.unique(maxes[np.isfinite(maxes)])
-    values = values[values >= beta_star]
-    if exact is None:
-        exact = len(values) <= 24
-    if exact:
-        betas = values
-    else:
-        betas = np.concatenate((beta_star * ladder_ratio ** np.arange(ladder), [np.inf]))
-    all_bounds = _min_sum_splits(sums, maxes, np.asarray(betas, dtype=float) * (1 + 1e-12))
-    found: dict[tuple[int, ...], None] = {}
-    for b in all_bounds:
-        found[tuple(int(x) for x in b)] = None
-    bounds = np.asarray(list(found), dtype=np.int64).reshape(-1, k_stages + 1)
-    table = split_table(
-        state, prefix, devices, bounds, microbatch_size, optimizer_state_factor, schedule
-    )
-    cap = max(int(n_design if n_cap is None else n_cap), 1)
-    capped = np.minimum(table.max_microbatches, cap)
-    return pareto(
-        SplitTable(table.bounds, table.fill_s, table.bottleneck_s, capped, table.microbatch_size)
-    )
+        # where it fails: the halved levels n_design // 2, // 4, ... (> 1), then one
+        # micro-batch (none: nothing fits), one round per level for the rows still failing
+        ladders = {}
+        for row in np.flatnonzero(~np.isfinite(beta_star) & (design > 1)):
+            level, steps = int(design[row]), []
+            while level > 2:
+                level //= 2
+                if level > 1:
+                    steps.append(level)
+            ladders[int(row)] = [*steps, 1]
+        while ladders:
+            rows_p = np.array(list(ladders), dtype=np.int64)
+            levels = np.array([steps.pop(0) for steps in ladders.values()], dtype=np.int64)
+            s2, m2 = mats.masked(levels, rows_p)
+            b2 = _least_bottleneck(m2)
+            for p, row in enumerate(rows_p):
+                if np.isfinite(b2[p]):
+                    sums[row], maxes[row], beta_star[row] = s2[p], m2[p], b2[p]
+                    del ladders[int(row)]
+                elif not ladders[int(row)]:
+                    del ladders[int(row)]
+        owners, betas = [], []
+        for r, u in enumerate(chunk):
+            if not np.isfinite(beta_star[r]):
+                out[u] = none_fit(mus[u])
+                continue
+            m = maxes[r]
+            values = np.unique(m[(m >= beta_star[r]) & (m < np.inf)])
+            use_exact = len(values) <= 24 if exact is None else exact
+            if use_exact:
+                found = values
+            else:
+                found = np.concatenate((beta_star[r] * ladder_ratio ** np.arange(ladder), [np.inf]))
+            betas.append(np.asarray(found, dtype=float) * (1 + 1e-12))
+            owners.append(np.full(len(found), r, dtype=np.int64))
+        if not betas:
+            continue
+        owner = np.concatenate(owners)
+        all_bounds, feasible = _min_sum_splits(sums, maxes, owner, np.concatenate(betas))
+        row_of = owner[feasible]
+        per_u, mu_rows = [], []
+        for r, u in enumerate(chunk):
+            if out[u] is not None:
+                continue
+            found_b: dict[tuple[int, ...], None] = dict.fromkeys(
+                map(tuple, all_bounds[row_of == r].tolist())
+            )
+            bounds = np.asarray(list(found_b), dtype=np.int64).reshape(-1, k_stages + 1)
+            per_u.append((u, bounds))
+            mu_rows.append(np.full(len(bounds), mus[u], dtype=np.int64))
+        stacked = np.concatenate([b for _, b in per_u])
+        fill, bottleneck, nmax = split_rows(state, prefix, devices, stacked,
+                                            np.concatenate(mu_rows),
+                                            optimizer_state_factor, schedule)  # fmt: skip
+        start = 0
+        for u, bounds in per_u:
+            sl = slice(start, start + len(bounds))
+            start += len(bounds)
+            cap = max(caps[u], 1)
+            out[u] = pareto(SplitTable(bounds, fill[sl], bottleneck[sl],
+                                       np.minimum(nmax[sl], cap), mus[u]))  # fmt: skip
+    return out  # type: ignore[return-value]
 
 
 def pareto(table: SplitTable) -> SplitTable:
@@ -364,6 +539,17 @@ def pareto(table: SplitTable) -> SplitTable:
     if len(table) <= 1:
         return table
     a, m, n = table.fill_s, table.bottleneck_s, table.max_microbatches
+    if np.all(n == n[0]):
+        # one micro-batch limit (the usual case): sorted by (A, M, index), a split is
+        # dominated iff an earlier one has M no larger; the same splits as below, O(P log P)
+        order = np.lexsort((np.arange(len(a)), m, a))
+        m_sorted = m[order]
+        before = np.concatenate(([np.inf], np.minimum.accumulate(m_sorted)[:-1]))
+        keep = np.sort(order[before > m_sorted])
+        if len(keep) == len(a):
+            return table
+        return SplitTable(table.bounds[keep], a[keep], m[keep], n[keep],
+                          table.microbatch_size)  # fmt: skip
     weak = (a[:, None] <= a[None, :]) & (m[:, None] <= m[None, :]) & (n[:, None] >= n[None, :])
     strict = (a[:, None] < a[None, :]) | (m[:, None] < m[None, :]) | (n[:, None] > n[None, :])
     idx = np.arange(len(a))

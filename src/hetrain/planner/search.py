@@ -50,18 +50,21 @@ from hetrain.costmodel import (
     ProfilePrefix,
     TrainingConfig,
     evaluate_plan,
+    flat_sync_times_s,
     link_bandwidths_bytes_per_s,
     profile_prefix,
-    sync_times_s,
 )
 from hetrain.plan import GroupPlan, Plan
 from hetrain.planner.partition import (
     SplitTable,
     count_splits,
+    empty_table,
     enumerate_splits,
     envelope_splits,
+    envelope_splits_many,
     max_microbatches,
     pareto,
+    split_rows,
     split_table,
 )
 from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
@@ -195,20 +198,29 @@ class SearchContext:
         st, pre = self.state, self.prefix
         devs = np.asarray(devices, dtype=np.int64)
         num_layers = pre.num_layers
-        idx = np.arange(num_layers + 1)
-        valid = idx[None, :] > idx[:, None]
-        flops = pre.train_flops[None, :] - pre.train_flops[:, None]
-        theta = pre.fixed_memory_bytes(idx[:, None], idx[None, :],
-                                       self.config.optimizer_state_factor)  # fmt: skip
-        last = np.clip(idx - 1, 0, num_layers - 1)
+        base = self.option_cache.get("rate-matrices")
+        if base is None:
+            idx = np.arange(num_layers + 1)
+            valid = idx[None, :] > idx[:, None]
+            flops = pre.train_flops[None, :] - pre.train_flops[:, None]
+            theta = pre.fixed_memory_bytes(idx[:, None], idx[None, :],
+                                           self.config.optimizer_state_factor)  # fmt: skip
+            last = np.clip(idx - 1, 0, num_layers - 1)
+            base = self.option_cache["rate-matrices"] = (valid, flops, theta, last)
+        valid, flops, theta, last = base
         bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
         best = np.full(num_layers + 1, np.inf)
         best[0] = 0.0
         for k, d in enumerate(devs):
-            worst = flops / st.speed_flops[d]
+            # per-sample stage times where the stage's parameters fit d (per speed/memory)
+            dkey = ("rate-device", float(st.speed_flops[d]), float(st.memory_bytes[d]))
+            worst = self.option_cache.get(dkey)
+            if worst is None:
+                worst = np.where(valid & (theta <= st.memory_bytes[d]),
+                                 flops / st.speed_flops[d], np.inf)  # fmt: skip
+                self.option_cache[dkey] = worst
             if k < len(devs) - 1:
                 worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
-            worst = np.where(valid & (theta <= st.memory_bytes[d]), worst, np.inf)
             best = np.min(np.maximum(best[:, None], worst), axis=0)
         bottleneck = float(best[-1])
         rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
@@ -226,83 +238,98 @@ class SearchContext:
         ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
         sig = self.signature(devices)
         fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
-        tables = []
-        for mu in mus:
-            mu = int(mu)
-            key = ("env", sig, mu, fixed_key)
-            table = self.option_cache.get(key)
-            if table is None:
-                if fixed_bounds is not None:
-                    bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
-                    table = self._timed(devices, bounds, mu)
-                else:
-                    akey = ("bounds", self.approx_signature(devices), mu)
-                    bounds = self.option_cache.get(akey)
-                    if bounds is None:
-                        table = self._splits(devices, mu)  # timed for these very devices
-                        self.option_cache[akey] = table.bounds
-                    else:
-                        table = self._timed(devices, bounds, mu)
-                self.option_cache[key] = table
-            tables.append(table)
+        mus = [int(mu) for mu in mus]
+        cache = self.option_cache
+        missing = [mu for mu in dict.fromkeys(mus) if ("env", sig, mu, fixed_key) not in cache]
+        if missing:
+            # all missing μ of the group at once (one numpy pass per stage for all of them)
+            if self.rate_bound(tuple(int(d) for d in devices)) <= 0.0:
+                # no split holds the parameters (with gradients and optimizer state): no
+                # split fits one micro-batch of any μ either
+                found = [empty_table(len(devices), mu) for mu in missing]
+                if fixed_bounds is None:
+                    asig = self.approx_signature(devices)
+                    for mu in missing:
+                        cache.setdefault(("bounds", asig, mu), found[0].bounds)
+            elif fixed_bounds is not None:
+                bounds = np.asarray(fixed_bounds, dtype=np.int64)[None, :]
+                found = self._timed_many(devices, [bounds] * len(missing), missing)
+            else:
+                asig = self.approx_signature(devices)
+                known = [mu for mu in missing if ("bounds", asig, mu) in cache]
+                new = [mu for mu in missing if ("bounds", asig, mu) not in cache]
+                found = self._timed_many(devices, [cache["bounds", asig, mu] for mu in known],
+                                         known)  # fmt: skip
+                # timed for these very devices
+                for mu, table in zip(new, self._splits_many(devices, new), strict=True):
+                    cache["bounds", asig, mu] = table.bounds
+                    found.append(table)
+                missing = known + new
+            for mu, table in zip(missing, found, strict=True):
+                cache["env", sig, mu, fixed_key] = table
+        tables = [cache["env", sig, mu, fixed_key] for mu in mus]
         return GroupOptions.from_tables(tables, len(devices))
 
-    def _timed(self, devices: np.ndarray, bounds: np.ndarray, mu: int) -> SplitTable:
-        """Exact times and memory limits of given splits for these devices (dominated and
-        non-fitting splits dropped)."""
+    def _timed_many(
+        self, devices: np.ndarray, bounds: Sequence[np.ndarray], mus: Sequence[int]
+    ) -> list[SplitTable]:
+        """Exact times and memory limits of given splits (``bounds[u]``, shape
+        ``(P_u, K + 1)``, for ``μ = mus[u]``) for these devices, in one pass; dominated and
+        non-fitting splits dropped, splits in increasing :meth:`_sync_key`."""
+        if not len(mus):
+            return []
         cfg = self.config
-        table = split_table(self.state, self.prefix, devices, bounds, mu,
-                            cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
-        keep = self._sync_order(devices, table.bounds)
-        keep = keep[table.max_microbatches[keep] >= 1]
-        n_cap = -(-self.batch // mu)
-        return pareto(
-            SplitTable(table.bounds[keep], table.fill_s[keep], table.bottleneck_s[keep],
-                       np.minimum(table.max_microbatches[keep], n_cap), mu)
-        )  # fmt: skip
+        devices = np.asarray(devices, dtype=np.int64)
+        stacked = np.concatenate([np.asarray(b, dtype=np.int64) for b in bounds])
+        mu_rows = np.repeat(np.asarray(mus, dtype=np.int64), [len(b) for b in bounds])
+        fill, bottleneck, nmax = split_rows(self.state, self.prefix, devices, stacked, mu_rows,
+                                            cfg.optimizer_state_factor, cfg.schedule)  # fmt: skip
+        key = self._sync_key(devices, stacked)
+        out, start = [], 0
+        for b, mu in zip(bounds, mus, strict=True):
+            sl = slice(start, start + len(b))
+            start += len(b)
+            keep = np.argsort(key[sl], kind="stable")
+            keep = keep[nmax[sl][keep] >= 1]
+            n_cap = -(-self.batch // mu)
+            out.append(pareto(SplitTable(
+                stacked[sl][keep], fill[sl][keep], bottleneck[sl][keep],
+                np.minimum(nmax[sl][keep], n_cap), int(mu),
+            )))  # fmt: skip
+        return out
 
-    def _sync_order(self, devices: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        """Indices of the splits ``bounds`` (shape ``(P, K + 1)``) in increasing order of
-        ``max_k θ'_k / nic_{d_k}`` (trainable bytes a stage all-reduces over its NIC; stable),
-        so that among splits with equal ``A``, ``M`` and memory — which :func:`pareto` keeps
-        only the first of — the one with the least all-reduce survives (issue 12)."""
+    def _sync_key(self, devices: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        """``max_k θ'_k / nic_{d_k}`` of each split ``bounds`` (shape ``(P, K + 1)``), shape
+        ``(P,)``: trainable bytes a stage all-reduces over its NIC. Splits are stably sorted by
+        it before :func:`pareto`, so that among splits with equal ``A``, ``M`` and memory —
+        which :func:`pareto` keeps only the first of — the one with the least all-reduce
+        survives (issue 12)."""
         pre = self.prefix
         bounds = np.asarray(bounds, dtype=np.int64)
         theta = pre.param_bytes[bounds[:, 1:]] - pre.param_bytes[bounds[:, :-1]]
         if pre.has_shared:
             trainable = np.where(pre.shared_frozen, 0.0, pre.shared_bytes)
             theta = theta + pre.shared_held(bounds[:, :-1], bounds[:, 1:]).astype(float) @ trainable
-        key = np.max(theta / self.state.nic_bytes_per_s[np.asarray(devices)], axis=1)
-        return np.argsort(key, kind="stable")
+        return np.max(theta / self.state.nic_bytes_per_s[np.asarray(devices)], axis=1)
 
-    def _splits(self, devices: np.ndarray, mu: int) -> SplitTable:
+    def _splits_many(self, devices: np.ndarray, mus: Sequence[int]) -> list[SplitTable]:
+        """The splits of the group for each ``μ`` of ``mus``: all of them when there are at
+        most :data:`ALL_SPLITS_MAX`, else the envelope (:func:`envelope_splits_many`)."""
+        if not len(mus):
+            return []
         cfg = self.config
-        n_design = -(-self.batch // mu)
         k = len(devices)
         if k == 1 or count_splits(self.prefix.num_layers, k) <= ALL_SPLITS_MAX:
-            table = split_table(
-                self.state, self.prefix, devices,
-                enumerate_splits(self.prefix.num_layers, k), mu,
-                cfg.optimizer_state_factor, cfg.schedule,
-            )  # fmt: skip
-            keep = self._sync_order(devices, table.bounds)
-            keep = keep[table.max_microbatches[keep] >= 1]
-            return pareto(
-                SplitTable(
-                    table.bounds[keep],
-                    table.fill_s[keep],
-                    table.bottleneck_s[keep],
-                    np.minimum(table.max_microbatches[keep], n_design),
-                    mu,
-                )
-            )
+            bounds = enumerate_splits(self.prefix.num_layers, k)
+            return self._timed_many(devices, [bounds] * len(mus), mus)
         # memory is checked at a design number of micro-batches: the most the group could
         # be given (every split found then fits any share; under 1F1B levels above K are
         # equivalent to K), lower levels when nothing fits (see envelope_splits)
-        top = min(n_design, k) if cfg.schedule == "1f1b" else n_design
-        return envelope_splits(
-            self.state, self.prefix, devices, mu, cfg.optimizer_state_factor, cfg.schedule,
-            top, n_cap=n_design,
+        designs = [-(-self.batch // mu) for mu in mus]
+        tops = [min(n, k) if cfg.schedule == "1f1b" else n for n in designs]
+        return envelope_splits_many(
+            self.state, self.prefix, devices, mus, cfg.optimizer_state_factor, cfg.schedule,
+            tops, n_caps=designs, cache=self.option_cache,
         )  # fmt: skip
 
     def sync_bound_s(self, groups: Sequence[tuple[int, ...]]) -> float:
@@ -331,8 +358,22 @@ class SearchContext:
         single group may have a sync time when a shared tensor spans two of its stages)."""
         if len(groups) <= 1 and not self.prefix.has_shared:
             return 0.0
-        ts = sync_times_s(self.state, self.prefix, list(zip(groups, bounds, strict=True)))
-        return float(max(float(np.max(t)) for t in ts))
+        bounds = [np.asarray(b, dtype=np.int64) for b in bounds]
+        devices = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
+        starts = np.concatenate([b[:-1] for b in bounds])
+        ends = np.concatenate([b[1:] for b in bounds])
+        return self.flat_sync_time_s(devices, starts, ends, len(groups))
+
+    def flat_sync_time_s(
+        self, devices: np.ndarray, starts: np.ndarray, ends: np.ndarray, num_active: int
+    ) -> float:
+        """:meth:`sync_time_s` on flat arrays (:func:`hetrain.costmodel.flat_sync_times_s`:
+        every stage of the ``num_active`` active groups, group then stage order, shape
+        ``(Σ_g K_g,)``): ``max_d t_d``, seconds."""
+        if num_active <= 1 and not self.prefix.has_shared:
+            return 0.0
+        t = flat_sync_times_s(self.state, self.prefix, devices, starts, ends, num_active)
+        return float(np.max(t))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,6 +854,16 @@ def solve_structure(
         fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
         entries.setdefault((ctx.signature(devs), fk), []).append(g)
     keys = list(entries)
+    if best is not None:
+        # no μ, split or share of these groups (nor of any subset of them kept active) takes
+        # B samples faster than B / Σ_g r_g (SearchContext.rate_bound; groups of one
+        # signature have one rate), and the weight is at least V: skip hopeless structures
+        total_rate = sum(
+            ctx.rate_bound(tuple(int(x) for x in garr[entries[k][0]])) * len(entries[k])
+            for k in keys
+        )
+        if total_rate <= 0.0 or ctx.v * ctx.batch / total_rate > best.objective * (1 + 1e-9):
+            return best
     # a group rarely gets more than a few times the average share, and a pipeline of K
     # stages wants about K micro-batches or more: larger μ are left to the refinement
     quick = (
@@ -983,6 +1034,7 @@ def _solve_entries(
         sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
                        reverse=True)  # fmt: skip
     speeds = ctx.state.speed_flops
+    stacks: dict[int, np.ndarray] = {}
     for size in sizes:
         # the first `size` members in ranked order
         take, left = [], size
@@ -1006,12 +1058,95 @@ def _solve_entries(
         sol = problem.solve()
         if sol is None:
             continue
-        member_opts = [opts[i] for i, m in take for _ in range(m)]
-        entry_of = [i for i, m in take for _ in range(m)]
-        cand = _score(ctx, [garr[g] for g in members], member_opts, sol, entry_of)
-        if cand is not None and (best is None or cand.objective < best.objective):
-            best = cand
+        best = _score_entries(ctx, garr, [(i, entries[keys[i]][:m]) for i, m in take], opts,
+                              stacks, sol, best)  # fmt: skip
     return best
+
+
+def _score_entries(
+    ctx: SearchContext,
+    garr: Sequence[np.ndarray],
+    blocks: Sequence[tuple[int, Sequence[int]]],
+    opts: Sequence[GroupOptions],
+    stacks: dict[int, np.ndarray],
+    sol: ShareSolution,
+    best: Candidate | None,
+) -> Candidate | None:
+    """:func:`_score` of a share solution of merged entries, entry by entry on flat arrays
+    (no per-group Python work, which dominated at 1024 devices): ``blocks`` lists per entry
+    ``(i, members)`` (``opts[i]`` its options, ``members`` indices into ``garr``, in the
+    order of ``sol``'s members); ``stacks[i]`` caches the entry's device stack. Returns the
+    better of ``best`` and the candidate (also with each entry aligned on the split/μ of its
+    member with the largest share); the same values as :func:`_score`."""
+    shares = sol.shares
+    parts = []
+    start = 0
+    for i, members in blocks:
+        devs = stacks.get(i)
+        if devs is None or len(devs) < len(members):
+            devs = stacks[i] = np.stack([garr[g] for g in members])
+        parts.append((i, devs[: len(members)], slice(start, start + len(members))))
+        start += len(members)
+
+    def objective(option: np.ndarray, times: np.ndarray) -> tuple[float, float] | None:
+        dev_parts, start_parts, end_parts = [], [], []
+        num_active = 0
+        for i, devs, sl in parts:
+            act = shares[sl] > 0
+            count = int(np.count_nonzero(act))
+            if not count:
+                continue
+            b = opts[i].bounds[option[sl][act]]
+            dev_parts.append(devs[act].ravel())
+            start_parts.append(b[:, :-1].ravel())
+            end_parts.append(b[:, 1:].ravel())
+            num_active += count
+        if not num_active:
+            return None
+        used = np.concatenate(dev_parts)
+        sync = ctx.flat_sync_time_s(used, np.concatenate(start_parts),
+                                    np.concatenate(end_parts), num_active)  # fmt: skip
+        t = float(np.max(times)) + sync
+        return t * ctx.weight(used), t
+
+    first = objective(sol.option, sol.group_times_s)
+    if first is None:
+        return best
+    option = sol.option
+    aligned_option = sol.option.copy()
+    aligned_times = sol.group_times_s.copy()
+    changed = False
+    for i, _, sl in parts:
+        sh = shares[sl]
+        act = np.flatnonzero(sh > 0)
+        if len(act) < 2:
+            continue
+        block = aligned_option[sl]  # (a view)
+        lead = act[int(np.argmax(sh[act]))]
+        p = block[lead]
+        move = act[block[act] != p]
+        if len(move):
+            o = opts[i]
+            n = -(-sh[move] // o.microbatch_size[p])
+            block[move] = p
+            aligned_times[sl][move] = o.fill_s[p] + (n - 1) * o.bottleneck_s[p]
+            changed = True
+    if changed:
+        other = objective(aligned_option, aligned_times)
+        if other is not None and other[0] < first[0]:
+            first, option = other, aligned_option
+    obj, t = first
+    if best is not None and not obj < best.objective:
+        return best
+    groups, bounds, mus = [], [], []
+    for (i, members), (_, _, sl) in zip(blocks, parts, strict=True):
+        o = opts[i]
+        for g, share, p in zip(members, shares[sl], option[sl], strict=True):
+            if share > 0:
+                groups.append(garr[g])
+                bounds.append(o.bounds[p])
+                mus.append(int(o.microbatch_size[p]))
+    return Candidate(obj, t, groups, bounds, mus, [int(b) for b in shares[shares > 0]])
 
 
 def pruned_search(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from hetrain.planner.partition import SplitTable
 
@@ -100,6 +101,39 @@ class GroupOptions:
         return best, p
 
 
+def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One step of the share DP: ``h[b] = min_{x ≤ b} max(f[b − x], g[x])`` and the first
+    ``x`` reaching it, ``b = 0..B`` (shapes ``(B + 1,)``; ``f``: the best time of the groups
+    so far for ``b`` samples, ``g``: the next group's time for ``x``).
+
+    Both are non-decreasing with ``f[0] ≤ g[0]`` (times of more samples are never shorter;
+    0 samples take 0 s), so for each ``b`` ``max(f[b − x], g[x])`` is ``f[b − x]``
+    (non-increasing) before the first ``x₀`` with ``g[x] ≥ f[b − x]`` and ``g[x]``
+    (non-decreasing) from it: the minimum is ``min(f[b − x₀ + 1], g[x₀])``, and ``x₀`` and
+    the first ``x`` with ``f[b − x]`` equal to the left value are found by binary search
+    (``O(B log B)``, comparisons only: the same values and indices as the ``O(B²)`` scan,
+    which is used when the inputs are not monotone, and below ``B = 63`` where it is
+    faster)."""
+    n1 = len(f)
+    if n1 < 64 or not (f[0] <= g[0] and np.all(f[1:] >= f[:-1]) and np.all(g[1:] >= g[:-1])):
+        # vals[b, x] = max(f[b − x], g[x]) for x ≤ b, inf for x > b: row b of a sliding
+        # window over f reversed and padded with inf
+        pad = np.full(n1 - 1, np.inf)
+        window = sliding_window_view(np.concatenate((f[::-1], pad)), n1)
+        vals = np.maximum(window[::-1], g[None, :])
+        arg = np.argmin(vals, axis=1)
+        return vals[np.arange(n1), arg], arg
+    b = np.arange(n1)
+    # g[x] >= f[b - x]  <=>  b <= x + (last y with f[y] <= g[x]), increasing in x
+    reach = b + np.searchsorted(f, g, side="right") - 1
+    x0 = np.searchsorted(reach, b, side="left")
+    right = g[x0]
+    left = np.where(x0 >= 1, f[np.clip(b - x0 + 1, 0, n1 - 1)], np.inf)
+    use_left = left <= right
+    first_left = np.maximum(b - (np.searchsorted(f, left, side="right") - 1), 0)
+    return np.where(use_left, left, right), np.where(use_left, first_left, x0)
+
+
 @dataclass(frozen=True)
 class ShareSolution:
     """``max_group_time_s`` = ``max_g T_g``; ``shares`` ``b_g`` and chosen ``option`` index per
@@ -165,11 +199,48 @@ class ShareProblem:
 
     def lp_bound_s(self) -> float:
         """The LP relaxation's optimum: least ``T`` with ``Σ_g max_p (T − δ_p)/α_p ≥ B``
-        (memory and integrality dropped), a lower bound on ``max_g T_g``."""
+        (memory and integrality dropped), a lower bound on ``max_g T_g``.
+
+        The capacity ``f(T) = Σ_g counts_g max(0, max_p (T − δ_p)/α_p)`` is convex,
+        piecewise linear and increasing where positive, so Newton's method from
+        ``T_0 = min_p (δ_p + α_p B)`` (``f(T_0) ≥ B``), with the slope of each group's best
+        option, stays at or above the root and reaches it in at most one step per linear
+        piece (a few); the root is returned less a relative ``1e-12`` (a lower bound also
+        after rounding). Falls back to bisection if it has not converged after 64 steps."""
         if not len(self._mu):
             return np.inf
         alpha = self._bottleneck / self._mu
         delta = self._fill - self._bottleneck
+        inv_alpha = 1.0 / alpha
+        counts = self.counts[self._nonempty].astype(float)
+        starts = self._starts
+        sizes = np.diff(np.append(starts, len(alpha)))
+        batch = float(self.batch)
+        t = float(np.min(delta + alpha * self.batch))
+        for _ in range(64):
+            per = (t - delta) * inv_alpha
+            best = np.maximum.reduceat(per, starts)
+            total = float(np.dot(np.maximum(best, 0.0), counts))
+            excess = total - batch
+            if not np.isfinite(excess):
+                break
+            if excess <= 1e-12 * batch:
+                return max(t * (1.0 - 1e-12), 0.0)
+            # each positive group's slope: 1/α of its best option at t
+            hit = per == np.repeat(best, sizes)
+            first = np.maximum.reduceat(np.where(hit, inv_alpha, 0.0), starts)
+            slope = float(np.dot(np.where(best > 0.0, first, 0.0), counts))
+            if not (slope > 0.0 and np.isfinite(slope)):
+                break
+            step = excess / slope
+            if not step > 1e-15 * abs(t):
+                return max(t * (1.0 - 1e-12), 0.0)
+            t -= step
+        return self._lp_bound_bisection(alpha, delta)
+
+    def _lp_bound_bisection(self, alpha: np.ndarray, delta: np.ndarray) -> float:
+        """:meth:`lp_bound_s` by bisection (to a relative ``1e-12``; returns the infeasible
+        end, a lower bound)."""
 
         def cap(t: float) -> float:
             per = np.maximum((t - delta) / alpha, 0.0)
@@ -197,27 +268,19 @@ class ShareProblem:
             return self._solve_dp()
         return self._solve_bisection()
 
-    def _members(self) -> list[GroupOptions]:
-        return [g for g, c in zip(self.groups, self.counts, strict=True) for _ in range(c)]
-
     def _solve_dp(self) -> ShareSolution | None:
         b_total = self.batch
-        members = self._members()
-        tables = [g.time_table(b_total) for g in members]
-        bb = np.arange(b_total + 1)[:, None]
-        xx = np.arange(b_total + 1)[None, :]
-        valid = xx <= bb
-        rest = np.clip(bb - xx, 0, None)
-        best = tables[0][0]
+        # (members of one entry share their table)
+        per_entry = [g.time_table(b_total)[0] for g in self.groups]
+        tables = [per_entry[e] for e, c in enumerate(self.counts) for _ in range(c)]
+        best = tables[0]
         choices = []
-        for t, _ in tables[1:]:
-            vals = np.where(valid, np.maximum(best[rest], t[xx]), np.inf)
-            arg = np.argmin(vals, axis=1)
-            best = vals[np.arange(b_total + 1), arg]
+        for t in tables[1:]:
+            best, arg = _min_max_step(best, t)
             choices.append(arg)
         if not np.isfinite(best[b_total]):
             return None
-        shares = np.zeros(g_count := len(members), dtype=np.int64)
+        shares = np.zeros(g_count := len(tables), dtype=np.int64)
         left = b_total
         for g in range(g_count - 1, 0, -1):
             x = int(choices[g - 1][left])
