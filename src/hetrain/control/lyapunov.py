@@ -167,6 +167,9 @@ class LyapunovController:
         persistence_threshold: relative move of a measured speed, NIC (or price/power with
             budgets) that counts as a state change for the persistence estimate.
         persistence_prior_slots: prior mean persistence (slots, weight of one run).
+        budget_payback: with budgets, a budget-driven change must pay its migration within
+            the slots its objective gain lasts once it runs (:meth:`_budget_horizon`: the
+            queues it moves erode the gain), not within the state's persistence alone.
         queue_warm_start: with budgets, start each virtual queue at the backlog whose weight
             makes the first plan meet the budget (found by bisection on the first observed
             state), so that the spend does not overshoot while the queue fills.
@@ -197,6 +200,7 @@ class LyapunovController:
         persistence_prior_slots: float = 10.0,
         queue_warm_start: bool = True,
         dual_learning: bool = True,
+        budget_payback: bool = True,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -222,6 +226,7 @@ class LyapunovController:
         self.v = float(v)
         budgets = dict(budgets or {})
         self.queues = VirtualQueues({} if math.isinf(self.v) else budgets)
+        self.budget_payback = bool(budget_payback)
         self.decision_delay_slots = int(decision_delay_slots)
         self.horizon_slots = None if horizon_slots is None else float(horizon_slots)
         self.switch_margin = float(switch_margin)
@@ -615,7 +620,9 @@ class LyapunovController:
         Time-driven: ``T_after < T_before``, ``(T_before − T_after) · H >= t_mig`` and, for a
         structure change, ``T_before − T_after > margin · T_before``. Budget-driven (queues
         non-zero): the same with ``J = V·T + Σ_j Q̂_j y_j`` and the migration's objective cost
-        ``rate · t_mig`` (``rate = V + Σ_j Q̂_j Σ_{d used} r_{j,d}``)."""
+        ``rate · t_mig`` (``rate = V + Σ_j Q̂_j Σ_{d used} r_{j,d}``), over the horizon
+        ``min(H, H_J)`` where ``H_J`` (:meth:`_budget_horizon`) is how long the objective gain
+        lasts while the queues move (``budget_payback``)."""
         t_b, t_a = before.time_s, after.time_s
         gain = t_b - t_a
         if not math.isfinite(t_a):
@@ -638,7 +645,10 @@ class LyapunovController:
             j_b = self._objective_of(before, weights)
             j_a = self._objective_of(after, weights)
             j_gain = j_b - j_a
-            j_paid = j_gain * horizon >= rate * t_mig if t_mig > 0 else True
+            h_j = horizon
+            if self.budget_payback and j_gain > 0:
+                h_j = min(horizon, self._budget_horizon(before, after, j_gain))
+            j_paid = j_gain * h_j >= rate * t_mig if t_mig > 0 else True
             if (
                 j_gain > 1e-9 * j_b
                 and j_paid
@@ -651,6 +661,21 @@ class LyapunovController:
                 )
                 return True, True, f"budget: {costs}; {why}"
         return False, False, why
+
+    def _budget_horizon(self, before: _Figures, after: _Figures, j_gain: float) -> float:
+        """Slots over which a budget-driven gain ``j_gain`` lasts: once the change runs, each
+        queue moves by ``y_j(after) − ȳ_j`` a slot, which moves the weight by ``T_ref/ȳ_j²``
+        per unit and the gain by that times ``y_j(after) − y_j(before)``; the gain falls
+        linearly to 0 after ``j_gain / rate`` slots, its sum is ``j_gain² / (2 rate)``, i.e.
+        ``j_gain · H`` with ``H = j_gain / (2 rate)``."""
+        t_ref = float(self.reference_time_s or 0.0)
+        rate = 0.0
+        for j, budget in self.queues.budgets.items():
+            dy = after.cost[j] - before.cost[j]
+            drift = after.cost[j] - budget
+            if dy * drift > 0:  # the queue moves against the change's gain
+                rate += t_ref / budget**2 * abs(drift) * abs(dy)
+        return math.inf if rate <= 0 else j_gain / (2.0 * rate)
 
     def _gate(
         self,
