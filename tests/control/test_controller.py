@@ -371,3 +371,16 @@ def test_budget_driven_gain_lasts_while_the_queue_moves():
     # from the fast plan to one still over budget and cheaper: the queue keeps growing, which
     # only widens the gain of spending less
     assert math.isinf(ctl._budget_horizon(fast, over, 0.07))
+
+
+def test_signed_queue_keeps_the_credit_of_an_underspend():
+    """Issue 12: with ``signed`` (the controller's default, ``credit=True``) the queue is the
+    cumulative overspend ``Σ (y − ȳ)``, negative when money was saved, so the saved budget can
+    be spent later; the model's queue (``signed=False``) forgets it at 0."""
+    signed = VirtualQueues({"money": 1.0}, signed=True)
+    floored = VirtualQueues({"money": 1.0})
+    for y in (0.5, 0.7, 1.4):
+        signed.update({"money": y})
+        floored.update({"money": y})
+    assert signed.backlog["money"] == pytest.approx(-0.4)
+    assert floored.backlog["money"] == pytest.approx(0.4)

@@ -72,6 +72,7 @@ class VirtualQueues:
 
     budgets: dict[str, float]
     backlog: dict[str, float] = field(default_factory=dict)
+    signed: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.budgets.items():
@@ -85,7 +86,8 @@ class VirtualQueues:
     def update(self, cost: Mapping[str, float]) -> None:
         """``Q_j ← max(Q_j + y_j − ȳ_j, 0)`` with ``y_j = cost[j]`` of the slot just run."""
         for name, budget in self.budgets.items():
-            self.backlog[name] = max(self.backlog[name] + float(cost[name]) - budget, 0.0)
+            q = self.backlog[name] + float(cost[name]) - budget
+            self.backlog[name] = q if self.signed else max(q, 0.0)
 
     def weights(self, reference_time_s: float) -> dict[str, float]:
         """Planner weights ``Q̂_j = T_ref Q_j / ȳ_j²`` (seconds per unit of resource j), the
@@ -201,6 +203,7 @@ class LyapunovController:
         queue_warm_start: bool = True,
         dual_learning: bool = True,
         budget_payback: bool = True,
+        credit: bool = True,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -225,7 +228,7 @@ class LyapunovController:
         self.config = config
         self.v = float(v)
         budgets = dict(budgets or {})
-        self.queues = VirtualQueues({} if math.isinf(self.v) else budgets)
+        self.queues = VirtualQueues({} if math.isinf(self.v) else budgets, signed=bool(credit))
         self.budget_payback = bool(budget_payback)
         self.decision_delay_slots = int(decision_delay_slots)
         self.horizon_slots = None if horizon_slots is None else float(horizon_slots)
@@ -278,6 +281,7 @@ class LyapunovController:
         # learned multipliers (docs/controller.md "Budgets"): per past slot, the figures
         # (T, money, energy) of the plans the controller weighed, and the multipliers η̂_j
         self.dual_window_slots = 1000
+        self.dual_min_slots = 10
         self._slot_figures: list[tuple[float, float, float]] = []
         self._dual_history: list[np.ndarray] = []
         self.eta_hat: dict[str, float] = {}
@@ -309,15 +313,17 @@ class LyapunovController:
         if not self.budgeted or self.reference_time_s is None:
             return {}
         q = self.queues.weights(self.reference_time_s)
-        return {j: self.effective_v * self.eta_hat.get(j, 0.0) + w for j, w in q.items()}
+        return {j: max(self.effective_v * self.eta_hat.get(j, 0.0) + w, 0.0) for j, w in q.items()}
 
     def _learn_multipliers(self) -> None:
         """``η̂_j``: the smallest multipliers with which choosing, in every past slot of the
         window, the plan minimising ``T + Σ_j η_j y_j`` among the plans weighed in that slot
         (on the state observed then) would have met every budget
         (:func:`~hetrain.control.dual.bisect_multipliers`); the stale-information reference's
-        multiplier, learned from past slots only."""
-        if not self._dual_history:
+        multiplier, learned from past slots only. Before ``dual_min_slots`` slots are in the
+        window, the warm start's multiplier stands (the plans weighed in one or two slots may
+        all meet the budget, which says nothing of the multiplier)."""
+        if len(self._dual_history) < self.dual_min_slots:
             return
         width = max(len(f) for f in self._dual_history)
         figs = np.zeros((len(self._dual_history), 3, width))
@@ -336,9 +342,12 @@ class LyapunovController:
             return {j: float(np.mean(figs[rows, col[j], pick])) for j in budgets}
 
         t_ref = float(self.reference_time_s or 1.0)
-        self.eta_hat = bisect_multipliers(
+        learned = bisect_multipliers(
             spend, budgets, {j: t_ref / b for j, b in budgets.items()}, iterations=20
         )
+        # 0 means the plans weighed in the window all meet the budget (no faster plan was
+        # weighed), which says nothing of the price: the last estimate stands
+        self.eta_hat = {j: x if x > 0 else self.eta_hat.get(j, 0.0) for j, x in learned.items()}
 
     def decide(
         self, step: int, observed: ClusterState, current_plan: Plan | None = None
@@ -628,7 +637,15 @@ class LyapunovController:
         if not math.isfinite(t_a):
             return False, False, "the proposal does not fit"
         paid = gain * horizon >= t_mig if t_mig > 0 else True
-        if gain > 1e-9 * t_b and paid and (not structure or gain > self.switch_margin * t_b):
+        dearer = self.budget_payback and any(
+            w > 0 and after.cost[j] > before.cost[j] for j, w in weights.items()
+        )
+        if (
+            not (dearer and t_mig > 0)
+            and gain > 1e-9 * t_b
+            and paid
+            and (not structure or gain > self.switch_margin * t_b)
+        ):
             return (
                 True,
                 False,
@@ -648,6 +665,11 @@ class LyapunovController:
             h_j = horizon
             if self.budget_payback and j_gain > 0:
                 h_j = min(horizon, self._budget_horizon(before, after, j_gain))
+            if self.queues.signed and any(
+                self.queues.backlog[j] > 0 and after.cost[j] < before.cost[j]
+                for j in self.queues.budgets
+            ):
+                h_j = math.inf  # in debt: a change that spends less is not held back
             j_paid = j_gain * h_j >= rate * t_mig if t_mig > 0 else True
             if (
                 j_gain > 1e-9 * j_b
