@@ -28,7 +28,10 @@ on the estimates that chose it, a change is applied only if its predicted iterat
 lower than the current plan's and that gain, summed over the expected persistence of the
 observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online), pays
 for its migration time; or, with budgets, if the same holds for the drift-plus-penalty
-objective (then the decision is flagged ``budget_driven`` with the costs that drove it).
+objective (then the decision is flagged ``budget_driven`` with the costs that drove it), over
+the slots that gain lasts while the queues move (``budget_payback``). With ``credit`` (default)
+the queues are signed, so money saved on a cheap plan is spent later on a fast one
+(docs/controller.md, "Budgets: time-sharing in blocks").
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ class LyapunovController:
         persistence_threshold: relative move of a measured speed, NIC (or price/power with
             budgets) that counts as a state change for the persistence estimate.
         persistence_prior_slots: prior mean persistence (slots, weight of one run).
+        credit: with budgets, signed virtual queues ``Q_j ← Q_j + y_j − ȳ_j`` (a saved budget
+            is spent later; the planner weight is floored at 0); False: the model's
+            ``max(·, 0)``.
         budget_payback: with budgets, a budget-driven change must pay its migration within
             the slots its objective gain lasts once it runs (:meth:`_budget_horizon`: the
             queues it moves erode the gain), not within the state's persistence alone.
