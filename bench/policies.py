@@ -300,6 +300,57 @@ def v_sweep(name: str, out: dict) -> dict[float, dict]:
     return rows
 
 
+def decompose_gap(out: dict) -> dict[str, float]:
+    """Where budgeted ``lyapunov`` loses mean time against the stale reference, in seconds per
+    slot, priced with the reference's multipliers ``η`` (seconds per unit of resource):
+
+    * (a) plan choice: ``mean(T + η·y)`` of the plans run (migration left out) minus the
+      reference's, plus ``η·(y_ref − ȳ)`` (the reference's own slack);
+    * (b) migration time; (b') the spend billed during migrations, ``η·y_mig``;
+    * (c) budget left unspent, ``η·(ȳ − y)``.
+
+    (a) + (b) + (b') + (c) is the gap ``mean T − mean T_ref`` exactly."""
+    from hetrain.control.incremental import StructureArrays, evaluate_fast
+    from hetrain.sim.references import slot_states
+
+    budgets = out["_meta"]["budgets"]
+    ref = out["_refs"]["stale"]
+    res = out["_results"]["lyapunov"]
+    timeline, profile, config = out["_timeline"], out["_profile"], out["_config"]
+    kw = out["_sim_kw"]
+    actual, _, eps = slot_states(timeline, len(res.records), **kw)
+    names = list(budgets)
+    eta = np.array([ref.eta.get(j, 0.0) for j in names])
+    ybar = np.array([budgets[j] for j in names])
+    live = [t for t, r in enumerate(res.records) if r.feasible]
+    o = float(config.optimizer_state_factor)
+    ref_y = []
+    for k, t in enumerate(live):
+        plan = ref.per_slot_plan[k]
+        arrays = StructureArrays.build(plan, timeline.base.ids, profile)
+        ev = evaluate_fast(plan, arrays, actual[t], o)
+        ref_y.append([ev.cost[j] * eps[t] for j in names])
+    ref_y = np.array(ref_y)
+    ref_t = np.asarray(ref.per_slot_time_s)
+    recs = [res.records[t] for t in live]
+    total = np.array([r.iteration_time_s for r in recs])
+    mig = np.array([r.migration_time_s for r in recs])
+    y = np.array([[getattr(r, f"cost_{j}") for j in names] for r in recs])
+    y_run = y * ((total - mig) / total)[:, None]
+    a = float(np.mean(total - mig + y_run @ eta) - np.mean(ref_t + ref_y @ eta)
+              + (ref_y.mean(0) - ybar) @ eta)  # fmt: skip
+    parts = {"plan_choice_s": a, "migration_time_s": float(mig.mean()),
+             "migration_spend_s": float(np.mean((y - y_run) @ eta)),
+             "unspent_s": float((ybar - y.mean(0)) @ eta),
+             "gap_s": float(total.mean() - ref_t.mean())}  # fmt: skip
+    print(f"  lyapunov - stale reference = {parts['gap_s']:+.4f} s/slot: (a) plan choice "
+          f"{a:+.4f}, (b) migration time {parts['migration_time_s']:+.4f}, (b') migration spend "
+          f"{parts['migration_spend_s']:+.4f}, (c) budget unspent {parts['unspent_s']:+.4f} "
+          f"(spends priced at the reference's η = "
+          f"{', '.join(f'{j} {x:.4g}' for j, x in zip(names, eta, strict=True))})")  # fmt: skip
+    return parts
+
+
 def write_plots(name: str, out: dict, folder: Path) -> None:
     """Per-policy plots of one scenario; for a budgeted scenario also the V sweep."""
     from hetrain.report.sim_plots import plot_policies, plot_v_sweep
@@ -366,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         out = run_scenario(spec, args.slots)
         failed += sum(1 for _, ok, _ in report(spec["name"], out) if not ok)
+        if out["_meta"]["budgets"]:
+            decompose_gap(out)
         if out["_meta"]["budgets"] and not args.no_sweep:
             print(f"  V grid {V_GRID} (the one V used everywhere: {CHOSEN_V:g}):")
             v_sweep(spec["name"], out)

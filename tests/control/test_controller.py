@@ -347,3 +347,40 @@ def test_rationed_searches_repair_and_extend_between_searches():
     assert "a1" not in used[8]  # a1 has no spare of its kind: its group is dropped
     for t, devices in enumerate(used):
         assert all(timeline.available[t, CLUSTER.ids.index(d)] for d in devices)
+
+
+def test_budget_driven_gain_lasts_while_the_queue_moves():
+    """Issue 12: a budget-driven change is paid back over the slots its objective gain lasts
+    (the queue it fills erodes it), ``H_J = g / (2 Σ_j (T_ref/ȳ_j²)|y_j' − ȳ_j||y_j' − y_j|)``,
+    not over the state's persistence; a change whose spend moves the queue toward its gain
+    (spending less while under budget) is not limited (infinite)."""
+    from hetrain.control.lyapunov import _Figures
+
+    ctl = make_policy("lyapunov", PROFILE, TrainingConfig(batch=8), v=10.0,
+                      budgets={"money": 2.0})  # fmt: skip
+    ctl.reference_time_s = 0.5
+    cheap = _Figures(0.4, {"money": 1.7, "energy": 0.0}, True)
+    fast = _Figures(0.25, {"money": 2.4, "energy": 0.0}, True)
+    # to the fast plan: the queue grows 0.4 a slot, the weight by 0.5/4 per unit: the gain
+    # falls by 0.125 * 0.4 * 0.7 = 0.035 a slot; a gain of 0.07 lasts 2 slots, H_J = 1
+    assert ctl._budget_horizon(cheap, fast, 0.07) == pytest.approx(1.0)
+    assert ctl._budget_horizon(cheap, fast, 0.7) == pytest.approx(10.0)
+    # to the cheap plan: the queue drains (0.3 a slot), which erodes the gain of spending less
+    assert ctl._budget_horizon(fast, cheap, 0.07) == pytest.approx(0.07 / (2 * 0.125 * 0.3 * 0.7))
+    over = _Figures(0.3, {"money": 2.2, "energy": 0.0}, True)
+    # from the fast plan to one still over budget and cheaper: the queue keeps growing, which
+    # only widens the gain of spending less
+    assert math.isinf(ctl._budget_horizon(fast, over, 0.07))
+
+
+def test_signed_queue_keeps_the_credit_of_an_underspend():
+    """Issue 12: with ``signed`` (the controller's default, ``credit=True``) the queue is the
+    cumulative overspend ``Σ (y − ȳ)``, negative when money was saved, so the saved budget can
+    be spent later; the model's queue (``signed=False``) forgets it at 0."""
+    signed = VirtualQueues({"money": 1.0}, signed=True)
+    floored = VirtualQueues({"money": 1.0})
+    for y in (0.5, 0.7, 1.4):
+        signed.update({"money": y})
+        floored.update({"money": y})
+    assert signed.backlog["money"] == pytest.approx(-0.4)
+    assert floored.backlog["money"] == pytest.approx(0.4)

@@ -28,7 +28,10 @@ on the estimates that chose it, a change is applied only if its predicted iterat
 lower than the current plan's and that gain, summed over the expected persistence of the
 observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online), pays
 for its migration time; or, with budgets, if the same holds for the drift-plus-penalty
-objective (then the decision is flagged ``budget_driven`` with the costs that drove it).
+objective (then the decision is flagged ``budget_driven`` with the costs that drove it), over
+the slots that gain lasts while the queues move (``budget_payback``). With ``credit`` (default)
+the queues are signed, so money saved on a cheap plan is spent later on a fast one
+(docs/controller.md, "Budgets: time-sharing in blocks").
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class VirtualQueues:
 
     budgets: dict[str, float]
     backlog: dict[str, float] = field(default_factory=dict)
+    signed: bool = False
 
     def __post_init__(self) -> None:
         for name, value in self.budgets.items():
@@ -85,7 +89,8 @@ class VirtualQueues:
     def update(self, cost: Mapping[str, float]) -> None:
         """``Q_j ← max(Q_j + y_j − ȳ_j, 0)`` with ``y_j = cost[j]`` of the slot just run."""
         for name, budget in self.budgets.items():
-            self.backlog[name] = max(self.backlog[name] + float(cost[name]) - budget, 0.0)
+            q = self.backlog[name] + float(cost[name]) - budget
+            self.backlog[name] = q if self.signed else max(q, 0.0)
 
     def weights(self, reference_time_s: float) -> dict[str, float]:
         """Planner weights ``Q̂_j = T_ref Q_j / ȳ_j²`` (seconds per unit of resource j), the
@@ -167,6 +172,12 @@ class LyapunovController:
         persistence_threshold: relative move of a measured speed, NIC (or price/power with
             budgets) that counts as a state change for the persistence estimate.
         persistence_prior_slots: prior mean persistence (slots, weight of one run).
+        credit: with budgets, signed virtual queues ``Q_j ← Q_j + y_j − ȳ_j`` (a saved budget
+            is spent later; the planner weight is floored at 0); False: the model's
+            ``max(·, 0)``.
+        budget_payback: with budgets, a budget-driven change must pay its migration within
+            the slots its objective gain lasts once it runs (:meth:`_budget_horizon`: the
+            queues it moves erode the gain), not within the state's persistence alone.
         queue_warm_start: with budgets, start each virtual queue at the backlog whose weight
             makes the first plan meet the budget (found by bisection on the first observed
             state), so that the spend does not overshoot while the queue fills.
@@ -197,6 +208,8 @@ class LyapunovController:
         persistence_prior_slots: float = 10.0,
         queue_warm_start: bool = True,
         dual_learning: bool = True,
+        budget_payback: bool = True,
+        credit: bool = True,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -221,7 +234,8 @@ class LyapunovController:
         self.config = config
         self.v = float(v)
         budgets = dict(budgets or {})
-        self.queues = VirtualQueues({} if math.isinf(self.v) else budgets)
+        self.queues = VirtualQueues({} if math.isinf(self.v) else budgets, signed=bool(credit))
+        self.budget_payback = bool(budget_payback)
         self.decision_delay_slots = int(decision_delay_slots)
         self.horizon_slots = None if horizon_slots is None else float(horizon_slots)
         self.switch_margin = float(switch_margin)
@@ -273,6 +287,7 @@ class LyapunovController:
         # learned multipliers (docs/controller.md "Budgets"): per past slot, the figures
         # (T, money, energy) of the plans the controller weighed, and the multipliers η̂_j
         self.dual_window_slots = 1000
+        self.dual_min_slots = 10
         self._slot_figures: list[tuple[float, float, float]] = []
         self._dual_history: list[np.ndarray] = []
         self.eta_hat: dict[str, float] = {}
@@ -304,15 +319,17 @@ class LyapunovController:
         if not self.budgeted or self.reference_time_s is None:
             return {}
         q = self.queues.weights(self.reference_time_s)
-        return {j: self.effective_v * self.eta_hat.get(j, 0.0) + w for j, w in q.items()}
+        return {j: max(self.effective_v * self.eta_hat.get(j, 0.0) + w, 0.0) for j, w in q.items()}
 
     def _learn_multipliers(self) -> None:
         """``η̂_j``: the smallest multipliers with which choosing, in every past slot of the
         window, the plan minimising ``T + Σ_j η_j y_j`` among the plans weighed in that slot
         (on the state observed then) would have met every budget
         (:func:`~hetrain.control.dual.bisect_multipliers`); the stale-information reference's
-        multiplier, learned from past slots only."""
-        if not self._dual_history:
+        multiplier, learned from past slots only. Before ``dual_min_slots`` slots are in the
+        window, the warm start's multiplier stands (the plans weighed in one or two slots may
+        all meet the budget, which says nothing of the multiplier)."""
+        if len(self._dual_history) < self.dual_min_slots:
             return
         width = max(len(f) for f in self._dual_history)
         figs = np.zeros((len(self._dual_history), 3, width))
@@ -331,9 +348,12 @@ class LyapunovController:
             return {j: float(np.mean(figs[rows, col[j], pick])) for j in budgets}
 
         t_ref = float(self.reference_time_s or 1.0)
-        self.eta_hat = bisect_multipliers(
+        learned = bisect_multipliers(
             spend, budgets, {j: t_ref / b for j, b in budgets.items()}, iterations=20
         )
+        # 0 means the plans weighed in the window all meet the budget (no faster plan was
+        # weighed), which says nothing of the price: the last estimate stands
+        self.eta_hat = {j: x if x > 0 else self.eta_hat.get(j, 0.0) for j, x in learned.items()}
 
     def decide(
         self, step: int, observed: ClusterState, current_plan: Plan | None = None
@@ -615,13 +635,23 @@ class LyapunovController:
         Time-driven: ``T_after < T_before``, ``(T_before − T_after) · H >= t_mig`` and, for a
         structure change, ``T_before − T_after > margin · T_before``. Budget-driven (queues
         non-zero): the same with ``J = V·T + Σ_j Q̂_j y_j`` and the migration's objective cost
-        ``rate · t_mig`` (``rate = V + Σ_j Q̂_j Σ_{d used} r_{j,d}``)."""
+        ``rate · t_mig`` (``rate = V + Σ_j Q̂_j Σ_{d used} r_{j,d}``), over the horizon
+        ``min(H, H_J)`` where ``H_J`` (:meth:`_budget_horizon`) is how long the objective gain
+        lasts while the queues move (``budget_payback``)."""
         t_b, t_a = before.time_s, after.time_s
         gain = t_b - t_a
         if not math.isfinite(t_a):
             return False, False, "the proposal does not fit"
         paid = gain * horizon >= t_mig if t_mig > 0 else True
-        if gain > 1e-9 * t_b and paid and (not structure or gain > self.switch_margin * t_b):
+        dearer = self.budget_payback and any(
+            w > 0 and after.cost[j] > before.cost[j] for j, w in weights.items()
+        )
+        if (
+            not (dearer and t_mig > 0)
+            and gain > 1e-9 * t_b
+            and paid
+            and (not structure or gain > self.switch_margin * t_b)
+        ):
             return (
                 True,
                 False,
@@ -638,7 +668,15 @@ class LyapunovController:
             j_b = self._objective_of(before, weights)
             j_a = self._objective_of(after, weights)
             j_gain = j_b - j_a
-            j_paid = j_gain * horizon >= rate * t_mig if t_mig > 0 else True
+            h_j = horizon
+            if self.budget_payback and j_gain > 0:
+                h_j = min(horizon, self._budget_horizon(before, after, j_gain))
+            if self.queues.signed and any(
+                self.queues.backlog[j] > 0 and after.cost[j] < before.cost[j]
+                for j in self.queues.budgets
+            ):
+                h_j = math.inf  # in debt: a change that spends less is not held back
+            j_paid = j_gain * h_j >= rate * t_mig if t_mig > 0 else True
             if (
                 j_gain > 1e-9 * j_b
                 and j_paid
@@ -651,6 +689,21 @@ class LyapunovController:
                 )
                 return True, True, f"budget: {costs}; {why}"
         return False, False, why
+
+    def _budget_horizon(self, before: _Figures, after: _Figures, j_gain: float) -> float:
+        """Slots over which a budget-driven gain ``j_gain`` lasts: once the change runs, each
+        queue moves by ``y_j(after) − ȳ_j`` a slot, which moves the weight by ``T_ref/ȳ_j²``
+        per unit and the gain by that times ``y_j(after) − y_j(before)``; the gain falls
+        linearly to 0 after ``j_gain / rate`` slots, its sum is ``j_gain² / (2 rate)``, i.e.
+        ``j_gain · H`` with ``H = j_gain / (2 rate)``."""
+        t_ref = float(self.reference_time_s or 0.0)
+        rate = 0.0
+        for j, budget in self.queues.budgets.items():
+            dy = after.cost[j] - before.cost[j]
+            drift = after.cost[j] - budget
+            if dy * drift > 0:  # the queue moves against the change's gain
+                rate += t_ref / budget**2 * abs(drift) * abs(dy)
+        return math.inf if rate <= 0 else j_gain / (2.0 * rate)
 
     def _gate(
         self,
