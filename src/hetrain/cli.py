@@ -192,7 +192,15 @@ def simulate(
             help="lyapunov, greedy, dp-even, dp-proportional, pipeline or static-hybrid",
         ),
     ] = "lyapunov",
-    v: Annotated[float, typer.Option("--V", help="weight V of the iteration time")] = 1.0,
+    v: Annotated[
+        float,
+        typer.Option(
+            "--V",
+            help="weight V of the iteration time against the budgets' virtual queues (10: the "
+            "one V of bench/policies.py's grid that keeps every budget within 5 % of the "
+            "stale-information reference's time)",
+        ),
+    ] = 10.0,
     budget: Annotated[
         list[str] | None,
         typer.Option(

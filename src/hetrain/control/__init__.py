@@ -52,7 +52,7 @@ def make_policy(
     profile: ProfileArrays,
     config: TrainingConfig,
     *,
-    v: float = 1.0,
+    v: float = 10.0,
     budgets: Mapping[str, float] | None = None,
     **options: Any,
 ) -> Policy:

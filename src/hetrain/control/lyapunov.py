@@ -192,7 +192,7 @@ class LyapunovController:
         profile: ProfileArrays,
         config: TrainingConfig,
         *,
-        v: float = 1.0,
+        v: float = 10.0,
         budgets: Mapping[str, float] | None = None,
         decision_delay_slots: int = 1,
         horizon_slots: float | None = None,
