@@ -15,8 +15,9 @@ Protocol (keys of that store, :class:`ControllerLink` on rank 0):
 - ``m/{step}`` (+ ``m_last``): after every step, each rank's compute, send/recv and exposed sync
   seconds (rank 0 all-gathers them already) and the plan id they ran under; never waited for;
 - ``plan``: the newest :class:`Decision` (plan with its id, the estimates that chose it, the
-  predicted before/after figures). Rank 0 reads it between steps (one ``check``) and the
-  step's existing broadcast tells every rank, so all switch at the same step;
+  predicted before/after figures). A thread of rank 0 reads it (rank 0's step never waits on
+  the store) and the step's existing all-gather of measurements carries whether there is one,
+  so all ranks switch at the same step;
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
   ``done``: rank 0 finished.
 
@@ -313,6 +314,7 @@ class PlanController:
         self._control_reason = ""
         self._records: list[tuple[int, float, dict]] = []
         self._pending: Any = None
+        self._policy_answer: Plan | None = None
         self.base_state = base_state
         self.profile = profile
         self.config = config
@@ -446,25 +448,26 @@ class PlanController:
         self.plans[self.next_plan_id] = plan
         self.next_plan_id += 1
         self.current = plan
+        self._policy_answer = None  # answered for the plan it replaced
         self.decisions += 1
         return decision
 
     def _candidate(self, step: int, state: ClusterState) -> Plan | None:
-        """The policy's answer: synchronously, or (``async_search``) the answer of a policy call
-        that ran in a thread while the previous steps were observed; while one runs, the shares
-        of the plan in force re-solved on the newest estimates (the policy's own per-slot
-        re-balance, :func:`hetrain.control.incremental.rebalance_shares`)."""
+        """The best of the policy's answer and the shares of the plan in force re-solved on the
+        newest estimates (:meth:`_rebalanced`), by predicted iteration time on ``state``
+        (:meth:`_best`). Synchronously, or (``async_search``) with the answer of a policy call
+        that ran in a thread while the previous steps were observed (kept, and re-predicted on
+        each step's estimates, until a plan is applied); while none is there, the re-balanced
+        shares alone."""
         self._source = "policy"
         if not self.async_search:
-            return self._answer(controller_decide(self.policy, step, state, self.current))
+            answer = self._answer(controller_decide(self.policy, step, state, self.current))
+            return self._best(answer, state)
         if self._pending is not None and self._pending.done():
             future, self._pending = self._pending, None
             answer = self._answer(future.result())
             if answer is not None and not _same_plan(answer, self.current):
-                return answer
-            # the policy keeps the plan (it answered on estimates a few steps old): the
-            # re-balance below decides this step
-        self._source = "rebalance"
+                self._policy_answer = answer
         if self._pending is None:
             for args in self._records:  # measured steps, fed while the controller was busy
                 self.policy.record(*args)
@@ -472,17 +475,65 @@ class PlanController:
             self._pending = _search_executor().submit(
                 controller_decide, self.policy, step, state, self.current
             )
-        arrays = StructureArrays.build(self.current, state.ids, self.profile)
-        return runtime_plan(
-            rebalance_shares(
-                self.current,
-                state,
-                arrays,
-                self.config.batch,
-                self.optimizer_state_factor,
-                norm_block=self.config.norm_block,
-            )
+        return self._best(self._policy_answer, state)
+
+    def _rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
+        """``plan``'s groups and stages with integer shares re-solved on ``state``
+        (:func:`hetrain.control.incremental.rebalance_shares`), as the runtime runs it; None when
+        no share assignment fits.
+
+        Single-device groups are solved as the runtime runs them, one micro-batch whatever the
+        share (:func:`runtime_plan`): with their ``μ_g`` kept, a share just above ``μ_g`` would
+        be charged a second ``κ`` it never pays, and for a 3x-slow device of four the solver
+        answered 0/0/32/32 where about 20/4/20/20 is faster (issue 10)."""
+        one_mb = plan.model_copy(
+            update={
+                "groups": tuple(
+                    g.model_copy(update={"microbatch_size": max(self.config.batch, 1)})
+                    if g.num_stages == 1
+                    else g
+                    for g in plan.groups
+                )
+            }
         )
+        arrays = StructureArrays.build(one_mb, state.ids, self.profile)
+        out = rebalance_shares(
+            one_mb,
+            state,
+            arrays,
+            self.config.batch,
+            self.optimizer_state_factor,
+            norm_block=self.config.norm_block,
+        )
+        return None if out is one_mb else runtime_plan(out)
+
+    def _best(self, answer: Plan | None, state: ClusterState) -> Plan | None:
+        """The policy's answer, or the plan in force with re-balanced shares when that is
+        predicted faster on the same estimates (:func:`predict_iteration_time_s`; it keeps every
+        group of the plan in force, so it migrates nothing).
+
+        The policy's structure search moves whole micro-batches (a single-device group's share
+        is a multiple of its ``μ``), so with few micro-batches per device it may answer, e.g.,
+        16/0/32/16 for one 3x-slow device of four where re-balanced shares, about 3:3:3:1, are
+        faster (bench/runtime_vs_ddp.py, issue 10); the answer's idle groups are dropped by
+        :func:`runtime_plan`, so a later shares-only re-balance could not bring the slow device
+        back."""
+        try:
+            rebalanced = self._rebalanced(self.current, state)
+        except ValueError:
+            rebalanced = None
+        if rebalanced is not None and _same_plan(rebalanced, self.current):
+            rebalanced = None
+        if answer is None or rebalanced is None:
+            if answer is None and rebalanced is not None:
+                self._source = "rebalance"
+            return answer or rebalanced
+        t_answer = predict_iteration_time_s(answer, state, self.profile, self.config)
+        t_rebalanced = predict_iteration_time_s(rebalanced, state, self.profile, self.config)
+        if t_rebalanced < t_answer:
+            self._source = "rebalance"
+            return rebalanced
+        return answer
 
     def _answer(self, decision: Any) -> Plan | None:
         """The controller's decision as the runtime runs it (None: it keeps the plan)."""
@@ -495,6 +546,10 @@ class PlanController:
         out = dict(self.__dict__)
         out["_pending"] = None  # a running search is not part of the saved state
         return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_policy_answer", None)  # states saved before it existed
+        self.__dict__.update(state)
 
     def _why(self, structure: bool, state: ClusterState) -> str:
         kind = "re-plan (new groups/stages)" if structure else "rebalance (shares only)"
@@ -700,34 +755,66 @@ class ControllerThread:
 
 
 class ControllerLink:
-    """Rank 0's side of the protocol; never blocks rank 0: the store connection is made in a
-    background thread (a controller process started under ``torchrun`` may take seconds to
-    come up on a busy machine), and until it is up the round's start and the measurements are
-    queued and then sent in order; decisions are read only once connected."""
+    """Rank 0's side of the protocol; never blocks rank 0's step: one background thread makes
+    the store connection (a controller process started under ``torchrun`` may take seconds to
+    come up on a busy machine), sends the round's start and the measurements in order, and
+    keeps the newest decision (and any controller failure) in memory; :meth:`post` and
+    :meth:`poll` only touch that memory (no socket round trip on the step's path, which every
+    other rank would wait for at the step's collective)."""
+
+    REFRESH_S = 0.02
+    """How often (seconds) the thread reads the controller's newest decision when nothing is
+    posted."""
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
         self.endpoint = endpoint
         self.store: Any = None
         self._queue: list[tuple[str, Any]] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self._failure: str | None = None
+        self._decision: Decision | None = None
+        self._decision_raw: bytes | None = None
+        self._stop = False
         self._thread = threading.Thread(
-            target=self._connect, args=(timeout_s,), name="hetrain-controller-link", daemon=True
+            target=self._run, args=(timeout_s,), name="hetrain-controller-link", daemon=True
         )
         self._thread.start()
 
-    def _connect(self, timeout_s: float) -> None:
+    def _run(self, timeout_s: float) -> None:
         host, port = self.endpoint.rsplit(":", 1)
         try:
             store = _store(host, int(port), master=False, timeout_s=timeout_s)
         except BaseException as exc:  # reported by the next poll
             self._error = exc
             return
-        with self._lock:
-            for kind, payload in self._queue:
-                self._send(store, kind, payload)
-            self._queue.clear()
-            self.store = store
+        self.store = store
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue and not self._stop:
+                        self._cond.wait(timeout=self.REFRESH_S)
+                    items, self._queue = self._queue, []
+                    stop = self._stop
+                for kind, payload in items:
+                    self._send(store, kind, payload)
+                if stop:
+                    return
+                self._refresh(store)
+        except BaseException as exc:  # reported by the next poll
+            self._error = exc
+
+    def _refresh(self, store: Any) -> None:
+        if store.check([PREFIX + "error"]):
+            text = store.get(PREFIX + "error").decode(errors="replace").strip()
+            self._failure = text.splitlines()[-1] if text else "unknown error"
+            return
+        if not store.check([PREFIX + "plan"]):
+            return
+        raw = store.get(PREFIX + "plan")
+        if raw != self._decision_raw:
+            self._decision = pickle.loads(raw)
+            self._decision_raw = raw
 
     @staticmethod
     def _send(store: Any, kind: str, payload: Any) -> None:
@@ -745,23 +832,24 @@ class ControllerLink:
             store.set(PREFIX + "done", "1")
 
     def _submit(self, kind: str, payload: Any) -> None:
-        with self._lock:
-            if self.store is None:
-                self._queue.append((kind, payload))
-                return
-        self._send(self.store, kind, payload)
+        with self._cond:
+            if kind == "init":  # a new round: the previous round's decision is not this one's
+                self._decision = None
+                self._decision_raw = None
+            self._queue.append((kind, payload))
+            self._cond.notify()
 
     def start_round(self, init: dict[str, Any]) -> None:
         """Post this round's start (the previous round's keys are dropped)."""
         self._submit("init", init)
 
     def post(self, step: int, record: dict[str, Any]) -> None:
-        """Measurements of ``step`` (see the module docstring)."""
+        """Measurements of ``step`` (see the module docstring); returns at once."""
         self._submit("m", (step, record))
 
     def poll(self, current_plan_id: int) -> Decision | None:
-        """The newest decision when it is newer than ``current_plan_id``, else None (also
-        while the connection is not up yet).
+        """The newest decision read so far when it is newer than ``current_plan_id``, else
+        None (also while the connection is not up yet). No I/O: the thread reads it.
 
         Raises:
             RuntimeError: the controller failed (its traceback's last line), or its store could
@@ -769,23 +857,23 @@ class ControllerLink:
         """
         if self._error is not None:
             raise RuntimeError(f"the controller is unreachable at {self.endpoint}: {self._error}")
-        store = self.store
-        if store is None:
-            return None
-        if store.check([PREFIX + "error"]):
-            text = store.get(PREFIX + "error").decode(errors="replace").strip()
-            raise RuntimeError(f"the controller failed: {text.splitlines()[-1]}")
-        if not store.check([PREFIX + "plan"]):
-            return None
-        decision = pickle.loads(store.get(PREFIX + "plan"))
-        if int(decision.plan.plan_id) <= int(current_plan_id):
+        if self._failure is not None:
+            raise RuntimeError(f"the controller failed: {self._failure}")
+        with self._cond:
+            pending = any(kind == "init" for kind, _ in self._queue)
+            decision = None if pending else self._decision
+        if decision is None or int(decision.plan.plan_id) <= int(current_plan_id):
             return None
         return decision
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Tell the controller the round is over (waits up to ``wait_s`` for the connection)."""
+        """Tell the controller the round is over (sends what is queued first; waits up to
+        ``wait_s`` for the connection and the sends)."""
+        with self._cond:
+            self._queue.append(("done", None))
+            self._stop = True
+            self._cond.notify()
         self._thread.join(timeout=wait_s)
-        self._submit("done", None)
 
 
 def spawn_controller_process(timeout_s: float = 60.0):
