@@ -20,15 +20,20 @@ two local ranks, :func:`hetrain.profiler.measure_p2p`; emulated slow links as em
 
 * offline — one speed ``s``, ``κ`` and ``λ`` for all plans, fitted by
   :func:`hetrain.calibration.fit_stage_overheads` from calibration runs of chains of different
-  lengths (every rank the whole chain: 4 data-parallel groups; and a pipeline of 3, 1, 1 and
+  lengths (every rank the whole chain: 4 data-parallel groups; and a pipeline of 1, 2, 2 and
   1 layers, not one of the plans below) at micro-batch sizes 2 and 8, stepped round-robin
   with the plans so that both see the same background load of this shared machine; the
-  refinement's ``ω`` and ``σ`` (:func:`calibrate_refinement`) and the per-micro-batch cost
-  outside the compute timers (:func:`calibrate_pipeline_overhead`) from the same runs;
+  refinement's ``ω`` and ``σ`` (:func:`calibrate_refinement`), the fixed time per iteration
+  ``F`` (:func:`calibrate_step_overhead`) and the per-micro-batch cost outside the compute
+  timers (:func:`calibrate_pipeline_overhead`) from the same runs;
 * online (the JSON ``pairs``) — before each measured iteration, the devices' speeds re-estimated
   by :class:`hetrain.calibration.ClusterEstimator` (EWMA with outlier rejection) from all
-  earlier iterations of the same run, as the runtime feeds the controller: the median of these
-  one-step-ahead predictions.
+  earlier iterations of the same run, as the runtime feeds the controller, and ``F``
+  re-learned from the residuals of those iterations
+  (:meth:`hetrain.calibration.ClusterEstimator.observe_iteration`): the median of these
+  one-step-ahead predictions; and the same with the runtime's own controller
+  (:class:`hetrain.runtime.adapt.PlanController`, the ``runtime_controller_*`` keys), fed step
+  by step as the launcher's controller process is.
 
 Every device computes at ``F0 = 8``x slow-down or more, so that most of a rank's compute time
 is sleep. A device emulated with factor ``f`` has speed ``s·F0/f``, ``κ·f/F0`` and ``λ·f/F0``
@@ -41,13 +46,17 @@ max ≤ 20 %; online median ≤ 5 %, max ≤ 10 %) and, as the last line, JSON `
 (online), with the offline pairs and errors under ``offline_*``.
 
 Run: ``PYTHONPATH=src python bench/prediction_error.py [--steps 8] [--online 2] [--verbose]
-[--clock thread_cpu|wall] [--no-refine]`` (about 2.5 minutes on 2 loaded cores).
+[--clock thread_cpu|wall] [--no-refine] [--raw FILE]`` (about 1 minute; ``--raw`` stores the
+runs' measurements, or re-analyses stored ones without running).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -61,6 +70,7 @@ import torch.nn.functional as F
 from hetrain.calibration import (
     ClusterEstimator,
     fit_stage_overheads,
+    fit_step_overhead,
     fit_update_time,
     relative_jitter,
 )
@@ -70,6 +80,7 @@ from hetrain.models.registry import EXAMPLES
 from hetrain.plan import plan_from_dict
 from hetrain.profiler import measure_p2p, profile_chain
 from hetrain.runtime import Emulation, OptimizerSpec, Worker, gather_measurements
+from hetrain.runtime.adapt import PlanController
 from hetrain.runtime.testing import run_ranks
 
 WORLD = 4
@@ -78,9 +89,11 @@ F0 = 8.0  # base slow-down of every device
 B = 32
 CAL_MICROBATCHES = (2, 8)
 # calibration stages: the whole chain (4 data-parallel groups) and a 4-stage pipeline of
-# chains of 3, 1, 1 and 1 layers (not one of the plans below; single blocks and the head alone
-# weigh the per-layer cost of the layers most stages hold)
-CAL_PIPELINE = [[0, 3], [3, 4], [4, 5], [5, 6]]
+# chains of 1, 2, 2 and 1 layers (not one of the plans below): two equal bottleneck stages in
+# the middle, so that the per-micro-batch cost outside the compute timers shows in the
+# pipeline's iteration time (a pipeline with one dominant stage hides it: the earlier 3, 1, 1,
+# 1 calibration measured it as 0 on a quiet machine, and every pipeline was under-predicted)
+CAL_PIPELINE = [[0, 1], [1, 3], [3, 5], [5, 6]]
 CLOCK = {"clock": "thread_cpu"}  # set by --clock
 SLOW_NIC = 20e6  # bytes/s of an emulated slow inter-node link
 # issue 12's targets (median and max |relative error| over the 11 plans)
@@ -279,10 +292,33 @@ def calibrate_refinement(cal, param_bytes: np.ndarray) -> tuple[float, float]:
     return fit_update_time(theta, upd).time_s_per_param_byte, relative_jitter(series)
 
 
-def calibrate_pipeline_overhead(cal, speed, kappa, lam, bw, lat, profile, omega) -> float:
+def calibrate_step_overhead(cal, speed, kappa, lam, bw, lat, profile, omega) -> float:
+    """``F`` (:attr:`hetrain.costmodel.TrainingConfig.step_overhead_s`, s per iteration) from
+    the data-parallel calibration runs: :func:`hetrain.calibration.fit_step_overhead` of every
+    step's measured time (slowest rank) against the model's ``T`` with the fitted speed, κ, λ
+    and ``ω``: the loop's own time outside compute, sync and update."""
+    measured, predicted = [], []
+    for plan, steps in zip(calibration_plans(), cal, strict=True):
+        if len(plan["groups"]) != WORLD:  # the pipeline calibration run
+            continue
+        state = cluster_state(Scenario("cal", plan["groups"]), speed, kappa, lam, bw, lat)
+        cfg = TrainingConfig(batch=sum(gr["batch"] for gr in plan["groups"]),
+                             optimizer_state_factor=0, sync_overlap=True,
+                             update_time_s_per_param_byte=omega)  # fmt: skip
+        pred = evaluate_plan(plan_from_dict(plan), state, profile, cfg).iteration_time_s
+        for rows in steps:
+            measured.append(max(r["iteration_time_s"] for r in rows))
+            predicted.append(pred)
+    return fit_step_overhead(measured, predicted)
+
+
+def calibrate_pipeline_overhead(
+    cal, speed, kappa, lam, bw, lat, profile, omega, step_overhead
+) -> float:
     """Per-micro-batch and stage cost (s, at factor F0) that the compute timers do not see
     (pipeline send/recv calls, schedule bookkeeping), from the calibration pipeline runs:
-    ``(T_measured − T_predicted) / (n + K − 1)``, averaged over the runs, where ``T_predicted``
+    ``(T_measured − T_predicted) / (n + K − 1)`` (``T_predicted`` with the fixed step cost
+    ``F`` of :func:`calibrate_step_overhead`), averaged over the runs, where ``T_predicted``
     uses the fitted speed, κ and λ (docs/model.md §3's ``T_g`` grows by ``n + K − 1`` times a common
     increase of every ``C_k`` when one stage stays the bottleneck), ``>= 0``. Added to κ."""
     extra = []
@@ -291,7 +327,8 @@ def calibrate_pipeline_overhead(cal, speed, kappa, lam, bw, lat, profile, omega)
             continue
         state = cluster_state(Scenario("cal", plan["groups"]), speed, kappa, lam, bw, lat)
         cfg = TrainingConfig(batch=plan["groups"][0]["batch"], optimizer_state_factor=0,
-                             sync_overlap=True, update_time_s_per_param_byte=omega)  # fmt: skip
+                             sync_overlap=True, update_time_s_per_param_byte=omega,
+                             step_overhead_s=step_overhead)  # fmt: skip
         pred = evaluate_plan(plan_from_dict(plan), state, profile, cfg).iteration_time_s
         meas = statistics.median(max(r["iteration_time_s"] for r in rows) for rows in steps)
         gr = plan["groups"][0]
@@ -321,26 +358,78 @@ def cluster_state(s: Scenario, speed: float, kappa: float, lam: float, bw: float
     return spec.state()
 
 
-def online_state(offline, steps, flops_per_sample: np.ndarray, compute_kappa: np.ndarray):
-    """``offline`` with speeds re-estimated by :class:`hetrain.calibration.ClusterEstimator`
-    from the given steps' per-rank compute measurements (what the runtime feeds the
-    controller): speed = stage FLOPs done / (compute time − n (κ_c + λ |S|)), ``κ_c`` the part
-    of κ inside the compute timers (``compute_kappa``, per device)."""
-    est = ClusterEstimator(
+def _estimator(offline, compute_kappa: np.ndarray) -> ClusterEstimator:
+    return ClusterEstimator(
         offline.ids,
         kappa_s=list(compute_kappa),
         latency_s=offline.latency_s,
         layer_overhead_s=list(offline.layer_overhead_s),
     )
+
+
+def _feed_compute(est: ClusterEstimator, rows, flops_per_sample: np.ndarray) -> None:
+    for r in rows:
+        if r["batch"] > 0 and r["stage"] is not None:
+            a, b = r["stage"]
+            flops = float(flops_per_sample[a:b].sum()) * r["batch"]
+            est.observe_compute(
+                r["device_id"], flops, r["compute_time_s"], r["num_microbatches"], b - a
+            )
+
+
+def online_state(offline, steps, flops_per_sample: np.ndarray, compute_kappa: np.ndarray):
+    """``offline`` with speeds re-estimated by :class:`hetrain.calibration.ClusterEstimator`
+    from the given steps' per-rank compute measurements (what the runtime feeds the
+    controller): speed = stage FLOPs done / (compute time − n (κ_c + λ |S|)), ``κ_c`` the part
+    of κ inside the compute timers (``compute_kappa``, per device). Returns the state and the
+    estimator."""
+    est = _estimator(offline, compute_kappa)
     for rows in steps:
-        for r in rows:
-            if r["batch"] > 0 and r["stage"] is not None:
-                a, b = r["stage"]
-                flops = float(flops_per_sample[a:b].sum()) * r["batch"]
-                est.observe_compute(
-                    r["device_id"], flops, r["compute_time_s"], r["num_microbatches"], b - a
-                )
-    return est.apply(offline)
+        _feed_compute(est, rows, flops_per_sample)
+    return est.apply(offline), est
+
+
+def one_step_ahead(plan, offline, steps, profile, config, compute_kappa, first: int, refine):
+    """Per step ``t >= first``, the prediction of ``T`` made before it: speeds from the
+    compute of steps ``< t`` and, with ``refine``, the fixed step cost ``F`` re-learned from
+    them (:meth:`hetrain.calibration.ClusterEstimator.observe_iteration`: each earlier step's
+    measured time against its own one-step-ahead prediction with ``F = 0``; until one is seen,
+    the calibrated ``F`` of ``config``)."""
+    est = _estimator(offline, compute_kappa)
+    bare = dataclasses.replace(config, step_overhead_s=0.0)
+    out = []
+    for t, rows in enumerate(steps):
+        state = est.apply(offline)
+        pred = evaluate_plan(plan, state, profile, bare).iteration_time_s
+        learned = est.step_overhead_s()
+        if t >= first:
+            fixed = config.step_overhead_s if learned is None or not refine else learned
+            out.append(pred + fixed)
+        if t >= 1:  # step 0 was predicted on the offline speeds only
+            est.observe_iteration(max(r["iteration_time_s"] for r in rows), pred)
+        _feed_compute(est, rows, profile.train_flops)
+    return out
+
+
+def one_step_ahead_runtime(plan, offline, steps, profile, config, first: int) -> list[float]:
+    """As :func:`one_step_ahead`, with the runtime's own controller
+    (:class:`hetrain.runtime.adapt.PlanController` on the offline state: median-of-13 speeds
+    that subtract its κ and λ, ``F`` from the residuals of the plan in force) fed each step as
+    the launcher's controller process is: ``observe(step, plan id, per-device compute,
+    iteration time)``; the prediction for step ``t`` is its ``predictions()`` after steps
+    ``< t`` (with the calibrated ``F`` until it has learned one)."""
+    bare = dataclasses.replace(config, step_overhead_s=0.0)
+    ctl = PlanController(offline, profile, bare, plan.model_copy(update={"plan_id": 0}), len(steps))
+    out = []
+    for t, rows in enumerate(steps):
+        if t >= first:
+            pred = ctl.predictions()
+            learned = pred["step_overhead_s"] > 0 or ctl.observed_steps > 1
+            fixed = 0.0 if learned else config.step_overhead_s
+            out.append(pred["predicted_time_s"] + fixed)
+        compute = {r["device_id"]: r["compute_time_s"] for r in rows if r["batch"] > 0}
+        ctl.observe(t, 0, compute, max(r["iteration_time_s"] for r in rows))
+    return out
 
 
 def _print_table(title, names, pairs):
@@ -372,21 +461,32 @@ def main() -> None:
         action="store_false",
         help="predict without the update-time and group-jitter refinement",
     )
+    ap.add_argument(
+        "--raw",
+        help="pickle of the runs' measurements: read it if it exists (no runs), else write it",
+    )
     args = ap.parse_args()
     CLOCK["clock"] = args.clock
     scenarios = [SCENARIOS[i] for i in args.only] if args.only else SCENARIOS
     torch.set_num_threads(1)
     t0 = time.time()
-    link = measure_p2p((4, 1 << 16, 1 << 20, 4 << 20), repeats=15, warmup=5)
-    with tempfile.TemporaryDirectory() as tmp:
-        cal, runs = run_ranks(
-            _all,
-            WORLD,
-            tmp,
-            args=(scenarios, args.online + args.steps, args.warmup),
-            timeout_s=1500,
-            pg_timeout_s=300,
-        )[0]
+    if args.raw and os.path.exists(args.raw):
+        with open(args.raw, "rb") as fh:
+            cal, runs, link = pickle.load(fh)
+    else:
+        link = measure_p2p((4, 1 << 16, 1 << 20, 4 << 20), repeats=15, warmup=5)
+        with tempfile.TemporaryDirectory() as tmp:
+            cal, runs = run_ranks(
+                _all,
+                WORLD,
+                tmp,
+                args=(scenarios, args.online + args.steps, args.warmup),
+                timeout_s=1500,
+                pg_timeout_s=300,
+            )[0]
+        if args.raw:
+            with open(args.raw, "wb") as fh:
+                pickle.dump((cal, runs, link), fh)
     prof = profile_chain(EXAMPLES["charlm"].build(), EXAMPLES["charlm"].make_input(4))
     arrays = prof.arrays()
     fit = calibrate(cal, arrays.train_flops)
@@ -414,7 +514,14 @@ def main() -> None:
     # overlap on, 64 MiB buckets = TrainingConfig's default cap)
     omega, jitter = calibrate_refinement(cal, arrays.param_bytes)
     bw, lat = link.bandwidth_bytes_per_s, link.latency_s
-    kappa_p2p = calibrate_pipeline_overhead(cal, speed, kappa, lam, bw, lat, arrays, omega)
+    step_overhead = calibrate_step_overhead(cal, speed, kappa, lam, bw, lat, arrays, omega)
+    kappa_p2p = calibrate_pipeline_overhead(
+        cal, speed, kappa, lam, bw, lat, arrays, omega, step_overhead
+    )
+    print(
+        f"fixed time per iteration outside compute, sync and update (data-parallel calibration "
+        f"runs): {step_overhead * 1e3:.3f} ms"
+    )
     print(
         f"per-micro-batch cost outside the compute timers (pipeline calibration run): "
         f"{kappa_p2p * 1e3:.3f} ms at factor {F0:g}, added to kappa"
@@ -425,6 +532,7 @@ def main() -> None:
         sync_overlap=True,
         update_time_s_per_param_byte=omega if args.refine else 0.0,
         group_time_jitter=jitter if args.refine else 0.0,
+        step_overhead_s=step_overhead if args.refine else 0.0,
     )
     print(
         "model: docs/model.md §3 (with λ) + sync_overlap=True (only the exposed part of the sync "
@@ -437,7 +545,7 @@ def main() -> None:
             else " (no update/jitter refinement: --no-refine)"
         )
     )
-    offline_pairs, online_pairs = [], []
+    offline_pairs, online_pairs, runtime_pairs = [], [], []
     for s, steps in zip(scenarios, runs, strict=True):
         offline = cluster_state(s, speed, kappa + kappa_p2p, lam, bw, lat)
         compute_kappa = np.array([kappa * s.factor(d) / F0 for d in IDS])
@@ -448,11 +556,13 @@ def main() -> None:
         )
         ev_off = evaluate_plan(plan, offline, arrays, config)
         # one step ahead: the prediction for step t uses the estimates fed with steps < t
-        ahead = []
-        for t in range(args.online, len(steps)):
-            online = online_state(offline, steps[:t], arrays.train_flops, compute_kappa)
-            ev_on = evaluate_plan(plan, online, arrays, config)
-            ahead.append(ev_on.iteration_time_s)
+        ahead = one_step_ahead(
+            plan, offline, steps, arrays, config, compute_kappa, args.online, args.refine
+        )
+        ev_on = evaluate_plan(plan, online_state(offline, steps, arrays.train_flops,
+                                                 compute_kappa)[0], arrays, config)  # fmt: skip
+        runtime_ahead = one_step_ahead_runtime(plan, offline, steps, arrays, config, args.online)
+        runtime_pairs.append([statistics.median(runtime_ahead), measured])
         offline_pairs.append([ev_off.iteration_time_s, measured])
         online_pairs.append([statistics.median(ahead), measured])
         if args.verbose:
@@ -480,11 +590,20 @@ def main() -> None:
         names,
         online_pairs,
     )
+    rt_med, rt_max = _print_table(
+        "C. online, the runtime's own controller (PlanController: median of the last 13 speeds, "
+        "F from the plan in force's residuals), fed step by step as in `hetrain train`; median "
+        f"of the {args.steps} one-step-ahead predictions",
+        names,
+        runtime_pairs,
+    )
     targets = [
         ("offline median", off_med, TARGETS["offline_median"]),
         ("offline max", off_max, TARGETS["offline_max"]),
         ("online median", on_med, TARGETS["online_median"]),
         ("online max", on_max, TARGETS["online_max"]),
+        ("online (runtime controller) median", rt_med, TARGETS["online_median"]),
+        ("online (runtime controller) max", rt_max, TARGETS["online_max"]),
     ]
     for label, got, limit in targets:
         verdict = "PASS" if got <= limit else "FAIL"
@@ -502,6 +621,10 @@ def main() -> None:
                 "clock": args.clock,
                 "update_time_s_per_param_byte": omega,
                 "group_time_jitter": jitter,
+                "step_overhead_s": step_overhead,
+                "runtime_controller_pairs": runtime_pairs,
+                "runtime_controller_median_abs_rel_error": rt_med,
+                "runtime_controller_max_abs_rel_error": rt_max,
                 "offline_pairs": offline_pairs,
                 "offline_median_abs_rel_error": off_med,
                 "offline_max_abs_rel_error": off_max,

@@ -8,7 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetrain.calibration import fit_update_time, relative_jitter
+from hetrain.calibration import (
+    ClusterEstimator,
+    fit_step_overhead,
+    fit_update_time,
+    relative_jitter,
+)
 from hetrain.cluster import cluster_from_dict
 from hetrain.costmodel import TrainingConfig, evaluate_plan, expected_max_normal
 from hetrain.plan import plan_from_dict
@@ -89,7 +94,58 @@ def test_calibration_recovers_known_update_time_and_jitter_from_seeded_timings()
 
 
 def test_training_config_rejects_bad_refinement_values():
-    for field in ("update_time_s_per_param_byte", "group_time_jitter"):
+    for field in ("update_time_s_per_param_byte", "group_time_jitter", "step_overhead_s"):
         for bad in (-1e-9, float("nan"), float("inf")):
             with pytest.raises(ValueError, match=field):
                 TrainingConfig(batch=8, **{field: bad})
+
+
+IDLE_W3 = {"groups": [*DP4["groups"][:3], {"devices": ["w3"], "stages": [[0, 4]],
+                                             "microbatch_size": 1, "batch": 0}]}  # fmt: skip
+
+
+def test_step_overhead_adds_a_fixed_time_charged_like_the_rest():
+    base = _eval(DP4, update_time_s_per_param_byte=1e-9)
+    got = _eval(DP4, update_time_s_per_param_byte=1e-9, step_overhead_s=0.005)
+    assert got.iteration_time_s == pytest.approx(base.iteration_time_s + 0.005)
+    assert got.group_times_s == base.group_times_s  # not a group's time: the same for all plans
+    # money and energy are T times the used devices' rates: the fixed time is charged too
+    for key in ("money", "energy"):
+        assert got.cost[key] == pytest.approx(
+            base.cost[key] * got.iteration_time_s / base.iteration_time_s
+        )
+    # a pipeline pays the same F (it is per iteration, not per micro-batch or stage)
+    assert _eval(PIPE, step_overhead_s=0.005).iteration_time_s == pytest.approx(
+        _eval(PIPE).iteration_time_s + 0.005
+    )
+    # with one of four groups idle: still F once
+    assert _eval(IDLE_W3, step_overhead_s=0.005).iteration_time_s == pytest.approx(
+        _eval(IDLE_W3).iteration_time_s + 0.005
+    )
+
+
+def test_step_overhead_fit_is_a_floored_median_and_the_estimator_tracks_the_residual():
+    measured = [0.110, 0.112, 0.109, 0.300, 0.111]  # one stalled iteration
+    assert fit_step_overhead(measured, [0.1] * 5) == pytest.approx(0.011)
+    assert fit_step_overhead([0.09, 0.095], [0.1, 0.1]) == 0.0  # over-predicted: no negative F
+    with pytest.raises(ValueError, match="as many"):
+        fit_step_overhead([0.1, 0.2], [0.1])
+    with pytest.raises(ValueError, match="finite"):
+        fit_step_overhead([float("nan")], [0.1])
+    est = ClusterEstimator(["w0", "w1"])
+    assert est.step_overhead_s() is None
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        est.observe_iteration(0.2 + 0.02 + rng.normal(0, 0.001), 0.2)
+    assert est.step_overhead_s() == pytest.approx(0.02, abs=0.002)
+    # one stall is rejected; a lasting change of the residual is followed
+    assert est.observe_iteration(0.9, 0.2) is False
+    assert est.step_overhead_s() == pytest.approx(0.02, abs=0.002)
+    for _ in range(4):
+        est.observe_iteration(0.25, 0.2)
+    assert est.step_overhead_s() == pytest.approx(0.05, abs=0.003)
+    for _ in range(10):
+        est.observe_iteration(0.15, 0.2)  # the model now over-predicts: F floors at 0
+    assert est.step_overhead_s() == 0.0
+    with pytest.raises(ValueError, match="observe_iteration"):
+        est.observe_iteration(0.0, 0.2)

@@ -306,6 +306,30 @@ def relative_jitter(series: Iterable[Sequence[float]]) -> float:
     return float(1.4826 * np.median(np.abs(np.concatenate(devs))))
 
 
+def fit_step_overhead(
+    measured_s: Sequence[float] | np.ndarray, predicted_s: Sequence[float] | np.ndarray
+) -> float:
+    """``F`` of :attr:`hetrain.costmodel.TrainingConfig.step_overhead_s` (s per iteration):
+    the median of ``measured_i − predicted_i`` over iterations (measured: the slowest rank's
+    iteration time; predicted: the cost model's ``T`` of the same plan with ``F = 0``), floored
+    at 0 (a model that over-predicts is not corrected by a negative fixed time). The median
+    keeps one stalled iteration from moving it (docs/profiling.md §6).
+
+    Raises:
+        ValueError: no pair, shapes differ, or a value not finite.
+    """
+    m = np.asarray(measured_s, dtype=float).ravel()
+    p = np.asarray(predicted_s, dtype=float).ravel()
+    if m.shape != p.shape or m.size == 0:
+        raise ValueError(
+            f"fit_step_overhead: expected as many measured as predicted times (>= 1), got "
+            f"{m.size} and {p.size}"
+        )
+    if not (np.all(np.isfinite(m)) and np.all(np.isfinite(p))):
+        raise ValueError("fit_step_overhead: times must be finite")
+    return max(0.0, float(np.median(m - p)))
+
+
 def _solve(a1: np.ndarray, a2: np.ndarray, fit_kappa: bool) -> tuple[float, float]:
     """min ||a1·u + a2·k − 1||² over u, k (k >= 0; k = 0 unless fit_kappa)."""
     ones = np.ones_like(a1)
@@ -450,6 +474,8 @@ class ClusterEstimator:
         self.latency_s = float(latency_s)
         self._speed = {d: EwmaEstimator(**ewma) for d in self.ids}
         self._nic = {d: EwmaEstimator(**ewma) for d in self.ids}
+        # residual of whole iterations: absolute seconds, so no relative floor around 0
+        self._step = EwmaEstimator(**{**ewma, "rel_floor": 0.0})
 
     def _per_device(self, values: Mapping[str, float] | Sequence[float] | None) -> dict:
         if values is None:
@@ -493,6 +519,29 @@ class ClusterEstimator:
             raise ValueError(f"observe_transfer({device_id!r}): bytes and time_s must be > 0")
         busy = max(time_s - 2.0 * self.latency_s, 0.05 * time_s)
         return self._nic[device_id].update(num_bytes / busy)
+
+    def observe_iteration(self, measured_s: float, predicted_s: float) -> bool:
+        """Feed one iteration: ``measured_s`` the slowest rank's iteration time (s) and
+        ``predicted_s`` the cost model's ``T`` of the same plan on this estimator's current
+        estimates with ``step_overhead_s = 0``, made before this iteration's compute was fed.
+        The residual's EWMA (outliers rejected) is :meth:`step_overhead_s`. Returns whether
+        the sample was accepted.
+
+        Raises:
+            ValueError: a time not finite or ``measured_s <= 0``.
+        """
+        if not (math.isfinite(measured_s) and math.isfinite(predicted_s)) or measured_s <= 0:
+            raise ValueError(
+                f"observe_iteration: expected finite times, measured > 0; got {measured_s!r}, "
+                f"{predicted_s!r}"
+            )
+        return self._step.update(float(measured_s) - float(predicted_s))
+
+    def step_overhead_s(self) -> float | None:
+        """Current estimate of :attr:`hetrain.costmodel.TrainingConfig.step_overhead_s`: the
+        EWMA of :meth:`observe_iteration`'s residuals floored at 0 (``None`` before any)."""
+        v = self._step.value
+        return None if v is None else max(0.0, v)
 
     def speed_flops(self) -> dict[str, float]:
         """Current speed estimates (FLOP/s) of the devices that have any."""

@@ -36,6 +36,8 @@ Opt-in refinement (``TrainingConfig.update_time_s_per_param_byte`` ``ω`` and
 ``group_time_jitter`` ``σ``, both default 0 = docs/model.md §3 exactly; docs/profiling.md §6): the
 weight update after the sync and the straggler of data parallelism; see
 :func:`refined_iteration_time_s`. Then ``T = E[max_g T_g] + T_sync (or T_exposed) + max_d ω θ'_d``.
+Opt-in ``TrainingConfig.step_overhead_s`` ``F`` (default 0; docs/profiling.md §6): the loop's
+fixed time per iteration, added to ``T`` by :func:`evaluate_plan`.
 
 Choices where docs/model.md §3 is silent (see docs/planner.md): devices of an idle group (``b_g =
 0``)
@@ -85,10 +87,19 @@ class TrainingConfig:
     :func:`hetrain.calibration.fit_update_time` and
     :func:`hetrain.calibration.relative_jitter`.
 
+    ``step_overhead_s`` (``F``, s per iteration, default 0): the refinement's fixed time of an
+    iteration outside its modelled compute, sync and update (the training loop's own work:
+    batch slicing, the loss and gradient-norm all-reduces, zeroing gradients, the per-step
+    measurement; for a pipeline also the send/recv calls on the critical path), the same for
+    every plan; added to ``T`` (not in docs/model.md §3; docs/profiling.md §6). Measured by
+    :func:`hetrain.calibration.fit_step_overhead` (start-up) and
+    :meth:`hetrain.calibration.ClusterEstimator.observe_iteration` (online).
+
     Raises:
         ValueError: ``batch < 1``, negative or non-finite ``optimizer_state_factor``, unknown
             schedule, ``sync_overlap`` not a bool, ``sync_bucket_cap_bytes`` not finite > 0,
-            ``update_time_s_per_param_byte`` or ``group_time_jitter`` negative or not finite.
+            ``update_time_s_per_param_byte``, ``group_time_jitter`` or ``step_overhead_s``
+            negative or not finite.
         InputError: ``norm_block`` not an integer >= 1, or ``batch`` not a multiple of it
             (names ``--norm-block`` and the batch).
     """
@@ -101,9 +112,10 @@ class TrainingConfig:
     norm_block: int | None = None
     update_time_s_per_param_byte: float = 0.0
     group_time_jitter: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("update_time_s_per_param_byte", "group_time_jitter"):
+        for name in ("update_time_s_per_param_byte", "group_time_jitter", "step_overhead_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (np.isfinite(float(v)) and float(v) >= 0):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
@@ -891,6 +903,9 @@ def evaluate_plan(
         iteration = refined_iteration_time_s(
             group_times, charged, updates, float(config.group_time_jitter)
         )
+    if active:
+        # refinement (not docs/model.md §3): the loop's fixed time per iteration
+        iteration += float(config.step_overhead_s)
     used_arr = np.asarray(used, dtype=np.int64)
     cost = {
         "money": float(iteration * np.sum(state.price_per_s[used_arr])),

@@ -258,3 +258,36 @@ def test_first_decision_keeps_the_slow_device_busy_with_balanced_shares():
     assert shares["w1"] > 0, shares
     assert max(fast) <= 1.3 * min(fast), shares
     assert shares["w1"] <= 0.5 * np.mean(fast), shares
+
+
+def test_controller_learns_the_fixed_step_time_for_its_predictions_not_its_decisions():
+    ctl = _controller(60)
+    flops = float(ctl.profile.train_flops.sum())
+    bare = predict_iteration_time_s(ctl.current, ctl.base_state, ctl.profile, ctl.config)
+    rng = np.random.default_rng(8)
+    for t in range(20):
+        compute = {d: flops * 16 / 2e10 for d in DEVICES}  # the base speeds, 16 samples each
+        measured = bare + 0.015 + rng.normal(0, 0.0005)  # 15 ms the model does not see
+        if t == 9:
+            measured += 0.5  # one stalled step
+        ctl.observe(t, int(ctl.current.plan_id), compute, measured)
+    pred = ctl.predictions()
+    assert pred["step_overhead_s"] == pytest.approx(0.015, abs=0.001)
+    on_estimates = predict_iteration_time_s(
+        ctl.current, ctl.observed_state(), ctl.profile, ctl.config
+    )
+    assert pred["predicted_time_s"] == pytest.approx(on_estimates + pred["step_overhead_s"])
+    assert pred["predicted_time_s"] == pytest.approx(bare + 0.015, rel=0.02)
+    # dp-even here is the plan in force (one micro-batch each): the same F
+    assert pred["dp_even_time_s"] - pred["predicted_time_s"] == pytest.approx(
+        predict_iteration_time_s(
+            even_dp_plan(DEVICES, 4, BATCH, 1), ctl.observed_state(), ctl.profile, ctl.config
+        )
+        - on_estimates,
+        abs=1e-9,
+    )
+    assert ctl.config.step_overhead_s == 0.0  # decisions compare plans without it
+    # a controller state saved before F existed loads and predicts with F = 0
+    old = PlanController.from_bytes(ctl.state_bytes())
+    del old._step_residuals_s
+    assert old.step_overhead_s() == 0.0

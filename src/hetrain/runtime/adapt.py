@@ -340,6 +340,7 @@ class PlanController:
         self._votes = 0
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
+        self._step_residuals_s: list[float] = []
 
     # ---- measurements ----
     def observe(
@@ -351,7 +352,15 @@ class PlanController:
     ) -> None:
         """Step ``step`` ran under plan ``plan_id``; ``compute_time_s[device]`` = the measured
         compute seconds of its stage (emulated slow-down included); ``iteration_time_s`` the
-        step's measured time (fed to the controller's ``record``: ``T_ref``, queues)."""
+        step's measured time (fed to the controller's ``record``: ``T_ref``, queues; and,
+        for the plan in force, the fixed step time ``F`` of :meth:`step_overhead_s`)."""
+        if (
+            iteration_time_s is not None
+            and math.isfinite(iteration_time_s)
+            and int(plan_id) == int(self.current.plan_id or 0)
+            and self.observed_steps > 0
+        ):
+            self._observe_step_residual(float(iteration_time_s))
         if iteration_time_s is not None and math.isfinite(iteration_time_s):
             if self._pending is None:
                 self.policy.record(step, float(iteration_time_s), {})
@@ -372,14 +381,34 @@ class PlanController:
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()
 
+    def _observe_step_residual(self, iteration_time_s: float) -> None:
+        """Residual of one step of the plan in force against its prediction with ``F = 0``
+        on the estimates before the step's compute is fed; ``F`` = the median of the last
+        ``estimates.window`` residuals, floored at 0 (a median like the speeds: one stalled
+        step does not move it; docs/profiling.md §6). Used by :meth:`predictions` (the logged
+        predicted time, the report's predicted-vs-measured plot); decisions compare plans on
+        :attr:`config`, where a time common to every plan changes no ranking."""
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        state = self.observed_state()
+        predicted = predict_iteration_time_s(self.current, state, self.profile, bare)
+        recent = self._step_residuals_s
+        recent.append(iteration_time_s - predicted)
+        del recent[: -self.estimates.window]
+
+    def step_overhead_s(self) -> float:
+        """The learned fixed time per iteration ``F`` (s, ``TrainingConfig.step_overhead_s``):
+        median of the recent residuals of the plan in force, ``>= 0``; 0 before any."""
+        recent = getattr(self, "_step_residuals_s", [])  # states saved before F: none
+        return max(0.0, float(np.median(recent))) if recent else 0.0
+
     def observed_state(self) -> ClusterState:
         """The base state with the measured speeds."""
         return self.estimates.apply(self.base_state)
 
     def predictions(self) -> dict[str, float]:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
-        docs/model.md
-        §6) on the current estimates."""
+        docs/model.md §6) on the current estimates, both with the learned fixed step time
+        ``F`` (:meth:`step_overhead_s`, also returned)."""
         state = self.observed_state()
         even = even_dp_plan(
             self.base_state.ids,
@@ -388,11 +417,11 @@ class PlanController:
             1,
             norm_block=self.config.norm_block,
         )
+        config = dataclasses.replace(self.config, step_overhead_s=self.step_overhead_s())
         return {
-            "predicted_time_s": predict_iteration_time_s(
-                self.current, state, self.profile, self.config
-            ),
-            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, self.config),
+            "predicted_time_s": predict_iteration_time_s(self.current, state, self.profile, config),
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
+            "step_overhead_s": config.step_overhead_s,
         }
 
     # ---- decisions ----
@@ -485,7 +514,7 @@ class PlanController:
     """``async_search``: a new policy search at most this many steps after the last one when
     the speed estimates have not moved (each search is 0.1-1.5 s of Python on the launching
     host, which on a small machine shares its cores with the ranks)."""
-    SEARCH_SPEED_CHANGE = 0.1
+    SEARCH_SPEED_CHANGE = 0.25
     """``async_search``: relative change of some device's estimated speed since the last
     search that starts a new one at once."""
 
@@ -549,10 +578,13 @@ class PlanController:
         fixed = one - (two - one)
         # the share solver sees only the groups' compute; terms that grow with the number of
         # active groups (the all-reduce, the straggler of jittered groups) are judged by the
-        # whole model: the k slowest devices left out, k = 0..G-1, best predicted wins
+        # whole model when this plan is compared with the policy's answer (which may leave
+        # devices out). One solve: the controller decides once per measured step and must
+        # keep up with the ranks (leaving the slowest out too, judged by the whole model,
+        # lagged it by 7-9 steps on a loaded 2-core machine)
         slowest_first = np.argsort(-per_unit, kind="stable")
         best: tuple[float, Plan] | None = None
-        for k in range(len(per_unit)):
+        for k in range(min(1, len(per_unit))):
             keep = np.ones(len(per_unit), dtype=bool)
             keep[slowest_first[:k]] = False
             counts = _linear_shares(np.where(keep, fixed, np.inf), per_unit, units)
@@ -831,9 +863,11 @@ class ControllerLink:
     :meth:`poll` only touch that memory (no socket round trip on the step's path, which every
     other rank would wait for at the step's collective)."""
 
-    REFRESH_S = 0.02
-    """How often (seconds) the thread reads the controller's newest decision when nothing is
-    posted."""
+    REFRESH_S = 0.2
+    """Seconds between two reads of the controller's newest decision when nothing is posted
+    (it is also read after every post, once per step; reading every 20 ms instead delayed the
+    main job's first re-plan by 10 steps on a loaded 2-core machine: 150 store requests a
+    second from rank 0's process and the controller's host)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
         self.endpoint = endpoint
