@@ -580,32 +580,19 @@ class PlanController:
         # active groups (the all-reduce, the straggler of jittered groups) are judged by the
         # whole model when this plan is compared with the policy's answer (which may leave
         # devices out). One solve: the controller decides once per measured step and must
-        # keep up with the ranks (leaving the slowest out too, judged by the whole model,
-        # lagged it by 7-9 steps on a loaded 2-core machine)
-        slowest_first = np.argsort(-per_unit, kind="stable")
-        best: tuple[float, Plan] | None = None
-        for k in range(min(1, len(per_unit))):
-            keep = np.ones(len(per_unit), dtype=bool)
-            keep[slowest_first[:k]] = False
-            counts = _linear_shares(np.where(keep, fixed, np.inf), per_unit, units)
-            if counts is None:
-                continue
-            shares = {int(arrays.group_index[g]): int(counts[g]) * unit for g in range(len(counts))}
-            out = tuple(
-                g.model_copy(
-                    update={
-                        "batch": shares.get(i, 0),
-                        "microbatch_size": max(shares.get(i, 0), unit),
-                    }
-                )
-                for i, g in enumerate(groups)
+        # keep up with the ranks
+        counts = _linear_shares(fixed, per_unit, units)
+        if counts is None:
+            return None
+        shares = {int(arrays.group_index[g]): int(counts[g]) * unit for g in range(len(counts))}
+        out = tuple(
+            g.model_copy(
+                update={"batch": shares.get(i, 0), "microbatch_size": max(shares.get(i, 0), unit)}
             )
-            figures = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
-            candidate = runtime_plan(plan.model_copy(update={"groups": out, **figures}))
-            t = predict_iteration_time_s(candidate, state, self.profile, self.config)
-            if best is None or t < best[0]:
-                best = (t, candidate)
-        return None if best is None else best[1]
+            for i, g in enumerate(groups)
+        )
+        figures = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
+        return runtime_plan(plan.model_copy(update={"groups": out, **figures}))
 
     def _best(self, answer: Plan | None, state: ClusterState) -> Plan | None:
         """The policy's answer, or the plan in force with re-balanced shares when that is
