@@ -207,8 +207,6 @@ class GradientSync:
         self._armed_at: float | None = None
         self._armed_cpu = 0.0
         self.bytes = 0
-        self.hook_time_s = 0.0  # wall and thread-CPU seconds spent in the gradient hooks
-        self.hook_cpu_s = 0.0
 
     def arm(self) -> None:
         """Start each bucket's all-reduce as soon as its gradients are final (call right
@@ -230,17 +228,13 @@ class GradientSync:
         self._remaining.clear()
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
         i = self._bucket_of.get(id(param))
-        if i is not None and i in self._remaining:
-            self._remaining[i].discard(id(param))
-            while self._next < len(self.order) and not self._remaining.get(self.order[self._next]):
-                self._launch(self.order[self._next], in_backward=True)
-                self._next += 1
-        # host-side time of this hook (flattening a bucket, launching its all-reduce): the
-        # stage's timed backward leaves it out, so the emulation does not multiply it
-        self.hook_time_s += time.perf_counter() - t0
-        self.hook_cpu_s += time.thread_time() - c0
+        if i is None or i not in self._remaining:
+            return
+        self._remaining[i].discard(id(param))
+        while self._next < len(self.order) and not self._remaining.get(self.order[self._next]):
+            self._launch(self.order[self._next], in_backward=True)
+            self._next += 1
 
     def _launch(self, i: int, in_backward: bool = False) -> None:
         b, params = self.mine[i]

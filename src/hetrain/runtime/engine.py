@@ -520,7 +520,6 @@ class Worker:
                         autocast_dtype=self.autocast_dtype,
                         before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
                         forward_context=self._forward_context(group.offset, step),
-                        hook_time=lambda: (grad_sync.hook_time_s, grad_sync.hook_cpu_s),
                     )
                 except BaseException:
                     grad_sync.disarm()  # no stale hooks if the step fails

@@ -276,7 +276,6 @@ def run_stage(
     autocast_dtype: torch.dtype | None,
     before_last_backward: Callable[[], None] | None = None,
     forward_context: Callable[[int, int], Any] | None = None,
-    hook_time: Callable[[], tuple[float, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Run one stage's forward/backward operations of one step.
 
@@ -294,8 +293,7 @@ def run_stage(
     into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
     gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows
     relative to the group) wraps each micro-batch's forward (plan-invariant randomness and ghost
-    BatchNorm, engine.py); ``hook_time()`` returns the wall and CPU seconds spent so far in
-    gradient hooks (the engine's all-reduce launches), left out of the timed backward.
+    BatchNorm, engine.py).
     """
     first = prev_rank is None
     last = next_rank is None
@@ -376,15 +374,11 @@ def run_stage(
             if n == last_backward and before_last_backward is not None:
                 before_last_backward()
             _sync(device)
-            h0 = hook_time() if hook_time is not None else (0.0, 0.0)
             t0, c0 = time.perf_counter(), time.thread_time()
             if outs and outs[0].requires_grad:
                 torch.autograd.backward(outs, grads)
             _sync(device)
             dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            if hook_time is not None:  # the gradient hooks' host-side time is not compute
-                h1 = hook_time()
-                dt, cpu = dt - (h1[0] - h0[0]), cpu - (h1[1] - h0[1])
             slept = slow_down(emulation, device_id, dt, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.backward_time_s += dt + slept
