@@ -140,7 +140,10 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
             time.sleep(0.05)
             decision = link.poll(0)
         assert decision is not None and decision.shares_after["w1"] < 16
-        assert decision.plan.plan_id == 1
+        # the first decision is plan 1; this log's times do not follow the shares (every rank
+        # reports 16 samples' compute), so w1 looks slower still under its smaller share and a
+        # second change may follow
+        assert decision.plan.plan_id >= 1
         deadline = time.time() + 10
         while not controller_state_path(tmp_path / "ckpt", 40).is_file():
             assert time.time() < deadline
@@ -218,6 +221,43 @@ def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
         if device not in named:
             assert rank["stage"] is None and rank["sync_bytes"] == 0, rank
             assert rank["bytes_received"] == 0 and rank["compute_time_s"] == 0.0
+
+
+def test_first_decision_keeps_the_slow_device_busy_with_balanced_shares():
+    """Issue 10, bench/runtime_vs_ddp.py's slow case: one of four identical devices 3x slower
+    from the start, per-micro-batch costs κ as start-up calibration measures them under the
+    emulation (the slow device's 3x larger). The policy's structure search moves whole
+    micro-batches and answered 16/0/32/16 (one fast device given two shares, the slow one
+    idle); re-balanced shares of the four groups (about 3:3:3:1) are predicted faster on the
+    same estimates and are what the controller applies."""
+    kappa = {"w0": 0.02, "w1": 0.06, "w2": 0.02, "w3": 0.02}
+    state = local_cluster_state(DEVICES, [2e10] * 4)
+    state = state.with_changes(kappa_s=np.array([kappa[d] for d in state.ids]))
+    plan = even_dp_plan(DEVICES, 4, BATCH, 8)
+    config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
+    ctl = PlanController(state, _profile(), config, plan, 60, async_search=True)
+    flops = float(ctl.profile.train_flops.sum())
+    per_sample_s = 0.01
+    speed = {d: flops / per_sample_s / (3.0 if d == "w1" else 1.0) for d in DEVICES}
+    first = None
+    for t in range(30):
+        compute = {}
+        for g in ctl.current.groups:
+            for d in g.devices:
+                if g.batch > 0:
+                    compute[d] = flops * g.batch / speed[d] + g.num_microbatches * kappa[d]
+        ctl.observe(t, int(ctl.current.plan_id), compute)
+        decision = ctl.decide(t + 1)
+        if ctl._pending is not None:
+            ctl._pending.result()  # the search done before the next step (deterministic)
+        if decision is not None and first is None:
+            first = decision
+    assert first is not None
+    shares = first.shares_after
+    fast = [shares[d] for d in ("w0", "w2", "w3")]
+    assert shares["w1"] > 0, shares
+    assert max(fast) <= 1.3 * min(fast), shares
+    assert shares["w1"] <= 0.5 * np.mean(fast), shares
 
 
 def test_controller_learns_the_fixed_step_time_for_its_predictions_not_its_decisions():

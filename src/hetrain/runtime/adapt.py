@@ -15,8 +15,9 @@ Protocol (keys of that store, :class:`ControllerLink` on rank 0):
 - ``m/{step}`` (+ ``m_last``): after every step, each rank's compute, send/recv and exposed sync
   seconds (rank 0 all-gathers them already) and the plan id they ran under; never waited for;
 - ``plan``: the newest :class:`Decision` (plan with its id, the estimates that chose it, the
-  predicted before/after figures). Rank 0 reads it between steps (one ``check``) and the
-  step's existing broadcast tells every rank, so all switch at the same step;
+  predicted before/after figures). A thread of rank 0 reads it (rank 0's step never waits on
+  the store) and the step's existing all-gather of measurements carries whether there is one,
+  so all ranks switch at the same step;
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
   ``done``: rank 0 finished.
 
@@ -314,6 +315,8 @@ class PlanController:
         self._control_reason = ""
         self._records: list[tuple[int, float, dict]] = []
         self._pending: Any = None
+        self._policy_answer: Plan | None = None
+        self._searched: tuple[int, np.ndarray] | None = None  # (step, speeds) of the last search
         self.base_state = base_state
         self.profile = profile
         self.config = config
@@ -476,43 +479,148 @@ class PlanController:
         self.plans[self.next_plan_id] = plan
         self.next_plan_id += 1
         self.current = plan
+        self._policy_answer = None  # answered for the plan it replaced
+        self._searched = None  # the next step searches from the new plan
         self.decisions += 1
         return decision
 
     def _candidate(self, step: int, state: ClusterState) -> Plan | None:
-        """The policy's answer: synchronously, or (``async_search``) the answer of a policy call
-        that ran in a thread while the previous steps were observed; while one runs, the shares
-        of the plan in force re-solved on the newest estimates (the policy's own per-slot
-        re-balance, :func:`hetrain.control.incremental.rebalance_shares`)."""
+        """The best of the policy's answer and the shares of the plan in force re-solved on the
+        newest estimates (:meth:`_rebalanced`), by predicted iteration time on ``state``
+        (:meth:`_best`). Synchronously, or (``async_search``) with the answer of a policy call
+        that ran in a thread while the previous steps were observed (kept, and re-predicted on
+        each step's estimates, until a plan is applied); while none is there, the re-balanced
+        shares alone."""
         self._source = "policy"
         if not self.async_search:
-            return self._answer(controller_decide(self.policy, step, state, self.current))
+            answer = self._answer(controller_decide(self.policy, step, state, self.current))
+            return self._best(answer, state)
         if self._pending is not None and self._pending.done():
             future, self._pending = self._pending, None
             answer = self._answer(future.result())
             if answer is not None and not _same_plan(answer, self.current):
-                return answer
-            # the policy keeps the plan (it answered on estimates a few steps old): the
-            # re-balance below decides this step
-        self._source = "rebalance"
-        if self._pending is None:
+                self._policy_answer = answer
+        if self._pending is None and self._search_due(step, state):
             for args in self._records:  # measured steps, fed while the controller was busy
                 self.policy.record(*args)
             self._records.clear()
+            self._searched = (step, np.asarray(state.speed_flops, dtype=float).copy())
             self._pending = _search_executor().submit(
                 controller_decide, self.policy, step, state, self.current
             )
-        arrays = StructureArrays.build(self.current, state.ids, self.profile)
-        return runtime_plan(
-            rebalance_shares(
-                self.current,
-                state,
-                arrays,
-                self.config.batch,
-                self.optimizer_state_factor,
-                norm_block=self.config.norm_block,
-            )
+        return self._best(self._policy_answer, state)
+
+    SEARCH_EVERY_STEPS = 10
+    """``async_search``: a new policy search at most this many steps after the last one when
+    the speed estimates have not moved (each search is 0.1-1.5 s of Python on the launching
+    host, which on a small machine shares its cores with the ranks)."""
+    SEARCH_SPEED_CHANGE = 0.25
+    """``async_search``: relative change of some device's estimated speed since the last
+    search that starts a new one at once."""
+
+    def _search_due(self, step: int, state: ClusterState) -> bool:
+        searched = getattr(self, "_searched", None)
+        if searched is None:
+            return True
+        last_step, speeds = searched
+        if step - last_step >= self.SEARCH_EVERY_STEPS:
+            return True
+        now = np.asarray(state.speed_flops, dtype=float)
+        if now.shape != speeds.shape:
+            return True
+        change = np.abs(now / np.maximum(speeds, 1e-30) - 1.0)
+        return bool(np.max(change, initial=0.0) > self.SEARCH_SPEED_CHANGE)
+
+    def _rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
+        """Shares re-solved on ``state`` for ``plan``'s structure, as the runtime runs them;
+        None when no share assignment fits.
+
+        Data parallelism only (every group one device, the whole model): the runtime runs a
+        share as one micro-batch (:func:`runtime_plan`), so group ``g`` takes ``T_g(b) = κ_g
+        + λ_g L + b c_g`` (docs/model.md §3 ``C_k`` with ``μ_g = b``), and the shares that
+        minimise ``max_g T_g`` are found exactly (:func:`_linear_shares`), every device of
+        the cluster a candidate (an idle device may get work again). Otherwise
+        :func:`hetrain.control.incremental.rebalance_shares` (whole micro-batches of each
+        group's ``μ_g``): with ``μ_g = b_g`` kept it would move whole shares (for one 3x-slow
+        device of four it answered 0/0/32/32 where about 20/4/20/20 is faster, issue 10).
+        """
+        if plan.groups and all(g.num_stages == 1 for g in plan.groups):
+            return self._linear_rebalanced(plan, state)
+        arrays = StructureArrays.build(plan, state.ids, self.profile)
+        out = rebalance_shares(
+            plan,
+            state,
+            arrays,
+            self.config.batch,
+            self.optimizer_state_factor,
+            norm_block=self.config.norm_block,
         )
+        return None if out is plan else runtime_plan(out)
+
+    def _linear_rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
+        num_layers = self.profile.num_layers
+        present = {d for g in plan.groups for d in g.devices}
+        groups = [g.model_copy(update={"batch": 1, "microbatch_size": 1}) for g in plan.groups]
+        groups += [
+            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=1)
+            for d in state.ids
+            if d not in present
+        ]
+        unit = int(self.config.norm_block or 1)
+        units = int(self.config.batch) // unit
+        if units < 1:
+            return None
+        probe = plan.model_copy(update={"groups": tuple(groups)})
+        arrays = StructureArrays.build(probe, state.ids, self.profile)
+        one, _ = arrays.group_timing(state)  # μ = 1: κ + λ L + c
+        two, _ = dataclasses.replace(arrays, microbatch=arrays.microbatch * 2).group_timing(state)
+        per_unit = (two - one) * unit
+        fixed = one - (two - one)
+        # the share solver sees only the groups' compute; terms that grow with the number of
+        # active groups (the all-reduce, the straggler of jittered groups) are judged by the
+        # whole model when this plan is compared with the policy's answer (which may leave
+        # devices out). One solve: the controller decides once per measured step and must
+        # keep up with the ranks
+        counts = _linear_shares(fixed, per_unit, units)
+        if counts is None:
+            return None
+        shares = {int(arrays.group_index[g]): int(counts[g]) * unit for g in range(len(counts))}
+        out = tuple(
+            g.model_copy(
+                update={"batch": shares.get(i, 0), "microbatch_size": max(shares.get(i, 0), unit)}
+            )
+            for i, g in enumerate(groups)
+        )
+        figures = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
+        return runtime_plan(plan.model_copy(update={"groups": out, **figures}))
+
+    def _best(self, answer: Plan | None, state: ClusterState) -> Plan | None:
+        """The policy's answer, or the plan in force with re-balanced shares when that is
+        predicted faster on the same estimates (:func:`predict_iteration_time_s`; it keeps every
+        group of the plan in force, so it migrates nothing).
+
+        The policy's structure search moves whole micro-batches (a single-device group's share
+        is a multiple of its ``μ``), so with few micro-batches per device it may answer, e.g.,
+        16/0/32/16 for one 3x-slow device of four where re-balanced shares, about 3:3:3:1, are
+        faster (bench/runtime_vs_ddp.py, issue 10); the answer's idle groups are dropped by
+        :func:`runtime_plan`, so a later shares-only re-balance could not bring the slow device
+        back."""
+        try:
+            rebalanced = self._rebalanced(self.current, state)
+        except ValueError:
+            rebalanced = None
+        if rebalanced is not None and _same_plan(rebalanced, self.current):
+            rebalanced = None
+        if answer is None or rebalanced is None:
+            if answer is None and rebalanced is not None:
+                self._source = "rebalance"
+            return answer or rebalanced
+        t_answer = predict_iteration_time_s(answer, state, self.profile, self.config)
+        t_rebalanced = predict_iteration_time_s(rebalanced, state, self.profile, self.config)
+        if t_rebalanced < t_answer:
+            self._source = "rebalance"
+            return rebalanced
+        return answer
 
     def _answer(self, decision: Any) -> Plan | None:
         """The controller's decision as the runtime runs it (None: it keeps the plan)."""
@@ -525,6 +633,11 @@ class PlanController:
         out = dict(self.__dict__)
         out["_pending"] = None  # a running search is not part of the saved state
         return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_policy_answer", None)  # states saved before they existed
+        state.setdefault("_searched", None)
+        self.__dict__.update(state)
 
     def _why(self, structure: bool, state: ClusterState) -> str:
         kind = "re-plan (new groups/stages)" if structure else "rebalance (shares only)"
@@ -730,34 +843,68 @@ class ControllerThread:
 
 
 class ControllerLink:
-    """Rank 0's side of the protocol; never blocks rank 0: the store connection is made in a
-    background thread (a controller process started under ``torchrun`` may take seconds to
-    come up on a busy machine), and until it is up the round's start and the measurements are
-    queued and then sent in order; decisions are read only once connected."""
+    """Rank 0's side of the protocol; never blocks rank 0's step: one background thread makes
+    the store connection (a controller process started under ``torchrun`` may take seconds to
+    come up on a busy machine), sends the round's start and the measurements in order, and
+    keeps the newest decision (and any controller failure) in memory; :meth:`post` and
+    :meth:`poll` only touch that memory (no socket round trip on the step's path, which every
+    other rank would wait for at the step's collective)."""
+
+    REFRESH_S = 0.2
+    """Seconds between two reads of the controller's newest decision when nothing is posted
+    (it is also read after every post, once per step; reading every 20 ms instead delayed the
+    main job's first re-plan by 10 steps on a loaded 2-core machine: 150 store requests a
+    second from rank 0's process and the controller's host)."""
 
     def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
         self.endpoint = endpoint
         self.store: Any = None
         self._queue: list[tuple[str, Any]] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self._failure: str | None = None
+        self._decision: Decision | None = None
+        self._decision_raw: bytes | None = None
+        self._stop = False
         self._thread = threading.Thread(
-            target=self._connect, args=(timeout_s,), name="hetrain-controller-link", daemon=True
+            target=self._run, args=(timeout_s,), name="hetrain-controller-link", daemon=True
         )
         self._thread.start()
 
-    def _connect(self, timeout_s: float) -> None:
+    def _run(self, timeout_s: float) -> None:
         host, port = self.endpoint.rsplit(":", 1)
         try:
             store = _store(host, int(port), master=False, timeout_s=timeout_s)
         except BaseException as exc:  # reported by the next poll
             self._error = exc
             return
-        with self._lock:
-            for kind, payload in self._queue:
-                self._send(store, kind, payload)
-            self._queue.clear()
-            self.store = store
+        self.store = store
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue and not self._stop:
+                        self._cond.wait(timeout=self.REFRESH_S)
+                    items, self._queue = self._queue, []
+                    stop = self._stop
+                for kind, payload in items:
+                    self._send(store, kind, payload)
+                if stop:
+                    return
+                self._refresh(store)
+        except BaseException as exc:  # reported by the next poll
+            self._error = exc
+
+    def _refresh(self, store: Any) -> None:
+        if store.check([PREFIX + "error"]):
+            text = store.get(PREFIX + "error").decode(errors="replace").strip()
+            self._failure = text.splitlines()[-1] if text else "unknown error"
+            return
+        if not store.check([PREFIX + "plan"]):
+            return
+        raw = store.get(PREFIX + "plan")
+        if raw != self._decision_raw:
+            self._decision = pickle.loads(raw)
+            self._decision_raw = raw
 
     @staticmethod
     def _send(store: Any, kind: str, payload: Any) -> None:
@@ -775,23 +922,24 @@ class ControllerLink:
             store.set(PREFIX + "done", "1")
 
     def _submit(self, kind: str, payload: Any) -> None:
-        with self._lock:
-            if self.store is None:
-                self._queue.append((kind, payload))
-                return
-        self._send(self.store, kind, payload)
+        with self._cond:
+            if kind == "init":  # a new round: the previous round's decision is not this one's
+                self._decision = None
+                self._decision_raw = None
+            self._queue.append((kind, payload))
+            self._cond.notify()
 
     def start_round(self, init: dict[str, Any]) -> None:
         """Post this round's start (the previous round's keys are dropped)."""
         self._submit("init", init)
 
     def post(self, step: int, record: dict[str, Any]) -> None:
-        """Measurements of ``step`` (see the module docstring)."""
+        """Measurements of ``step`` (see the module docstring); returns at once."""
         self._submit("m", (step, record))
 
     def poll(self, current_plan_id: int) -> Decision | None:
-        """The newest decision when it is newer than ``current_plan_id``, else None (also
-        while the connection is not up yet).
+        """The newest decision read so far when it is newer than ``current_plan_id``, else
+        None (also while the connection is not up yet). No I/O: the thread reads it.
 
         Raises:
             RuntimeError: the controller failed (its traceback's last line), or its store could
@@ -799,23 +947,23 @@ class ControllerLink:
         """
         if self._error is not None:
             raise RuntimeError(f"the controller is unreachable at {self.endpoint}: {self._error}")
-        store = self.store
-        if store is None:
-            return None
-        if store.check([PREFIX + "error"]):
-            text = store.get(PREFIX + "error").decode(errors="replace").strip()
-            raise RuntimeError(f"the controller failed: {text.splitlines()[-1]}")
-        if not store.check([PREFIX + "plan"]):
-            return None
-        decision = pickle.loads(store.get(PREFIX + "plan"))
-        if int(decision.plan.plan_id) <= int(current_plan_id):
+        if self._failure is not None:
+            raise RuntimeError(f"the controller failed: {self._failure}")
+        with self._cond:
+            pending = any(kind == "init" for kind, _ in self._queue)
+            decision = None if pending else self._decision
+        if decision is None or int(decision.plan.plan_id) <= int(current_plan_id):
             return None
         return decision
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Tell the controller the round is over (waits up to ``wait_s`` for the connection)."""
+        """Tell the controller the round is over (sends what is queued first; waits up to
+        ``wait_s`` for the connection and the sends)."""
+        with self._cond:
+            self._queue.append(("done", None))
+            self._stop = True
+            self._cond.notify()
         self._thread.join(timeout=wait_s)
-        self._submit("done", None)
 
 
 def spawn_controller_process(timeout_s: float = 60.0):
@@ -897,6 +1045,47 @@ def even_dp_plan(
             for dev, b in zip(devices, shares, strict=True)
         ),
     )
+
+
+def _linear_shares(fixed_s: np.ndarray, per_unit_s: np.ndarray, units: int) -> np.ndarray | None:
+    """Integer units ``u_g >= 0`` with ``Σ u_g = units`` minimising ``max_{g: u_g > 0}
+    (fixed_s[g] + u_g per_unit_s[g])`` (seconds; shapes ``(G,)``; a non-finite ``fixed_s``
+    leaves its group out); None when no group can take work. Exact: the optimum is one of
+    the ``G · units`` values ``fixed + u · per_unit``; the smallest ``T`` whose capacities
+    ``Σ_g max(0, ⌊(T - fixed_g) / per_unit_g⌋)`` reach ``units`` is found by bisection
+    over them, and the excess is taken from the groups that finish last."""
+    per = np.maximum(np.asarray(per_unit_s, dtype=float), 1e-300)
+    fixed = np.asarray(fixed_s, dtype=float)
+    usable = np.isfinite(fixed) & np.isfinite(per)
+    if not usable.any() or units < 1:
+        return None
+    u = np.arange(1, units + 1, dtype=float)
+    candidates = np.unique((fixed[usable, None] + u[None, :] * per[usable, None]).ravel())
+    fixed_u = np.where(usable, fixed, 0.0)
+
+    def capacity(t: float) -> np.ndarray:
+        c = np.floor((t - fixed_u) / per + 1e-9)
+        return np.where(usable, np.clip(c, 0, units), 0).astype(np.int64)
+
+    lo, hi = 0, len(candidates) - 1
+    if capacity(candidates[hi]).sum() < units:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if capacity(candidates[mid]).sum() >= units:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = capacity(candidates[lo])
+    excess = int(counts.sum()) - units
+    order = np.argsort(-(fixed_u + counts * per), kind="stable")
+    for g in order:
+        if excess == 0:
+            break
+        take = min(excess, int(counts[g]))
+        counts[g] -= take
+        excess -= take
+    return counts
 
 
 def runtime_plan(plan: Plan) -> Plan:

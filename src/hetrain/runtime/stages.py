@@ -315,21 +315,36 @@ def run_stage(
                         t.requires_grad_(True)
                         grad_in.append(t)
             mb_inputs = _slice_rows(inputs, start, end)
+            target_mb = _slice_rows(targets, start, end) if last else None
+            # the forward context (plan-invariant randomness, ghost BatchNorm: host-side
+            # bookkeeping, no device compute) is entered before the timed window and the time
+            # of leaving it is taken out, so the emulation's (factor - 1) x sleep does not
+            # multiply it (docs/training.md, issue 10); the loss stays outside it, as before
+            ctx = forward_context(start, end) if forward_context is not None else None
+            if ctx is not None:
+                ctx.__enter__()
             _sync(device)
             t0, c0 = time.perf_counter(), time.thread_time()
-            ctx = forward_context(start, end) if forward_context is not None else None
+            bookkeeping_s = bookkeeping_cpu_s = 0.0
             with torch.autocast(
                 device_type=device.type,
                 dtype=autocast_dtype or torch.bfloat16,
                 enabled=autocast_dtype is not None,
             ):
                 if ctx is not None:
-                    with ctx:
+                    try:
                         y = stage_forward(x, mb_inputs)
+                    except BaseException as exc:
+                        ctx.__exit__(type(exc), exc, exc.__traceback__)
+                        raise
+                    e0, ec0 = time.perf_counter(), time.thread_time()
+                    ctx.__exit__(None, None, None)
+                    bookkeeping_s = time.perf_counter() - e0
+                    bookkeeping_cpu_s = time.thread_time() - ec0
                 else:
                     y = stage_forward(x, mb_inputs)
                 if last:
-                    value, count = split_loss(loss_fn(y, _slice_rows(targets, start, end)))
+                    value, count = split_loss(loss_fn(y, target_mb))
                     if count is None:
                         y = value * ((end - start) / global_batch)
                     else:
@@ -337,7 +352,8 @@ def run_stage(
                         count_sum += count.to(device=device, dtype=torch.float64)
                         y = value
             _sync(device)
-            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            dt = time.perf_counter() - t0 - bookkeeping_s
+            cpu = time.thread_time() - c0 - bookkeeping_cpu_s
             slept = slow_down(emulation, device_id, dt, microbatch=True, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.forward_time_s += dt + slept

@@ -7,9 +7,12 @@ torch's elastic launcher, by ``torchrun ... -m hetrain train``, or in-process fo
 1. set the emulation of slot ``t`` (``--slowdown``, ``--trace``, ``--cluster``);
 2. build the global batch of ``t`` (:class:`~hetrain.runtime.data.GlobalBatchSampler`, same on
    every rank) and run ``Worker.step``;
-3. all-gather each rank's measured compute/iteration times (one small tensor);
-4. rank 0 writes the metrics line, feeds :class:`~hetrain.runtime.adapt.Adapter` and decides
-   whether to re-plan; the decision is broadcast and every rank calls ``Worker.apply_plan``;
+3. all-gather each rank's measured compute/iteration times (one small tensor, the step's only
+   collective besides the engine's); rank 0's row also says whether the controller has a new
+   plan (read from memory: :class:`~hetrain.runtime.adapt.ControllerLink`'s thread talks to
+   the controller's store, so no rank waits on a socket);
+4. rank 0 writes the metrics line and posts the measurements to the controller (queued); when
+   a new plan was flagged, it is broadcast and every rank calls ``Worker.apply_plan``;
 5. every ``checkpoint_every`` steps a collective checkpoint.
 
 At the end rank 0 gathers the whole model (``Worker.full_state_dict``), evaluates it on the
@@ -692,6 +695,13 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             result = worker.step(x, y, step)
             if watchdog is not None:
                 watchdog.beat(step)
+            # rank 0: the controller's newest decision (read from memory; the link's thread
+            # fetches it), switched to after this step when no rank stops
+            decision = None
+            if link is not None and job.adaptive and world > 1 and step + 1 < job.steps:
+                t_adapt = time.perf_counter()
+                decision = link.poll(int(plan.plan_id))
+                adapt_time_s += time.perf_counter() - t_adapt
             mine = torch.tensor(
                 [
                     result.compute_time_s,
@@ -699,18 +709,22 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     result.send_recv_time_s,
                     result.sync_time_s,
                     1.0 if stop.requested else 0.0,
+                    1.0 if decision is not None else 0.0,
                 ],
                 dtype=torch.float64,
                 device=coll,
             )
-            # the step's measurements; they also carry each rank's stop request (SIGTERM), so
-            # every rank learns of one at the same step, without another collective
+            # the step's measurements; they also carry each rank's stop request (SIGTERM) and
+            # rank 0's "a new plan follows" flag, so every rank learns of both at the same step
+            # without another collective (one small all-gather per step, like DDP's single
+            # gradient all-reduce the only other collective of a data-parallel step)
             rows = [mine]
             if world > 1:
-                rows = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
+                rows = [torch.zeros(6, dtype=torch.float64, device=coll) for _ in range(world)]
                 dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
             stopping = any(r[4] > 0 for r in table)
+            new_plan_follows = table[0][5] > 0 and not stopping
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
             )
@@ -718,7 +732,6 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 per_rank = gather_measurements(result)
                 if lead:
                     timelines.append({"step": step, "plan": plan.to_json_dict(), "ranks": per_rank})
-            decision = None
             if lead:
                 last_loss = result.loss
                 iteration_time_s = max(r[1] for r in table)
@@ -759,18 +772,11 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                             },
                         },
                     )
-                    decision = link.poll(int(plan.plan_id))
                     adapt_time_s += time.perf_counter() - t_adapt
-            if job.adaptive and world > 1 and not stopping:
-                # a one-element flag every step; the plan object only when it changed: every
-                # rank switches at the same step
-                flag = torch.tensor([1 if (lead and decision is not None) else 0], device=coll)
-                dist.broadcast(flag, src=0)
-                box = [None]
-                if int(flag.item()):
-                    if lead:
-                        box = [decision.plan.to_json_dict()]
-                    dist.broadcast_object_list(box, src=0)
+            if new_plan_follows:
+                # the plan object only when it changed: every rank switches at the same step
+                box = [decision.plan.to_json_dict() if lead else None]
+                dist.broadcast_object_list(box, src=0)
                 if box[0] is not None:
                     new_plan = plan_from_dict(box[0], "<re-plan>")
                     migration = worker.apply_plan(new_plan)
