@@ -247,6 +247,25 @@ class UpdateTimeFit:
     num_points: int
 
 
+def _paired(
+    fn: str, a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, names: tuple
+) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` and ``b`` as flat float arrays of the same size ``>= 1`` with finite values.
+
+    Raises:
+        ValueError: sizes differ or are 0 (names ``fn`` and ``names``), a value not finite.
+    """
+    x = np.asarray(a, dtype=float).ravel()
+    y = np.asarray(b, dtype=float).ravel()
+    if x.shape != y.shape or x.size == 0:
+        raise ValueError(
+            f"{fn}: expected as many {names[0]} as {names[1]} (>= 1), got {x.size} and {y.size}"
+        )
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError(f"{fn}: {names[0]} and {names[1]} must be finite")
+    return x, y
+
+
 def fit_update_time(
     param_bytes: Sequence[float] | np.ndarray, times_s: Sequence[float] | np.ndarray
 ) -> UpdateTimeFit:
@@ -260,15 +279,7 @@ def fit_update_time(
         ValueError: no point, shapes differ, a value not finite, a byte count or time not
             ``> 0``.
     """
-    theta = np.asarray(param_bytes, dtype=float).ravel()
-    u = np.asarray(times_s, dtype=float).ravel()
-    if theta.shape != u.shape or theta.size == 0:
-        raise ValueError(
-            f"fit_update_time: expected as many byte counts as times (>= 1), got "
-            f"{theta.size} and {u.size}"
-        )
-    if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(u))):
-        raise ValueError("fit_update_time: bytes and times must be finite")
+    theta, u = _paired("fit_update_time", param_bytes, times_s, ("byte counts", "times"))
     if np.any(theta <= 0) or np.any(u <= 0):
         raise ValueError("fit_update_time: bytes and times must be > 0")
     a = theta / u
@@ -318,15 +329,7 @@ def fit_step_overhead(
     Raises:
         ValueError: no pair, shapes differ, or a value not finite.
     """
-    m = np.asarray(measured_s, dtype=float).ravel()
-    p = np.asarray(predicted_s, dtype=float).ravel()
-    if m.shape != p.shape or m.size == 0:
-        raise ValueError(
-            f"fit_step_overhead: expected as many measured as predicted times (>= 1), got "
-            f"{m.size} and {p.size}"
-        )
-    if not (np.all(np.isfinite(m)) and np.all(np.isfinite(p))):
-        raise ValueError("fit_step_overhead: times must be finite")
+    m, p = _paired("fit_step_overhead", measured_s, predicted_s, ("measured", "predicted times"))
     return max(0.0, float(np.median(m - p)))
 
 
