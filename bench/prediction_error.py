@@ -424,7 +424,7 @@ def one_step_ahead_runtime(plan, offline, steps, profile, config, first: int) ->
     for t, rows in enumerate(steps):
         if t >= first:
             pred = ctl.predictions()
-            learned = pred["step_overhead_s"] > 0 or ctl.observed_steps > 1
+            learned = ctl.observed_steps > 1  # its residuals start at the second step
             fixed = 0.0 if learned else config.step_overhead_s
             out.append(pred["predicted_time_s"] + fixed)
         compute = {r["device_id"]: r["compute_time_s"] for r in rows if r["batch"] > 0}
@@ -559,13 +559,13 @@ def main() -> None:
         ahead = one_step_ahead(
             plan, offline, steps, arrays, config, compute_kappa, args.online, args.refine
         )
-        ev_on = evaluate_plan(plan, online_state(offline, steps, arrays.train_flops,
-                                                 compute_kappa)[0], arrays, config)  # fmt: skip
         runtime_ahead = one_step_ahead_runtime(plan, offline, steps, arrays, config, args.online)
         runtime_pairs.append([statistics.median(runtime_ahead), measured])
         offline_pairs.append([ev_off.iteration_time_s, measured])
         online_pairs.append([statistics.median(ahead), measured])
         if args.verbose:
+            ev_on = evaluate_plan(plan, online_state(offline, steps, arrays.train_flops,
+                                                     compute_kappa)[0], arrays, config)  # fmt: skip
             med = {
                 k: statistics.median(max(r[k] for r in rows) for rows in measured_steps)
                 for k in ("compute_time_s", "sync_time_s", "optimizer_time_s", "send_recv_time_s")

@@ -398,7 +398,7 @@ class PlanController:
     def step_overhead_s(self) -> float:
         """The learned fixed time per iteration ``F`` (s, ``TrainingConfig.step_overhead_s``):
         median of the recent residuals of the plan in force, ``>= 0``; 0 before any."""
-        recent = getattr(self, "_step_residuals_s", [])  # states saved before F: none
+        recent = self._step_residuals_s
         return max(0.0, float(np.median(recent))) if recent else 0.0
 
     def observed_state(self) -> ClusterState:
@@ -519,7 +519,7 @@ class PlanController:
     search that starts a new one at once."""
 
     def _search_due(self, step: int, state: ClusterState) -> bool:
-        searched = getattr(self, "_searched", None)
+        searched = self._searched
         if searched is None:
             return True
         last_step, speeds = searched
@@ -637,6 +637,7 @@ class PlanController:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_policy_answer", None)  # states saved before they existed
         state.setdefault("_searched", None)
+        state.setdefault("_step_residuals_s", [])
         self.__dict__.update(state)
 
     def _why(self, structure: bool, state: ClusterState) -> str:
