@@ -120,7 +120,10 @@ def test_kill_one_of_four_devices_resumes_on_three(tmp_path):
     assert len(rejoin["devices"]) == 4
     between = [r["plan_id"] for r in records[: records.index(rejoin)] if "plan_id" in r]
     assert rejoin["plan_id"] == max(between) + 1
-    assert rejoin["redone_steps"] == 0
+    assert rejoin["redone_steps"] == 0, (
+        [r for r in records if r.get("event") in ("stop", "checkpoint", "restart")],
+        _logs(run),
+    )
     joined_at = rejoin["resumed_from_step"]
     assert REJOIN_AFTER_STEP < joined_at < STEPS, "the device must rejoin mid-run"
     last_plan = records[records.index(rejoin) + 1]

@@ -65,7 +65,12 @@ def test_train_resumes_after_a_rank_is_killed(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     events = _events(metrics)
     restarts = [e for e in events if e["event"] == "restart"]
-    assert len(restarts) == 1, [e["event"] for e in events]
+    # on failure: the restarts, the launcher's stderr and every rank's recorded error
+    errors = tmp_path / "run" / "rank_errors.jsonl"
+    why = f"{restarts}\n{err[-3000:]}\n" + (
+        errors.read_text()[-6000:] if errors.is_file() else "no rank_errors.jsonl"
+    )
+    assert len(restarts) == 1, why
     resumed = restarts[0]["step"]
     assert resumed % EVERY == 0 and resumed >= 10
     assert isinstance(restarts[0]["plan_id"], int)

@@ -16,6 +16,7 @@ from hetrain.profile import ProfileArrays
 from hetrain.runtime.adapt import (
     ControllerLink,
     ControllerThread,
+    Decision,
     PlanController,
     controller_state_path,
     even_dp_plan,
@@ -293,3 +294,42 @@ def test_controller_learns_the_fixed_step_time_for_its_predictions_not_its_decis
     old = PlanController.__new__(PlanController)
     old.__setstate__(saved)
     assert old.step_overhead_s() == 0.0
+
+
+def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
+    """A round whose rank 0 died (a restart) may still have a search running in the controller;
+    its decision, written after the next round's start, is ignored by the new round's rank 0
+    (it named plan ids and estimates of the old round); the new round's own decision is read."""
+    from hetrain.runtime.adapt import PREFIX, _store
+
+    store = _store("127.0.0.1", 0, master=True)
+    endpoint = f"127.0.0.1:{store.port}"
+    ctl = _controller(60)
+    init = {"base_state": ctl.base_state, "profile": ctl.profile, "config": ctl.config,
+            "plan": ctl.current, "steps": 60, "start_step": 0}  # fmt: skip
+    old, new = ControllerLink(endpoint, timeout_s=10), None
+    try:
+        old.start_round(init)
+        deadline = time.time() + 10
+        while old._round_id is None:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        new = ControllerLink(endpoint, timeout_s=10)
+        new.start_round(init)
+        while new._round_id is None or store.get(PREFIX + "init_id") != new._round_id:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        plan = even_dp_plan(DEVICES, 4, BATCH, 8).model_copy(update={"plan_id": 7})
+        decision = Decision(plan, "rebalance", 3, 0.2, 0.1, 0.01, 10.0, False)
+        store.set(PREFIX + "plan", pickle.dumps((old._round_id, decision)))  # late, old round
+        time.sleep(3 * ControllerLink.REFRESH_S)
+        assert new.poll(0) is None
+        store.set(PREFIX + "plan", pickle.dumps((new._round_id, decision)))  # this round's
+        while new.poll(0) is None:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert new.poll(0).plan.plan_id == decision.plan.plan_id
+    finally:
+        old.close(wait_s=1)
+        if new is not None:
+            new.close(wait_s=1)

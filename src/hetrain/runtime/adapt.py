@@ -14,10 +14,11 @@ Protocol (keys of that store, :class:`ControllerLink` on rank 0):
   ``κ``), the training configuration, the current plan and the first step of this round;
 - ``m/{step}`` (+ ``m_last``): after every step, each rank's compute, send/recv and exposed sync
   seconds (rank 0 all-gathers them already) and the plan id they ran under; never waited for;
-- ``plan``: the newest :class:`Decision` (plan with its id, the estimates that chose it, the
-  predicted before/after figures). A thread of rank 0 reads it (rank 0's step never waits on
-  the store) and the step's existing all-gather of measurements carries whether there is one,
-  so all ranks switch at the same step;
+- ``plan``: ``(init_id, Decision)``: the newest decision (plan with its id, the estimates that
+  chose it, the predicted before/after figures) and the round it was made for (a decision of a
+  round whose rank 0 died is ignored by the next round's). A thread of rank 0 reads it (rank
+  0's step never waits on the store) and the step's existing all-gather of measurements
+  carries whether there is one, so all ranks switch at the same step;
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
   ``done``: rank 0 finished.
 
@@ -800,7 +801,9 @@ class ControllerService:
         if self._log is not None:
             self._log.flush()
         if decision is not None:
-            self.store.set(PREFIX + "plan", pickle.dumps(decision))
+            # tagged with its round: a decision of a round that ended while it was computed
+            # (its rank 0 died) must not reach the next round's rank 0
+            self.store.set(PREFIX + "plan", pickle.dumps((self._init_id, decision)))
         return True
 
 
@@ -866,6 +869,7 @@ class ControllerLink:
         self._failure: str | None = None
         self._decision: Decision | None = None
         self._decision_raw: bytes | None = None
+        self._round_id: bytes | None = None  # the init_id of this link's round
         self._stop = False
         self._thread = threading.Thread(
             target=self._run, args=(timeout_s,), name="hetrain-controller-link", daemon=True
@@ -904,17 +908,19 @@ class ControllerLink:
             return
         raw = store.get(PREFIX + "plan")
         if raw != self._decision_raw:
-            self._decision = pickle.loads(raw)
+            round_id, decision = pickle.loads(raw)
+            if round_id == self._round_id:  # another round's decision is not this one's
+                self._decision = decision
             self._decision_raw = raw
 
-    @staticmethod
-    def _send(store: Any, kind: str, payload: Any) -> None:
+    def _send(self, store: Any, kind: str, payload: Any) -> None:
         if kind == "init":
             for key in ("plan", "m_last", "done", "error"):
                 if store.check([PREFIX + key]):
                     store.delete_key(PREFIX + key)
             store.set(PREFIX + "init", pickle.dumps(payload))
-            store.set(PREFIX + "init_id", uuid.uuid4().hex)
+            self._round_id = uuid.uuid4().hex.encode()
+            store.set(PREFIX + "init_id", self._round_id)
         elif kind == "m":
             step, record = payload
             store.set(PREFIX + f"m/{step}", pickle.dumps(record))
@@ -977,9 +983,13 @@ def spawn_controller_process(timeout_s: float = 60.0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
+    # one BLAS/OpenMP thread: the controller's numpy shares the host's cores with the ranks
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port)],
         stdin=subprocess.DEVNULL,
+        env=env,
     )
     return proc, f"127.0.0.1:{port}"
 

@@ -54,31 +54,48 @@ EXIT_STOPPED_BY_PEER = 75
 agent restarts it into the next round."""
 EXIT_STOPPED = 143
 """Exit status of a rank that stopped after its own SIGTERM (128 + 15)."""
-STOP_GRACE_S = 5.0
-"""Seconds a rank asked to stop (SIGTERM) waits for its step to finish before it just exits."""
+STOP_GRACE_S = 20.0
+"""Seconds a rank asked to stop (SIGTERM) waits for the ranks to agree on a stop step (the end of
+the current step) before it just exits; below the 30 s torch's elastic agent waits before its
+SIGKILL. Once the stop is agreed the checkpoint of that step is never cut short by it (it was 5 s
+and cut the stop checkpoint of a join on a loaded machine: the next round redid 4 steps)."""
 
 
 class StopRequest:
     """A SIGTERM received by this rank (a spot instance's warning, a scale-down, or the elastic
     agent restarting the group because a device joins): the loop stops after the current step
     with a checkpoint at a step every rank agrees on. When the step cannot finish (a peer is
-    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds."""
+    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds, unless the ranks agreed on
+    the stop step first (:meth:`agree`): then the stop checkpoint is written whatever it takes
+    (its collectives fail by themselves if a peer dies, and the agent's SIGKILL bounds it)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.agreed = False
+        self._timer: Any = None
 
     def install(self) -> StopRequest:
         import signal
+
+        signal.signal(signal.SIGTERM, self._on_term)
+        return self
+
+    def _on_term(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         import threading
 
-        def on_term(signum, frame):  # noqa: ARG001
-            self.requested = True
-            timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
-            timer.daemon = True
-            timer.start()
+        self.requested = True
+        if self.agreed or self._timer is not None:  # one grace period, none after agreement
+            return
+        self._timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
+        self._timer.daemon = True
+        self._timer.start()
 
-        signal.signal(signal.SIGTERM, on_term)
-        return self
+    def agree(self) -> None:
+        """Every rank knows the stop step (this step's all-gather carried the request): the
+        grace timer is cancelled so that it cannot cut the stop checkpoint short."""
+        self.agreed = True
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
@@ -724,6 +741,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
             stopping = any(r[4] > 0 for r in table)
+            if stopping:
+                stop.agree()
             new_plan_follows = table[0][5] > 0 and not stopping
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
