@@ -322,6 +322,19 @@ PROFILE_CASES = [
      ("--stage-lengths", "integers >= 1")),
     ("profile --example gpt2 --size huge", ("--size", "tiny, small or base")),
     ("profile --example gpt2 --batch 0", ("--batch", ">= 1")),
+    # a seed torch refuses (traceback), or numpy (train's data order) refuses
+    ("profile --example charlm --seed 100000000000000000000000", ("--seed", "2**63-1")),
+    ("profile --example charlm --seed -1", ("--seed", "between 0 and")),
+    # 100000 torch threads crashed the process (SIGSEGV); too many workers gave 0-GiB devices
+    # after the timing; 1e20 rounds ran for ever
+    ("profile --example charlm --measure --out {d}/o.json --threads 100000",
+     ("--threads", "the CPUs of this machine")),
+    ("profile --example charlm --measure --out {d}/o.json --workers 100000000",
+     ("--workers", "1 MiB of this machine's memory per device")),
+    ("profile --example charlm --measure --out {d}/o.json --repeats 100000000000000000000",
+     ("--repeats", "<= 10000")),
+    ("profile --example charlm --measure --out {d}/o.json --warmup 100000000000000000000",
+     ("--warmup", "<= 10000")),
 ]  # fmt: skip
 
 

@@ -92,6 +92,21 @@ def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
         # --size on a model it does not size was silently ignored
         (["--example", "digits", "--size", "base"], "--size: only used by --example gpt2"),
         (["--example", "charlm", "--size", "small"], "(not with --example charlm)"),
+        # a seed numpy or torch refuses: a rank failed (exit 1) or a traceback (exit 1)
+        (["--seed", "-1"], "--seed: expected an integer between 0 and 2**63-1"),
+        (["--seed", str(10**23)], "--seed: expected an integer between 0 and 2**63-1"),
+        # absurd sizes: "Maximum allowed dimension exceeded" in every rank (exit 1)
+        (["--batch", str(10**23)], "--batch: expected an integer between 1 and 1e+15"),
+        (["--steps", str(10**23)], "--steps: expected an integer between 1 and 1e+15"),
+        (["--microbatch-size", str(10**23)], "--microbatch-size: expected an integer between"),
+        # the demo slow-down's dense (steps, devices) timeline in every rank
+        (["--steps", "6000000"], "--steps: expected at most 5000000 steps with the demo"),
+        # launch options: were checked after the demo line was printed (two lines)
+        (["--max-restarts", "-1"], "--max-restarts: expected an integer >= 0, got -1"),
+        (["--nnodes", "2"], "--rdzv-endpoint: expected HOST:PORT with --nnodes > 1"),
+        (["--lr-schedule", "linear"], "--lr-schedule: expected cosine or constant"),
+        # a folder for --data was "file not found"
+        (["--example", "charlm", "--data", "."], "--data: expected a text file, got a folder"),
     ],
 )
 def test_bad_options_exit_2(tmp_path, capsys, monkeypatch, args, needle):
@@ -107,6 +122,18 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     trace.write_text("slot,device,speed_factor\n3,w5,0.5\n")
     code, err = _run(capsys, "--workers", "2", "--trace", str(trace))
     assert code == 2 and "w5" in err
+
+
+def test_trace_with_too_many_steps_exits_2(tmp_path, capsys):
+    """A trace becomes dense (steps, devices) arrays in every rank: bounded like simulate."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("slot,device,speed_factor\n3,w1,0.5\n")
+    code, err = _run(capsys, "--workers", "2", "--trace", str(trace), "--steps", "6000000")
+    assert code == 2, err
+    assert err == (
+        "hetrain: error: --steps: expected at most 5000000 steps with --trace (1e+07 "
+        "device-steps for 2 devices), got 6000000"
+    )
 
 
 def test_bad_norm_block_is_refused_before_launch(tmp_path):

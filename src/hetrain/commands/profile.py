@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetrain._io import check_output_path
+from hetrain._io import check_output_path, check_seed
 from hetrain._text import plural
 from hetrain.errors import InputError
 
@@ -66,6 +66,10 @@ def parse_stage_lengths(text: str) -> tuple[int, ...]:
 #: about a minute on one CPU thread; every one of these is an option (heavier is opt-in).
 LIGHT_MEASURE = {"microbatch_sizes": "1,2", "repeats": 1, "warmup": 0, "seq_len": 128}
 FULL_MEASURE = {"microbatch_sizes": "1,2,4,8", "repeats": 5, "warmup": 2, "seq_len": None}
+
+
+MAX_TIMED_ROUNDS = 10_000
+"""Most ``--repeats`` (and ``--warmup``) rounds accepted: medians settle after a few."""
 
 
 def run_profile(
@@ -150,6 +154,20 @@ def run_profile(
     ):
         if value < least:
             raise InputError(option, "", f"expected an integer >= {least}, got {value}")
+    check_seed("--seed", seed)
+    # upper bounds (docs/profiling.md): torch crashed (SIGSEGV) setting 100000 threads; a
+    # device of the measured cluster file gets memory / workers, which must stay >= 1 MiB (0 GiB
+    # is not a valid memory_gib); timed rounds beyond MAX_TIMED_ROUNDS would run for hours
+    max_threads = os.cpu_count() or 1
+    max_workers = max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20)
+    for option, value, most, why in (
+        ("--threads", threads, max_threads, "the CPUs of this machine"),
+        ("--workers", workers, max_workers, "1 MiB of this machine's memory per device"),
+        ("--repeats", repeats, MAX_TIMED_ROUNDS, "timed rounds"),
+        ("--warmup", warmup, MAX_TIMED_ROUNDS, "untimed rounds"),
+    ):
+        if value > most:
+            raise InputError(option, "", f"expected an integer <= {most} ({why}), got {value}")
     if measure and model is not None:
         raise InputError("--measure", "", "timing is available for --example models")
     if measure and out is None:

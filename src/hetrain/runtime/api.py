@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetrain._io import MAX_BATCH, check_seed
 from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
@@ -77,9 +78,13 @@ def _split(item: str) -> tuple[str, str]:
     return device.strip(), value.strip()
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+def _positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InputError(name, "", f"expected an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InputError(
+            name, "", f"expected an integer between {minimum} and {maximum:.0e}, got {value!r}"
+        )
     return value
 
 
@@ -198,6 +203,26 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     )
 
 
+def check_trace_steps(steps: int, num_devices: int, option: str) -> None:
+    """A trace is expanded into dense ``(steps, devices)`` arrays on every rank
+    (:meth:`hetrain.trace.Trace.timeline`): at most ``MAX_DEVICE_SLOTS`` (1e7) device-steps, the
+    bound of ``hetrain simulate --slots`` (above it a rank ran out of memory, exit 1).
+
+    Raises:
+        InputError: ``steps * num_devices`` above the bound, naming ``option``.
+    """
+    from hetrain.commands.simulate import MAX_DEVICE_SLOTS
+
+    if steps * num_devices > MAX_DEVICE_SLOTS:
+        raise InputError(
+            "--steps",
+            "",
+            f"expected at most {MAX_DEVICE_SLOTS // num_devices} steps with {option} "
+            f"({MAX_DEVICE_SLOTS:.0e} device-steps for {plural(num_devices, 'device')}), "
+            f"got {steps}",
+        )
+
+
 def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
     """An output path that training could not write is bad input, found before any rank starts
     (not after the ranks trained): a folder where a file is expected or the reverse, or a
@@ -303,8 +328,13 @@ def build_job(
         from hetrain.runtime.metrics import check_tensorboard
 
         check_tensorboard()
+    seed = check_seed("--seed", seed)
     nnodes = _positive_int("--nnodes", nnodes)
-    steps = _positive_int("--steps", steps if steps is not None else d.get("steps", 100))
+    # steps, batch and micro-batch size: at most MAX_BATCH (1e15), like hetrain plan's --batch;
+    # above it numpy's arrays of one global batch cannot be made (a rank failed, exit 1)
+    steps = _positive_int(
+        "--steps", steps if steps is not None else d.get("steps", 100), maximum=MAX_BATCH
+    )
     lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
     optimizer = optimizer or d.get("optimizer", "adamw")
     if optimizer not in OPTIMIZERS:
@@ -314,7 +344,7 @@ def build_job(
     if schedule not in (None, "1f1b", "gpipe"):
         raise InputError("--schedule", "", f"expected 1f1b or gpipe, got {schedule!r}")
     if lr_schedule not in ("cosine", "constant"):
-        raise InputError("lr_schedule", "", f"expected cosine or constant, got {lr_schedule!r}")
+        raise InputError("--lr-schedule", "", f"expected cosine or constant, got {lr_schedule!r}")
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
@@ -405,12 +435,15 @@ def build_job(
                 f"expected the plan to name every rank's device (world size {len(device_ids)}: "
                 f"{', '.join(device_ids)}); missing {', '.join(missing)}",
             )
-    batch = _positive_int("--batch", batch if batch is not None else d.get("batch", 32))
+    batch = _positive_int(
+        "--batch", batch if batch is not None else d.get("batch", 32), maximum=MAX_BATCH
+    )
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
     microbatch_size = _positive_int(
         "--microbatch-size",
         microbatch_size if microbatch_size is not None else d.get("microbatch_size", 8),
+        maximum=MAX_BATCH,
     )
     if norm_block is not None:  # BatchNorm norm block G (hetrain.runtime.norm)
         norm_block = _positive_int("--norm-block", norm_block)
@@ -435,6 +468,8 @@ def build_job(
 
         spec = cluster_spec or local_cluster_spec(device_ids)
         trace_rows = list(load_trace(trace, spec).rows)
+        if trace_rows:
+            check_trace_steps(steps, len(device_ids), "--trace")
     if adaptive is None:
         adaptive = plan_obj is None
     return TrainJob(
