@@ -105,6 +105,8 @@ def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
         (["--max-restarts", "-1"], "--max-restarts: expected an integer >= 0, got -1"),
         (["--nnodes", "2"], "--rdzv-endpoint: expected HOST:PORT with --nnodes > 1"),
         (["--lr-schedule", "linear"], "--lr-schedule: expected cosine or constant"),
+        # timedelta overflowed in every rank (exit 1)
+        (["--hang-timeout", "1e300"], "--hang-timeout: expected at most 1e+06 seconds"),
         # a folder for --data was "file not found"
         (["--example", "charlm", "--data", "."], "--data: expected a text file, got a folder"),
     ],

@@ -203,6 +203,12 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     )
 
 
+MAX_HANG_TIMEOUT_S = 1e6
+"""Longest ``--hang-timeout`` accepted (seconds, about 11.6 days): far above any step, and
+within what ``datetime.timedelta`` and the process group's millisecond timeout hold (1e300
+was an ``OverflowError`` in every rank)."""
+
+
 def check_trace_steps(steps: int, num_devices: int, option: str) -> None:
     """A trace is expanded into dense ``(steps, devices)`` arrays on every rank
     (:meth:`hetrain.trace.Trace.timeline`): at most ``MAX_DEVICE_SLOTS`` (1e7) device-steps, the
@@ -350,6 +356,12 @@ def build_job(
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
     if hang_timeout_s is not None:
         hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
+        if hang_timeout_s > MAX_HANG_TIMEOUT_S:  # 1e300 overflowed timedelta in every rank
+            raise InputError(
+                "--hang-timeout",
+                "",
+                f"expected at most {MAX_HANG_TIMEOUT_S:.0e} seconds, got {hang_timeout_s:g}",
+            )
     if grad_clip_norm == "default":
         grad_clip_norm = d.get("grad_clip_norm")
     if grad_clip_norm is not None:
