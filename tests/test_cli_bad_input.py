@@ -335,6 +335,11 @@ PROFILE_CASES = [
      ("--repeats", "<= 10000")),
     ("profile --example charlm --measure --out {d}/o.json --warmup 100000000000000000000",
      ("--warmup", "<= 10000")),
+    # the cluster file overwrote the profile it was measured with (exit 0, profile lost)
+    ("profile --example charlm --measure --out {d}/o.json --cluster-out {d}/o.json",
+     ("--cluster-out", "expected a file other than --out")),
+    ("profile --example charlm --measure --out {d}/o.json --cluster-out {d}/o.measure.json",
+     ("--cluster-out", "other than the timings file")),
 ]  # fmt: skip
 
 

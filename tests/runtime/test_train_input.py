@@ -138,6 +138,26 @@ def test_trace_with_too_many_steps_exits_2(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        # the state_dict overwrote the metrics at the end, then the report's traceback
+        (["--out", "run/metrics.jsonl"], "--out and --metrics-out: expected different files for "
+         "the trained state_dict and the metrics, got run/metrics.jsonl for both"),
+        (["--metrics-out", "run/model.pt"], "--run-dir and --metrics-out: expected different"),
+        # controller.jsonl is written beside the metrics
+        (["--metrics-out", "run/controller.jsonl"],
+         "--metrics-out: expected different files for the metrics and the controller log"),
+    ],
+)  # fmt: skip
+def test_outputs_that_are_one_file_exit_2(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run(capsys, "--workers", "2", "--run-dir", "run", *args)
+    assert code == 2, err
+    assert err == f"hetrain: error: {needle}" or (len(err.splitlines()) == 1 and needle in err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_norm_block_is_refused_before_launch(tmp_path):
     import torch
     from torch import nn

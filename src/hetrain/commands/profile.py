@@ -68,6 +68,11 @@ LIGHT_MEASURE = {"microbatch_sizes": "1,2", "repeats": 1, "warmup": 0, "seq_len"
 FULL_MEASURE = {"microbatch_sizes": "1,2,4,8", "repeats": 5, "warmup": 2, "seq_len": None}
 
 
+def _measure_path(out: Path) -> Path:
+    """``<out>.measure.json``: every median time and fit of ``--measure``, next to ``out``."""
+    return out.with_name(out.stem + ".measure.json")
+
+
 MAX_TIMED_ROUNDS = 10_000
 """Most ``--repeats`` (and ``--warmup``) rounds accepted: medians settle after a few."""
 
@@ -176,6 +181,12 @@ def run_profile(
         check_output_path("--out", out)
     if measure and cluster_out is not None:
         check_output_path("--cluster-out", cluster_out)
+        # the cluster file overwrote the profile (or the timings) it was measured with
+        for other, what in ((out, "--out"), (_measure_path(out), "the timings file")):
+            if Path(cluster_out).resolve() == Path(other).resolve():
+                raise InputError(
+                    "--cluster-out", "", f"expected a file other than {what}, got {cluster_out}"
+                )
     sizes = parse_microbatch_sizes(microbatch_sizes) if measure else ()
     lengths = parse_stage_lengths(stage_lengths) if stage_lengths else None
     if model is not None or example in HF_EXAMPLES:
@@ -583,7 +594,7 @@ def _measure(
             "one_way_s": list(link_fit.one_way_s),
         },
     }
-    mpath = out.with_name(out.stem + ".measure.json")
+    mpath = _measure_path(out)
     mpath.write_text(json.dumps(details, indent=1) + "\n", encoding="utf-8")
     print(
         f"speed {device_fit.speed_flops / 1e9:.4g} GFLOP/s, kappa {device_fit.kappa_s * 1e3:.3g}"

@@ -249,6 +249,38 @@ def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
             break
 
 
+def _check_distinct_outputs(
+    out: str | Path | None, metrics_out: str | Path | None, run_dir: str | Path | None
+) -> None:
+    """The files a run writes are distinct: the trained ``state_dict`` (``--out``, default
+    ``RUN_DIR/model.pt``), the metrics (``--metrics-out``) and the controller log
+    (``controller.jsonl`` beside the metrics, hetrain.runtime.worker_main). ``--out`` equal to
+    ``--metrics-out`` overwrote the metrics with the state_dict at the end (then a traceback).
+
+    Raises:
+        InputError: two of them are the same file, naming the options that set them.
+    """
+    files: list[tuple[str, Path, str]] = []
+    if out is not None:
+        files.append(("--out", Path(out), "the trained state_dict"))
+    elif run_dir is not None:
+        files.append(("--run-dir", Path(run_dir) / "model.pt", "the trained state_dict"))
+    if metrics_out is not None:
+        files.append(("--metrics-out", Path(metrics_out), "the metrics"))
+        controller = Path(metrics_out).with_name("controller.jsonl")
+        files.append(("--metrics-out", controller, "the controller log"))
+    elif run_dir is not None:
+        files.append(("--run-dir", Path(run_dir) / "controller.jsonl", "the controller log"))
+    for i, (option, path, what) in enumerate(files):
+        for earlier_option, earlier, earlier_what in files[:i]:
+            if path.resolve() == earlier.resolve():
+                raise InputError(
+                    option if option == earlier_option else f"{earlier_option} and {option}",
+                    "",
+                    f"expected different files for {earlier_what} and {what}, got {path} for both",
+                )
+
+
 def _check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
     """Bad checkpoint folders are bad input, found before any rank starts: a file instead of a
     folder (or under a file), a latest checkpoint that is corrupted (size/sha256) or malformed,
@@ -435,6 +467,7 @@ def build_job(
         _check_output_path("--metrics-out", Path(metrics_out), folder=False)
     if out is not None:
         _check_output_path("--out", Path(out), folder=False)
+    _check_distinct_outputs(out, metrics_out, run_dir)
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
