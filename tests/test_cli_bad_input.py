@@ -124,6 +124,8 @@ FILES: dict[str, object] = {
         ]
     },
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
+    "t_keep.csv": TRACE_HEADER + "0,a,0.5,,,\n",
+    "c_keep.yaml": CLUSTER,
 }
 
 
@@ -289,6 +291,11 @@ CASES = [
     # --csv-out that cannot be written: checked before simulating (was an OSError traceback)
     (SIM_ARGS + " --csv-out {d}/adir", 2, ("--csv-out", "directory")),
     (SIM_ARGS + " --csv-out {d}/afile/x.csv", 2, ("--csv-out", "not a directory")),
+    # the per-slot rows overwrote the input they were simulated from (exit 0, input lost)
+    (SIM_ARGS + " --trace {d}/t_keep.csv --csv-out {d}/t_keep.csv", 2,
+     ("--csv-out", "other than the --trace input")),
+    ("simulate --cluster {d}/c_keep.yaml --model {d}/m.json --batch 8 --slots 2 "
+     "--csv-out {d}/c_keep.yaml", 2, ("--csv-out", "other than the --cluster input")),
     ("simulate --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "fits")),
     ("simulate --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8 --slots 3 "

@@ -158,6 +158,19 @@ def test_outputs_that_are_one_file_exit_2(tmp_path, capsys, monkeypatch, args, n
     assert not (tmp_path / "run").exists()
 
 
+def test_output_that_is_an_input_file_exits_2(tmp_path, capsys):
+    """The metrics overwrote the plan file they were trained with."""
+    plan = _plan(tmp_path, DP2)
+    before = (tmp_path / "plan.json").read_text()
+    code, err = _run(capsys, "--workers", "2", "--plan", plan, "--metrics-out", plan)
+    assert code == 2, err
+    assert err == (
+        f"hetrain: error: --metrics-out and --plan: expected the metrics in a file other than "
+        f"the --plan input, got {plan}"
+    )
+    assert (tmp_path / "plan.json").read_text() == before
+
+
 def test_bad_norm_block_is_refused_before_launch(tmp_path):
     import torch
     from torch import nn

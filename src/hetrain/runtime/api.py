@@ -250,15 +250,20 @@ def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
 
 
 def _check_distinct_outputs(
-    out: str | Path | None, metrics_out: str | Path | None, run_dir: str | Path | None
+    out: str | Path | None,
+    metrics_out: str | Path | None,
+    run_dir: str | Path | None,
+    inputs: Sequence[tuple[str, Path]] = (),
 ) -> None:
     """The files a run writes are distinct: the trained ``state_dict`` (``--out``, default
     ``RUN_DIR/model.pt``), the metrics (``--metrics-out``) and the controller log
     (``controller.jsonl`` beside the metrics, hetrain.runtime.worker_main). ``--out`` equal to
     ``--metrics-out`` overwrote the metrics with the state_dict at the end (then a traceback).
+    None of them is one of the ``inputs`` (``--plan``, ``--cluster``, ``--trace`` files: the
+    metrics overwrote the plan they were trained with).
 
     Raises:
-        InputError: two of them are the same file, naming the options that set them.
+        InputError: two of them are the same file, or one is an input file, naming the options.
     """
     files: list[tuple[str, Path, str]] = []
     if out is not None:
@@ -271,6 +276,14 @@ def _check_distinct_outputs(
         files.append(("--metrics-out", controller, "the controller log"))
     elif run_dir is not None:
         files.append(("--run-dir", Path(run_dir) / "controller.jsonl", "the controller log"))
+    for option, path, what in files:
+        for in_option, in_path in inputs:
+            if path.resolve() == in_path.resolve():
+                raise InputError(
+                    f"{option} and {in_option}",
+                    "",
+                    f"expected {what} in a file other than the {in_option} input, got {path}",
+                )
     for i, (option, path, what) in enumerate(files):
         for earlier_option, earlier, earlier_what in files[:i]:
             if path.resolve() == earlier.resolve():
@@ -467,7 +480,16 @@ def build_job(
         _check_output_path("--metrics-out", Path(metrics_out), folder=False)
     if out is not None:
         _check_output_path("--out", Path(out), folder=False)
-    _check_distinct_outputs(out, metrics_out, run_dir)
+    _check_distinct_outputs(
+        out,
+        metrics_out,
+        run_dir,
+        inputs=[
+            (option, Path(path))
+            for option, path in (("--plan", plan), ("--cluster", cluster), ("--trace", trace))
+            if isinstance(path, (str, Path))
+        ],
+    )
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
