@@ -171,6 +171,19 @@ def test_output_that_is_an_input_file_exits_2(tmp_path, capsys):
     assert (tmp_path / "plan.json").read_text() == before
 
 
+def test_output_that_is_the_data_file_exits_2(tmp_path, capsys):
+    """charlm's text was overwritten by the metrics it trained."""
+    text = tmp_path / "text.txt"
+    text.write_text("hello world " * 500)
+    args = ("--example", "charlm", "--data", str(text), "--workers", "2")
+    code, err = _run(capsys, *args, "--metrics-out", str(text))
+    assert code == 2 and err == (
+        f"hetrain: error: --metrics-out and --data: expected a file other than the --data "
+        f"input, got {text}"
+    )
+    assert text.read_text() == "hello world " * 500
+
+
 def test_bad_norm_block_is_refused_before_launch(tmp_path):
     import torch
     from torch import nn

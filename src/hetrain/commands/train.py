@@ -116,6 +116,17 @@ def run_train(
     name = task.name if model is None else "model"
     run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"
+    if data is not None:  # the other input files are checked by build_job
+        for option, path in (
+            ("--out", out or run_dir / "model.pt"),
+            ("--metrics-out", metrics_out),
+        ):
+            if path.resolve() == data.resolve():
+                raise InputError(
+                    f"{option} and --data",
+                    "",
+                    f"expected a file other than the --data input, got {path}",
+                )
     options: dict[str, Any] = dict(
         steps=steps,
         batch=batch,
