@@ -328,6 +328,9 @@ PROFILE_CASES = [
     ("profile --example gpt2 --measure --out {d}/o.json --stage-lengths 2,x",
      ("--stage-lengths", "integers >= 1")),
     ("profile --example gpt2 --size huge", ("--size", "tiny, small or base")),
+    # --size on a model it does not size was silently ignored (train refuses it)
+    ("profile --example digits --size base", ("--size", "(not with --example digits)")),
+    ("profile --model m:f --size small", ("--size", "(not with --model)")),
     ("profile --example gpt2 --batch 0", ("--batch", ">= 1")),
     # a seed torch refuses (traceback), or numpy (train's data order) refuses
     ("profile --example charlm --seed 100000000000000000000000", ("--seed", "2**63-1")),

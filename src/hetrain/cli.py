@@ -496,13 +496,13 @@ def profile(
         int, typer.Option("--seed", help="seed of the random weights and inputs profiled")
     ] = 0,
     size: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--size",
-            help="tiny, small or base (--example gpt2, bert, resnet); the default is what "
-            "hetrain train --example X trains",
+            help="tiny (default), small or base (--example gpt2, bert, resnet); the default is "
+            "what hetrain train --example X trains",
         ),
-    ] = "tiny",
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
     ] = None,

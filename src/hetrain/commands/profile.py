@@ -92,7 +92,7 @@ def run_profile(
     threads: int = 1,
     link: bool = True,
     seed: int = 0,
-    size: str = "tiny",
+    size: str | None = None,
     model: str | None = None,
     seq_len: int | None = None,
     stage_lengths: str | None = None,
@@ -127,6 +127,13 @@ def run_profile(
             "",
             f"expected one of {', '.join(sorted([*EXAMPLES, *HF_EXAMPLES]))}, got {example!r}",
         )
+    if size is not None and (model is not None or example not in HF_EXAMPLES):
+        # was silently ignored (hetrain train refuses it the same way)
+        used = "--model" if model is not None else f"--example {example}"
+        raise InputError(
+            "--size", "", f"only used by --example {', '.join(HF_EXAMPLES)} (not with {used})"
+        )
+    size = size or "tiny"
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
