@@ -124,6 +124,11 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     trace.write_text("slot,device,speed_factor\n3,w5,0.5\n")
     code, err = _run(capsys, "--workers", "2", "--trace", str(trace))
     assert code == 2 and "w5" in err
+    # there is no cluster file to name: the devices are the run's ranks
+    assert err == (
+        f"hetrain: error: {trace}: row 2.device: expected a device of this run (w0, w1; no "
+        "--cluster), got 'w5'"
+    )
 
 
 def test_trace_with_too_many_steps_exits_2(tmp_path, capsys):

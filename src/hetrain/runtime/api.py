@@ -534,7 +534,18 @@ def build_job(
         from hetrain.trace import load_trace
 
         spec = cluster_spec or local_cluster_spec(device_ids)
-        trace_rows = list(load_trace(trace, spec).rows)
+        try:
+            trace_rows = list(load_trace(trace, spec).rows)
+        except InputError as exc:
+            if cluster_spec is not None or not exc.field.endswith(".device"):
+                raise
+            # no cluster file: the devices are this run's ranks (it said "of the cluster file")
+            got = exc.expected.rpartition(", got ")[2]
+            raise InputError(
+                exc.source,
+                exc.field,
+                f"expected a device of this run ({', '.join(device_ids)}; no --cluster), got {got}",
+            ) from None
         if trace_rows:
             check_trace_steps(steps, len(device_ids), "--trace")
     if adaptive is None:
