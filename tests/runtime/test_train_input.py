@@ -68,6 +68,16 @@ def test_bad_plan_exits_2_with_one_line(tmp_path, capsys, groups, workers, needl
     assert not (tmp_path / "run").exists()
 
 
+def test_microbatch_size_with_a_fixed_plan_exits_2(tmp_path, capsys):
+    """--microbatch-size sets μ of the plans chosen online: with --plan it was ignored."""
+    plan = _plan(tmp_path, DP2)
+    code, err = _run(capsys, "--workers", "2", "--microbatch-size", "4", "--plan", plan)
+    assert code == 2 and err == (
+        f"hetrain: error: --microbatch-size: not used with {plan} (a fixed plan: its groups set "
+        "microbatch_size)"
+    )
+
+
 def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
     code, err = _run(capsys, "--workers", "2", "--batch", "40", "--plan", _plan(tmp_path, DP2))
     assert code == 2 and "summing to the global batch 40" in err

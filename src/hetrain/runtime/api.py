@@ -507,6 +507,13 @@ def build_job(
     )
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
+    if microbatch_size is not None and plan_obj is not None and not adaptive:
+        # μ of the plans chosen online; a fixed plan's groups set theirs (was silently ignored)
+        raise InputError(
+            "--microbatch-size",
+            "",
+            f"not used with {plan_source} (a fixed plan: its groups set microbatch_size)",
+        )
     microbatch_size = _positive_int(
         "--microbatch-size",
         microbatch_size if microbatch_size is not None else d.get("microbatch_size", 8),
