@@ -372,7 +372,10 @@ def build_job(
             ``norm_block``; ``exact`` refuses uncovered random ops at run time), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files, ``tensorboard`` without
-            the ``tensorboard`` package.
+            the ``tensorboard`` package; a seed outside ``[0, 2**63-1]``, steps, batch or
+            micro-batch size above ``MAX_BATCH`` (1e15), a trace's steps x devices above 1e7,
+            ``hang_timeout_s`` above :data:`MAX_HANG_TIMEOUT_S`, ``microbatch_size`` with a
+            fixed plan, output files that coincide with each other or with an input file.
     """
     d = task.defaults
     if tensorboard:
