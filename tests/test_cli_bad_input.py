@@ -382,6 +382,25 @@ def test_bad_input_subprocess_one_line(inputs: Path, args: str) -> None:
     assert proc.stderr.startswith("hetrain: error: ")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [PLAN_ARGS, PLAN_ARGS + " --json", SIM_ARGS])
+def test_stdout_that_cannot_be_written_is_one_line(inputs: Path, args: str) -> None:
+    """stdout on a full disk: an OSError traceback from rich's console before."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hetrain", *_argv(args, inputs)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "hetrain: error: output: cannot write (No space left on device)\n"
+
+
 def test_plan_and_minimum_budget_searches_are_time_bounded(inputs: Path, monkeypatch) -> None:
     """Large valid inputs must not hang: ``plan`` and simulate's minimum-budget estimate give
     the planner a time budget (256 devices × 1000 layers searched for minutes without one)."""
