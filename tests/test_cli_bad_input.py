@@ -124,6 +124,8 @@ FILES: dict[str, object] = {
         ]
     },
     "bom.json": "\ufeff" + json.dumps(CLUSTER),
+    "t_keep.csv": TRACE_HEADER + "0,a,0.5,,,\n",
+    "c_keep.yaml": CLUSTER,
 }
 
 
@@ -289,6 +291,11 @@ CASES = [
     # --csv-out that cannot be written: checked before simulating (was an OSError traceback)
     (SIM_ARGS + " --csv-out {d}/adir", 2, ("--csv-out", "directory")),
     (SIM_ARGS + " --csv-out {d}/afile/x.csv", 2, ("--csv-out", "not a directory")),
+    # the per-slot rows overwrote the input they were simulated from (exit 0, input lost)
+    (SIM_ARGS + " --trace {d}/t_keep.csv --csv-out {d}/t_keep.csv", 2,
+     ("--csv-out", "other than the --trace input")),
+    ("simulate --cluster {d}/c_keep.yaml --model {d}/m.json --batch 8 --slots 2 "
+     "--csv-out {d}/c_keep.yaml", 2, ("--csv-out", "other than the --cluster input")),
     ("simulate --cluster {d}/c.yaml --model {d}/huge_model.json --batch 8", 2,
      ("huge_model.json", "fits")),
     ("simulate --cluster {d}/one.yaml --model {d}/one_layer.json --batch 8 --slots 3 "
@@ -321,7 +328,28 @@ PROFILE_CASES = [
     ("profile --example gpt2 --measure --out {d}/o.json --stage-lengths 2,x",
      ("--stage-lengths", "integers >= 1")),
     ("profile --example gpt2 --size huge", ("--size", "tiny, small or base")),
+    # --size on a model it does not size was silently ignored (train refuses it)
+    ("profile --example digits --size base", ("--size", "(not with --example digits)")),
+    ("profile --model m:f --size small", ("--size", "(not with --model)")),
     ("profile --example gpt2 --batch 0", ("--batch", ">= 1")),
+    # a seed torch refuses (traceback), or numpy (train's data order) refuses
+    ("profile --example charlm --seed 100000000000000000000000", ("--seed", "2**63-1")),
+    ("profile --example charlm --seed -1", ("--seed", "between 0 and")),
+    # 100000 torch threads crashed the process (SIGSEGV); too many workers gave 0-GiB devices
+    # after the timing; 1e20 rounds ran for ever
+    ("profile --example charlm --measure --out {d}/o.json --threads 100000",
+     ("--threads", "the CPUs of this machine")),
+    ("profile --example charlm --measure --out {d}/o.json --workers 100000000",
+     ("--workers", "1 MiB of this machine's memory per device")),
+    ("profile --example charlm --measure --out {d}/o.json --repeats 100000000000000000000",
+     ("--repeats", "<= 10000")),
+    ("profile --example charlm --measure --out {d}/o.json --warmup 100000000000000000000",
+     ("--warmup", "<= 10000")),
+    # the cluster file overwrote the profile it was measured with (exit 0, profile lost)
+    ("profile --example charlm --measure --out {d}/o.json --cluster-out {d}/o.json",
+     ("--cluster-out", "expected a file other than --out")),
+    ("profile --example charlm --measure --out {d}/o.json --cluster-out {d}/o.measure.json",
+     ("--cluster-out", "other than the timings file")),
 ]  # fmt: skip
 
 
@@ -352,6 +380,25 @@ def test_bad_input_subprocess_one_line(inputs: Path, args: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("hetrain: error: ")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [PLAN_ARGS, PLAN_ARGS + " --json", SIM_ARGS])
+def test_stdout_that_cannot_be_written_is_one_line(inputs: Path, args: str) -> None:
+    """stdout on a full disk: an OSError traceback from rich's console before."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hetrain", *_argv(args, inputs)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "hetrain: error: output: cannot write (No space left on device)\n"
 
 
 def test_plan_and_minimum_budget_searches_are_time_bounded(inputs: Path, monkeypatch) -> None:

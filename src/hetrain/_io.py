@@ -152,6 +152,26 @@ MAX_BATCH = 10**15
 """Largest global batch, share or micro-batch size accepted (samples). Far above any real
 run, and small enough that the planner's int64 arithmetic cannot overflow."""
 
+MAX_SEED = 2**63 - 1
+"""Largest ``--seed`` accepted: torch's generators take a 64-bit seed and
+``numpy.random.default_rng`` a non-negative one, so seeds are integers in ``[0, 2**63 - 1]``
+(docs/training.md "Options")."""
+
+
+def check_seed(option: str, value: Any) -> int:
+    """``value`` as a seed for torch and numpy: an integer in ``[0, MAX_SEED]``.
+
+    Raises:
+        InputError: not an integer, negative (numpy's ``default_rng`` refuses it in every rank)
+            or above :data:`MAX_SEED` (torch's ``manual_seed`` overflows).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise InputError(
+            option, "", f"expected an integer between 0 and 2**63-1 ({MAX_SEED}), got {value!r}"
+        )
+    return value
+
+
 MAX_NESTING = 100
 """Deepest nesting of lists/mappings accepted in an input file (the formats need 4)."""
 

@@ -496,13 +496,13 @@ def profile(
         int, typer.Option("--seed", help="seed of the random weights and inputs profiled")
     ] = 0,
     size: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--size",
-            help="tiny, small or base (--example gpt2, bert, resnet); the default is what "
-            "hetrain train --example X trains",
+            help="tiny (default), small or base (--example gpt2, bert, resnet); the default is "
+            "what hetrain train --example X trains",
         ),
-    ] = "tiny",
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
     ] = None,
@@ -551,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(130, argv)
     except SystemExit as exc:
         return _exit(exc.code if isinstance(exc.code, int) else 1, argv)
+    except BrokenPipeError:  # `hetrain plan --json | head`: the reader left, nothing to say
+        return _exit(1, argv)
+    except OSError as exc:  # e.g. stdout on a full disk (/dev/full): one line, not a traceback
+        where = exc.filename if exc.filename is not None else "output"
+        print(f"hetrain: error: {where}: cannot write ({exc.strerror or exc})", file=sys.stderr)
+        return _exit(2, argv)
     except Exception as exc:
         # typer's (vendored click) usage errors: ClickException subclasses with exit_code 2
         if not hasattr(exc, "format_message") or not hasattr(exc, "exit_code"):

@@ -68,6 +68,16 @@ def test_bad_plan_exits_2_with_one_line(tmp_path, capsys, groups, workers, needl
     assert not (tmp_path / "run").exists()
 
 
+def test_microbatch_size_with_a_fixed_plan_exits_2(tmp_path, capsys):
+    """--microbatch-size sets μ of the plans chosen online: with --plan it was ignored."""
+    plan = _plan(tmp_path, DP2)
+    code, err = _run(capsys, "--workers", "2", "--microbatch-size", "4", "--plan", plan)
+    assert code == 2 and err == (
+        f"hetrain: error: --microbatch-size: not used with {plan} (a fixed plan: its groups set "
+        "microbatch_size)"
+    )
+
+
 def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
     code, err = _run(capsys, "--workers", "2", "--batch", "40", "--plan", _plan(tmp_path, DP2))
     assert code == 2 and "summing to the global batch 40" in err
@@ -92,6 +102,23 @@ def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
         # --size on a model it does not size was silently ignored
         (["--example", "digits", "--size", "base"], "--size: only used by --example gpt2"),
         (["--example", "charlm", "--size", "small"], "(not with --example charlm)"),
+        # a seed numpy or torch refuses: a rank failed (exit 1) or a traceback (exit 1)
+        (["--seed", "-1"], "--seed: expected an integer between 0 and 2**63-1"),
+        (["--seed", str(10**23)], "--seed: expected an integer between 0 and 2**63-1"),
+        # absurd sizes: "Maximum allowed dimension exceeded" in every rank (exit 1)
+        (["--batch", str(10**23)], "--batch: expected an integer between 1 and 1e+15"),
+        (["--steps", str(10**23)], "--steps: expected an integer between 1 and 1e+15"),
+        (["--microbatch-size", str(10**23)], "--microbatch-size: expected an integer between"),
+        # the demo slow-down's dense (steps, devices) timeline in every rank
+        (["--steps", "6000000"], "--steps: expected at most 5000000 steps with the demo"),
+        # launch options: were checked after the demo line was printed (two lines)
+        (["--max-restarts", "-1"], "--max-restarts: expected an integer >= 0, got -1"),
+        (["--nnodes", "2"], "--rdzv-endpoint: expected HOST:PORT with --nnodes > 1"),
+        (["--lr-schedule", "linear"], "--lr-schedule: expected cosine or constant"),
+        # timedelta overflowed in every rank (exit 1)
+        (["--hang-timeout", "1e300"], "--hang-timeout: expected at most 1e+06 seconds"),
+        # a folder for --data was "file not found"
+        (["--example", "charlm", "--data", "."], "--data: expected a text file, got a folder"),
     ],
 )
 def test_bad_options_exit_2(tmp_path, capsys, monkeypatch, args, needle):
@@ -107,6 +134,69 @@ def test_trace_with_unknown_device_exits_2(tmp_path, capsys):
     trace.write_text("slot,device,speed_factor\n3,w5,0.5\n")
     code, err = _run(capsys, "--workers", "2", "--trace", str(trace))
     assert code == 2 and "w5" in err
+    # there is no cluster file to name: the devices are the run's ranks
+    assert err == (
+        f"hetrain: error: {trace}: row 2.device: expected a device of this run (w0, w1; no "
+        "--cluster), got 'w5'"
+    )
+
+
+def test_trace_with_too_many_steps_exits_2(tmp_path, capsys):
+    """A trace becomes dense (steps, devices) arrays in every rank: bounded like simulate."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("slot,device,speed_factor\n3,w1,0.5\n")
+    code, err = _run(capsys, "--workers", "2", "--trace", str(trace), "--steps", "6000000")
+    assert code == 2, err
+    assert err == (
+        "hetrain: error: --steps: expected at most 5000000 steps with --trace (1e+07 "
+        "device-steps for 2 devices), got 6000000"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        # the state_dict overwrote the metrics at the end, then the report's traceback
+        (["--out", "run/metrics.jsonl"], "--out and --metrics-out: expected different files for "
+         "the trained state_dict and the metrics, got run/metrics.jsonl for both"),
+        (["--metrics-out", "run/model.pt"], "--run-dir and --metrics-out: expected different"),
+        # controller.jsonl is written beside the metrics
+        (["--metrics-out", "run/controller.jsonl"],
+         "--metrics-out: expected different files for the metrics and the controller log"),
+    ],
+)  # fmt: skip
+def test_outputs_that_are_one_file_exit_2(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run(capsys, "--workers", "2", "--run-dir", "run", *args)
+    assert code == 2, err
+    assert err == f"hetrain: error: {needle}" or (len(err.splitlines()) == 1 and needle in err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_output_that_is_an_input_file_exits_2(tmp_path, capsys):
+    """The metrics overwrote the plan file they were trained with."""
+    plan = _plan(tmp_path, DP2)
+    before = (tmp_path / "plan.json").read_text()
+    code, err = _run(capsys, "--workers", "2", "--plan", plan, "--metrics-out", plan)
+    assert code == 2, err
+    assert err == (
+        f"hetrain: error: --metrics-out and --plan: expected the metrics in a file other than "
+        f"the --plan input, got {plan}"
+    )
+    assert (tmp_path / "plan.json").read_text() == before
+
+
+def test_output_that_is_the_data_file_exits_2(tmp_path, capsys):
+    """charlm's text was overwritten by the metrics it trained."""
+    text = tmp_path / "text.txt"
+    text.write_text("hello world " * 500)
+    args = ("--example", "charlm", "--data", str(text), "--workers", "2")
+    code, err = _run(capsys, *args, "--metrics-out", str(text))
+    assert code == 2 and err == (
+        f"hetrain: error: --metrics-out and --data: expected a file other than the --data "
+        f"input, got {text}"
+    )
+    assert text.read_text() == "hello world " * 500
 
 
 def test_bad_norm_block_is_refused_before_launch(tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetrain._io import check_output_path
+from hetrain._io import check_output_path, check_seed
 from hetrain._text import plural
 from hetrain.errors import InputError
 
@@ -68,6 +68,15 @@ LIGHT_MEASURE = {"microbatch_sizes": "1,2", "repeats": 1, "warmup": 0, "seq_len"
 FULL_MEASURE = {"microbatch_sizes": "1,2,4,8", "repeats": 5, "warmup": 2, "seq_len": None}
 
 
+def _measure_path(out: Path) -> Path:
+    """``<out>.measure.json``: every median time and fit of ``--measure``, next to ``out``."""
+    return out.with_name(out.stem + ".measure.json")
+
+
+MAX_TIMED_ROUNDS = 10_000
+"""Most ``--repeats`` (and ``--warmup``) rounds accepted: medians settle after a few."""
+
+
 def run_profile(
     *,
     example: str,
@@ -83,7 +92,7 @@ def run_profile(
     threads: int = 1,
     link: bool = True,
     seed: int = 0,
-    size: str = "tiny",
+    size: str | None = None,
     model: str | None = None,
     seq_len: int | None = None,
     stage_lengths: str | None = None,
@@ -118,6 +127,13 @@ def run_profile(
             "",
             f"expected one of {', '.join(sorted([*EXAMPLES, *HF_EXAMPLES]))}, got {example!r}",
         )
+    if size is not None and (model is not None or example not in HF_EXAMPLES):
+        # was silently ignored (hetrain train refuses it the same way)
+        used = "--model" if model is not None else f"--example {example}"
+        raise InputError(
+            "--size", "", f"only used by --example {', '.join(HF_EXAMPLES)} (not with {used})"
+        )
+    size = size or "tiny"
     if batch < 1:
         raise InputError("--batch", "", f"expected an integer >= 1, got {batch}")
     if device not in ("auto", "cpu", "meta"):
@@ -150,6 +166,20 @@ def run_profile(
     ):
         if value < least:
             raise InputError(option, "", f"expected an integer >= {least}, got {value}")
+    check_seed("--seed", seed)
+    # upper bounds (docs/profiling.md): torch crashed (SIGSEGV) setting 100000 threads; a
+    # device of the measured cluster file gets memory / workers, which must stay >= 1 MiB (0 GiB
+    # is not a valid memory_gib); timed rounds beyond MAX_TIMED_ROUNDS would run for hours
+    max_threads = os.cpu_count() or 1
+    max_workers = max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20)
+    for option, value, most, why in (
+        ("--threads", threads, max_threads, "the CPUs of this machine"),
+        ("--workers", workers, max_workers, "1 MiB of this machine's memory per device"),
+        ("--repeats", repeats, MAX_TIMED_ROUNDS, "timed rounds"),
+        ("--warmup", warmup, MAX_TIMED_ROUNDS, "untimed rounds"),
+    ):
+        if value > most:
+            raise InputError(option, "", f"expected an integer <= {most} ({why}), got {value}")
     if measure and model is not None:
         raise InputError("--measure", "", "timing is available for --example models")
     if measure and out is None:
@@ -158,6 +188,12 @@ def run_profile(
         check_output_path("--out", out)
     if measure and cluster_out is not None:
         check_output_path("--cluster-out", cluster_out)
+        # the cluster file overwrote the profile (or the timings) it was measured with
+        for other, what in ((out, "--out"), (_measure_path(out), "the timings file")):
+            if Path(cluster_out).resolve() == Path(other).resolve():
+                raise InputError(
+                    "--cluster-out", "", f"expected a file other than {what}, got {cluster_out}"
+                )
     sizes = parse_microbatch_sizes(microbatch_sizes) if measure else ()
     lengths = parse_stage_lengths(stage_lengths) if stage_lengths else None
     if model is not None or example in HF_EXAMPLES:
@@ -565,7 +601,7 @@ def _measure(
             "one_way_s": list(link_fit.one_way_s),
         },
     }
-    mpath = out.with_name(out.stem + ".measure.json")
+    mpath = _measure_path(out)
     mpath.write_text(json.dumps(details, indent=1) + "\n", encoding="utf-8")
     print(
         f"speed {device_fit.speed_flops / 1e9:.4g} GFLOP/s, kappa {device_fit.kappa_s * 1e3:.3g}"

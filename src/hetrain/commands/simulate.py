@@ -143,6 +143,13 @@ def run_simulate(
             )
     if csv_out is not None:
         check_output_path("--csv-out", csv_out)
+        # the per-slot rows overwrote the input they were simulated from
+        for option, path in (("--cluster", cluster), ("--model", model), ("--trace", trace),
+                             ("--plan", plan)):  # fmt: skip
+            if path is not None and Path(csv_out).resolve() == Path(path).resolve():
+                raise InputError(
+                    "--csv-out", "", f"expected a file other than the {option} input, got {path}"
+                )
     parsed = load_trace(trace, spec) if trace is not None else Trace((), "<no trace>")
     timeline = parsed.timeline(spec, slots)
     if not timeline.available.any():

@@ -50,6 +50,8 @@ def _task(
     if data is not None:
         if example != "charlm":
             raise InputError("--data", "", "a text file is only used by --example charlm")
+        if data.is_dir():
+            raise InputError("--data", "", f"expected a text file, got a folder: {data}")
         if not data.is_file():
             raise InputError(str(data), "", "file not found")
         try:
@@ -105,13 +107,26 @@ def run_train(
 ) -> int:
     """Run ``hetrain train``; returns the exit status (0 ok, 1 a rank failed, 2 bad input is
     raised as :class:`InputError`)."""
+    from hetrain._io import check_seed
     from hetrain.runtime.api import build_job, run_job
     from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
 
+    check_seed("--seed", seed)  # before a --model factory is seeded with it
     task = _task(example, model, data, size, seed)
     name = task.name if model is None else "model"
     run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"
+    if data is not None:  # the other input files are checked by build_job
+        for option, path in (
+            ("--out", out or run_dir / "model.pt"),
+            ("--metrics-out", metrics_out),
+        ):
+            if path.resolve() == data.resolve():
+                raise InputError(
+                    f"{option} and --data",
+                    "",
+                    f"expected a file other than the --data input, got {path}",
+                )
     options: dict[str, Any] = dict(
         steps=steps,
         batch=batch,
@@ -186,6 +201,11 @@ def run_train(
         return 0
 
     job = build_job(task, workers=workers, nnodes=nnodes, progress=progress, **options)
+    # the launch options are checked before anything is printed (one line on bad input)
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if max_restarts < 0:
+        raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
     if (
         demo_slowdown
         and model is None
@@ -195,14 +215,15 @@ def run_train(
         and cluster is None
         and len(job.devices) > 1
     ):
+        from hetrain.runtime.api import check_trace_steps
+
+        check_trace_steps(job.steps, len(job.devices), "the demo slow-down (--no-demo-slowdown)")
         job.trace_rows = demo_trace_rows(job.devices, job.steps)
         print(
             f"hetrain: demo dynamics: {job.devices[1]} computes {DEMO_SLOWDOWN_FACTOR:g}x slower "
             f"from step {job.steps // 3} on (--no-demo-slowdown to turn off)",
             file=sys.stderr,
         )
-    if nnodes > 1 and rdzv_endpoint is None:
-        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
     t0 = time.perf_counter()
     try:
         summary = run_job(

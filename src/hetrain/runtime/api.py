@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetrain._io import MAX_BATCH, check_seed
 from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
@@ -77,9 +78,13 @@ def _split(item: str) -> tuple[str, str]:
     return device.strip(), value.strip()
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+def _positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InputError(name, "", f"expected an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InputError(
+            name, "", f"expected an integer between {minimum} and {maximum:.0e}, got {value!r}"
+        )
     return value
 
 
@@ -198,6 +203,32 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     )
 
 
+MAX_HANG_TIMEOUT_S = 1e6
+"""Longest ``--hang-timeout`` accepted (seconds, about 11.6 days): far above any step, and
+within what ``datetime.timedelta`` and the process group's millisecond timeout hold (1e300
+was an ``OverflowError`` in every rank)."""
+
+
+def check_trace_steps(steps: int, num_devices: int, option: str) -> None:
+    """A trace is expanded into dense ``(steps, devices)`` arrays on every rank
+    (:meth:`hetrain.trace.Trace.timeline`): at most ``MAX_DEVICE_SLOTS`` (1e7) device-steps, the
+    bound of ``hetrain simulate --slots`` (above it a rank ran out of memory, exit 1).
+
+    Raises:
+        InputError: ``steps * num_devices`` above the bound, naming ``option``.
+    """
+    from hetrain.commands.simulate import MAX_DEVICE_SLOTS
+
+    if steps * num_devices > MAX_DEVICE_SLOTS:
+        raise InputError(
+            "--steps",
+            "",
+            f"expected at most {MAX_DEVICE_SLOTS // num_devices} steps with {option} "
+            f"({MAX_DEVICE_SLOTS:.0e} device-steps for {plural(num_devices, 'device')}), "
+            f"got {steps}",
+        )
+
+
 def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
     """An output path that training could not write is bad input, found before any rank starts
     (not after the ranks trained): a folder where a file is expected or the reverse, or a
@@ -216,6 +247,51 @@ def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
             if not parent.is_dir():
                 raise InputError(option, "", f"expected {kind} path, but {parent} is a file")
             break
+
+
+def _check_distinct_outputs(
+    out: str | Path | None,
+    metrics_out: str | Path | None,
+    run_dir: str | Path | None,
+    inputs: Sequence[tuple[str, Path]] = (),
+) -> None:
+    """The files a run writes are distinct: the trained ``state_dict`` (``--out``, default
+    ``RUN_DIR/model.pt``), the metrics (``--metrics-out``) and the controller log
+    (``controller.jsonl`` beside the metrics, hetrain.runtime.worker_main). ``--out`` equal to
+    ``--metrics-out`` overwrote the metrics with the state_dict at the end (then a traceback).
+    None of them is one of the ``inputs`` (``--plan``, ``--cluster``, ``--trace`` files: the
+    metrics overwrote the plan they were trained with).
+
+    Raises:
+        InputError: two of them are the same file, or one is an input file, naming the options.
+    """
+    files: list[tuple[str, Path, str]] = []
+    if out is not None:
+        files.append(("--out", Path(out), "the trained state_dict"))
+    elif run_dir is not None:
+        files.append(("--run-dir", Path(run_dir) / "model.pt", "the trained state_dict"))
+    if metrics_out is not None:
+        files.append(("--metrics-out", Path(metrics_out), "the metrics"))
+        controller = Path(metrics_out).with_name("controller.jsonl")
+        files.append(("--metrics-out", controller, "the controller log"))
+    elif run_dir is not None:
+        files.append(("--run-dir", Path(run_dir) / "controller.jsonl", "the controller log"))
+    for option, path, what in files:
+        for in_option, in_path in inputs:
+            if path.resolve() == in_path.resolve():
+                raise InputError(
+                    f"{option} and {in_option}",
+                    "",
+                    f"expected {what} in a file other than the {in_option} input, got {path}",
+                )
+    for i, (option, path, what) in enumerate(files):
+        for earlier_option, earlier, earlier_what in files[:i]:
+            if path.resolve() == earlier.resolve():
+                raise InputError(
+                    option if option == earlier_option else f"{earlier_option} and {option}",
+                    "",
+                    f"expected different files for {earlier_what} and {what}, got {path} for both",
+                )
 
 
 def _check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
@@ -296,15 +372,23 @@ def build_job(
             ``norm_block``; ``exact`` refuses uncovered random ops at run time), a plan naming
             unknown devices, not covering the layers, not matching the world size or ``batch``,
             bad ``--slowdown``, unreadable trace/cluster/plan files, ``tensorboard`` without
-            the ``tensorboard`` package.
+            the ``tensorboard`` package; a seed outside ``[0, 2**63-1]``, steps, batch or
+            micro-batch size above ``MAX_BATCH`` (1e15), a trace's steps x devices above 1e7,
+            ``hang_timeout_s`` above :data:`MAX_HANG_TIMEOUT_S`, ``microbatch_size`` with a
+            fixed plan, output files that coincide with each other or with an input file.
     """
     d = task.defaults
     if tensorboard:
         from hetrain.runtime.metrics import check_tensorboard
 
         check_tensorboard()
+    seed = check_seed("--seed", seed)
     nnodes = _positive_int("--nnodes", nnodes)
-    steps = _positive_int("--steps", steps if steps is not None else d.get("steps", 100))
+    # steps, batch and micro-batch size: at most MAX_BATCH (1e15), like hetrain plan's --batch;
+    # above it numpy's arrays of one global batch cannot be made (a rank failed, exit 1)
+    steps = _positive_int(
+        "--steps", steps if steps is not None else d.get("steps", 100), maximum=MAX_BATCH
+    )
     lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
     optimizer = optimizer or d.get("optimizer", "adamw")
     if optimizer not in OPTIMIZERS:
@@ -314,12 +398,18 @@ def build_job(
     if schedule not in (None, "1f1b", "gpipe"):
         raise InputError("--schedule", "", f"expected 1f1b or gpipe, got {schedule!r}")
     if lr_schedule not in ("cosine", "constant"):
-        raise InputError("lr_schedule", "", f"expected cosine or constant, got {lr_schedule!r}")
+        raise InputError("--lr-schedule", "", f"expected cosine or constant, got {lr_schedule!r}")
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
     if hang_timeout_s is not None:
         hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
+        if hang_timeout_s > MAX_HANG_TIMEOUT_S:  # 1e300 overflowed timedelta in every rank
+            raise InputError(
+                "--hang-timeout",
+                "",
+                f"expected at most {MAX_HANG_TIMEOUT_S:.0e} seconds, got {hang_timeout_s:g}",
+            )
     if grad_clip_norm == "default":
         grad_clip_norm = d.get("grad_clip_norm")
     if grad_clip_norm is not None:
@@ -393,6 +483,16 @@ def build_job(
         _check_output_path("--metrics-out", Path(metrics_out), folder=False)
     if out is not None:
         _check_output_path("--out", Path(out), folder=False)
+    _check_distinct_outputs(
+        out,
+        metrics_out,
+        run_dir,
+        inputs=[
+            (option, Path(path))
+            for option, path in (("--plan", plan), ("--cluster", cluster), ("--trace", trace))
+            if isinstance(path, (str, Path))
+        ],
+    )
     if plan_obj is not None:
         if batch is None:
             batch = plan_obj.global_batch
@@ -405,12 +505,22 @@ def build_job(
                 f"expected the plan to name every rank's device (world size {len(device_ids)}: "
                 f"{', '.join(device_ids)}); missing {', '.join(missing)}",
             )
-    batch = _positive_int("--batch", batch if batch is not None else d.get("batch", 32))
+    batch = _positive_int(
+        "--batch", batch if batch is not None else d.get("batch", 32), maximum=MAX_BATCH
+    )
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
+    if microbatch_size is not None and plan_obj is not None and not adaptive:
+        # μ of the plans chosen online; a fixed plan's groups set theirs (was silently ignored)
+        raise InputError(
+            "--microbatch-size",
+            "",
+            f"not used with {plan_source} (a fixed plan: its groups set microbatch_size)",
+        )
     microbatch_size = _positive_int(
         "--microbatch-size",
         microbatch_size if microbatch_size is not None else d.get("microbatch_size", 8),
+        maximum=MAX_BATCH,
     )
     if norm_block is not None:  # BatchNorm norm block G (hetrain.runtime.norm)
         norm_block = _positive_int("--norm-block", norm_block)
@@ -434,7 +544,20 @@ def build_job(
         from hetrain.trace import load_trace
 
         spec = cluster_spec or local_cluster_spec(device_ids)
-        trace_rows = list(load_trace(trace, spec).rows)
+        try:
+            trace_rows = list(load_trace(trace, spec).rows)
+        except InputError as exc:
+            if cluster_spec is not None or not exc.field.endswith(".device"):
+                raise
+            # no cluster file: the devices are this run's ranks (it said "of the cluster file")
+            got = exc.expected.rpartition(", got ")[2]
+            raise InputError(
+                exc.source,
+                exc.field,
+                f"expected a device of this run ({', '.join(device_ids)}; no --cluster), got {got}",
+            ) from None
+        if trace_rows:
+            check_trace_steps(steps, len(device_ids), "--trace")
     if adaptive is None:
         adaptive = plan_obj is None
     return TrainJob(
