@@ -239,3 +239,14 @@ def test_exact_refuses_multihead_attention_dropout_before_launch():
     data = (torch.randn(16, 3, 4), torch.randn(16, 3, 4))
     with pytest.raises(InputError, match=r"1\.self_attn: nn\.MultiheadAttention\(dropout=0\.1\)"):
         hetrain.train(model=model, dataset=data, loss_fn=nn.functional.mse_loss, exact=True)
+
+
+def test_absurd_number_of_local_workers_exits_2(tmp_path, capsys, monkeypatch):
+    """``--workers 100000`` (a typo) forked processes until memory ran out; now one line."""
+    monkeypatch.chdir(tmp_path)
+    code, err = _run(capsys, "--workers", "100000")
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        "hetrain: error: --workers: expected at most 1024 ranks on one machine (one process "
+        "each), got 100000"
+    ]

@@ -203,6 +203,10 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     )
 
 
+MAX_LOCAL_WORKERS = 1024
+"""Most ranks ``--workers`` starts on one machine (one process of about 0.4 GB each): a typo
+such as ``--workers 100000`` forked processes until the machine ran out of memory."""
+
 MAX_HANG_TIMEOUT_S = 1e6
 """Longest ``--hang-timeout`` accepted (seconds, about 11.6 days): far above any step, and
 within what ``datetime.timedelta`` and the process group's millisecond timeout hold (1e300
@@ -454,7 +458,15 @@ def build_job(
                 f"got {workers * nnodes}",
             )
     else:
-        n = _positive_int("--workers", workers if workers is not None else 4) * nnodes
+        local = _positive_int("--workers", workers if workers is not None else 4)
+        if local > MAX_LOCAL_WORKERS:
+            raise InputError(
+                "--workers",
+                "",
+                f"expected at most {MAX_LOCAL_WORKERS} ranks on one machine (one process each), "
+                f"got {local}",
+            )
+        n = local * nnodes
         device_ids = [f"w{i}" for i in range(n)]
 
     torch.manual_seed(seed)

@@ -105,7 +105,9 @@ class SimulationResult:
     def summary(self) -> dict[str, Any]:
         """The ``hetrain simulate --json`` object (docs/model.md §7), means over feasible slots with
         migration time included; extra keys: ``infeasible_slots``, ``mean_migration_time_s``,
-        ``budgets``, ``final_backlog``."""
+        ``budgets``, ``final_backlog`` (the virtual queues after the last slot; negative is the
+        credit of an underspend, as the controller's queues are signed by default:
+        docs/controller.md, "Budgets")."""
         last = self.records[-1] if self.records else None
         return {
             "policy": self.policy,
