@@ -183,6 +183,22 @@ class StructureArrays:
         return out
 
 
+def trim_excess(counts: np.ndarray, excess: int, finish_s: np.ndarray) -> np.ndarray:
+    """Take ``excess`` units off the integer shares ``counts`` (shape ``(G,)``, changed in place
+    and returned), from the groups that finish last first (``finish_s``, seconds, shape
+    ``(G,)``, largest first, ties in group order): reducing a share never raises its group's
+    time, so a minimal-makespan capacity stays minimal. Used by the share solvers that find the
+    smallest ``T`` whose capacities cover the batch (:func:`rebalance_shares`,
+    ``hetrain.runtime.adapt._linear_shares``)."""
+    for g in np.argsort(-np.asarray(finish_s, dtype=float), kind="stable"):
+        if excess <= 0:
+            break
+        take = min(excess, int(counts[g]))
+        counts[g] -= take
+        excess -= take
+    return counts
+
+
 def rebalance_shares(
     plan: Plan,
     state: ClusterState,
@@ -251,14 +267,7 @@ def rebalance_shares(
     excess = int(cap.sum()) - int(batch)
     if excess < 0:
         return plan
-    # trim the excess from the slowest finishers first (reducing a share never raises T_g)
-    order = np.argsort(-(a_g + np.maximum(np.ceil(cap / mu) - 1.0, 0.0) * m_g), kind="stable")
-    for g in order:
-        if excess == 0:
-            break
-        take = min(excess, int(cap[g]))
-        cap[g] -= take
-        excess -= take
+    trim_excess(cap, excess, a_g + np.maximum(np.ceil(cap / mu) - 1.0, 0.0) * m_g)
     shares = {int(structure.group_index[g]): int(cap[g]) for g in range(len(cap))}
     groups: list[GroupPlan] = []
     for pos, group in enumerate(plan.groups):

@@ -57,7 +57,7 @@ import numpy as np
 
 from hetrain.cluster import ClusterState
 from hetrain.control import make_policy
-from hetrain.control.incremental import StructureArrays, rebalance_shares
+from hetrain.control.incremental import StructureArrays, rebalance_shares, trim_excess
 from hetrain.control.migration import migration_time_s
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import GroupPlan, Plan
@@ -1088,15 +1088,7 @@ def _linear_shares(fixed_s: np.ndarray, per_unit_s: np.ndarray, units: int) -> n
         else:
             lo = mid + 1
     counts = capacity(candidates[lo])
-    excess = int(counts.sum()) - units
-    order = np.argsort(-(fixed_u + counts * per), kind="stable")
-    for g in order:
-        if excess == 0:
-            break
-        take = min(excess, int(counts[g]))
-        counts[g] -= take
-        excess -= take
-    return counts
+    return trim_excess(counts, int(counts.sum()) - units, fixed_u + counts * per)
 
 
 def runtime_plan(plan: Plan) -> Plan:
