@@ -292,6 +292,17 @@ def calibrate_refinement(cal, param_bytes: np.ndarray) -> tuple[float, float]:
     return fit_update_time(theta, upd).time_s_per_param_byte, relative_jitter(series)
 
 
+def _calibration_time_s(plan, speed, kappa, lam, bw, lat, profile, omega, step_overhead=0.0):
+    """The model's ``T`` (s) of a calibration run's plan with the fitted speed, κ, λ, link,
+    update time ``ω`` and fixed step time ``F`` (docs/model.md §3 with docs/profiling.md §6)."""
+    state = cluster_state(Scenario("cal", plan["groups"]), speed, kappa, lam, bw, lat)
+    cfg = TrainingConfig(batch=sum(gr["batch"] for gr in plan["groups"]),
+                         optimizer_state_factor=0, sync_overlap=True,
+                         update_time_s_per_param_byte=omega,
+                         step_overhead_s=step_overhead)  # fmt: skip
+    return evaluate_plan(plan_from_dict(plan), state, profile, cfg).iteration_time_s
+
+
 def calibrate_step_overhead(cal, speed, kappa, lam, bw, lat, profile, omega) -> float:
     """``F`` (:attr:`hetrain.costmodel.TrainingConfig.step_overhead_s`, s per iteration) from
     the data-parallel calibration runs: :func:`hetrain.calibration.fit_step_overhead` of every
@@ -301,11 +312,7 @@ def calibrate_step_overhead(cal, speed, kappa, lam, bw, lat, profile, omega) -> 
     for plan, steps in zip(calibration_plans(), cal, strict=True):
         if len(plan["groups"]) != WORLD:  # the pipeline calibration run
             continue
-        state = cluster_state(Scenario("cal", plan["groups"]), speed, kappa, lam, bw, lat)
-        cfg = TrainingConfig(batch=sum(gr["batch"] for gr in plan["groups"]),
-                             optimizer_state_factor=0, sync_overlap=True,
-                             update_time_s_per_param_byte=omega)  # fmt: skip
-        pred = evaluate_plan(plan_from_dict(plan), state, profile, cfg).iteration_time_s
+        pred = _calibration_time_s(plan, speed, kappa, lam, bw, lat, profile, omega)
         for rows in steps:
             measured.append(max(r["iteration_time_s"] for r in rows))
             predicted.append(pred)
@@ -325,11 +332,7 @@ def calibrate_pipeline_overhead(
     for plan, steps in zip(calibration_plans(), cal, strict=True):
         if len(plan["groups"]) == WORLD:  # the data-parallel runs
             continue
-        state = cluster_state(Scenario("cal", plan["groups"]), speed, kappa, lam, bw, lat)
-        cfg = TrainingConfig(batch=plan["groups"][0]["batch"], optimizer_state_factor=0,
-                             sync_overlap=True, update_time_s_per_param_byte=omega,
-                             step_overhead_s=step_overhead)  # fmt: skip
-        pred = evaluate_plan(plan_from_dict(plan), state, profile, cfg).iteration_time_s
+        pred = _calibration_time_s(plan, speed, kappa, lam, bw, lat, profile, omega, step_overhead)
         meas = statistics.median(max(r["iteration_time_s"] for r in rows) for rows in steps)
         gr = plan["groups"][0]
         n = -(-gr["batch"] // gr["microbatch_size"])
