@@ -44,3 +44,18 @@ def test_encode_chars_maps_typography_to_ascii():
     vocab = charlm_vocab()
     assert "".join(vocab[i] for i in ids.tolist()) == "a'b\n."
     assert len(vocab) == 96
+
+
+def test_quality_line_says_when_nothing_was_measured():
+    """A ``--model`` factory without ``val_dataset`` or ``evaluate``: the console's quality line
+    says so (it was ``quality: `` with nothing after it); with metrics, the metric and target."""
+    from torch import nn
+
+    from hetrain.runtime.data import Task
+
+    bare = Task("model", nn.Identity, None, None, None)
+    assert bare.quality_line({}) == "not measured (no val_dataset or evaluate given)"
+    stated = Task("m", nn.Identity, None, None, None, quality_metric="val_loss",
+                  quality_target=2.3)  # fmt: skip
+    assert stated.quality_line({"val_loss": 2.1}) == "val_loss 2.1000 (target <= 2.3: reached)"
+    assert bare.quality_line({"val_loss": 2.1, "acc": 0.5}) == "val_loss 2.1, acc 0.5"

@@ -293,6 +293,10 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
 
         print(comparison_line(summary["dp_even"]))
     print(f"quality: {summary['quality']}")
-    print(f"metrics: {job.metrics_out}; model state_dict: {summary.get('model_path')}")
+    exported = summary.get("pretrained_dir")  # save_pretrained of a Hugging Face model
+    print(
+        f"metrics: {job.metrics_out}; model state_dict: {summary.get('model_path')}"
+        + (f"; Hugging Face model: {exported}" if exported else "")
+    )
     if files:
         print("report: " + ", ".join(files))

@@ -253,7 +253,10 @@ class Task:
     layers: list[str] | None = None
 
     def quality_line(self, metrics: dict[str, float]) -> str:
-        """One line stating the reached quality against the stated target."""
+        """One line stating the reached quality against the stated target (or that none was
+        measured: a task without ``val_dataset`` or ``evaluate`` printed an empty line)."""
+        if not metrics:
+            return "not measured (no val_dataset or evaluate given)"
         if not self.quality_metric or self.quality_metric not in metrics:
             return ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         value = metrics[self.quality_metric]
