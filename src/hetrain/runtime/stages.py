@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,7 +205,11 @@ class P2P:
         if length > 0:
             data = torch.empty(length, dtype=torch.uint8, device=self.device)
             dist.recv(data, src, group=group, tag=TAG_TREE)
-            self._recv_struct[src] = pickle.loads(data.cpu().numpy().tobytes())
+            with warnings.catch_warnings():
+                # torch 2.13's own unpickling of a TreeSpec trips its LeafSpec deprecation
+                # (a FutureWarning printed once per pipeline stage on the user's console)
+                warnings.filterwarnings("ignore", ".*LeafSpec.* is deprecated", FutureWarning)
+                self._recv_struct[src] = pickle.loads(data.cpu().numpy().tobytes())
         elif length == 0:
             self._recv_struct[src] = None
         if plain:
