@@ -110,7 +110,7 @@ def test_stage_overhead_fit_bounds_and_bad_input():
         fit_stage_overheads([1, 2, 4], 1e8, [3, 3, 3], [0.01, 0.02, 0.04])
     with pytest.raises(ValueError, match="at least 3"):
         fit_stage_overheads([1, 2], 1e8, [1, 2], [0.01, 0.02])
-    with pytest.raises(ValueError, match="integers >= 1"):
+    with pytest.raises(ValueError, match=r"layer units .* must be > 0"):
         fit_stage_overheads([1, 2, 4], 1e8, [0, 1, 2], [0.01, 0.02, 0.04])
     with pytest.raises(ValueError, match="> 0"):
         fit_stage_overheads([1, 2, 4], 1e8, [1, 2, 2], [0.01, 0.0, 0.04])
@@ -169,6 +169,27 @@ def test_cluster_estimator_subtracts_kappa_and_lambda_per_layer_of_the_stage():
     # 4 micro-batches of a 3-layer stage: busy = 0.52 - 4 (0.002 + 3 x 0.001) = 0.5 s
     est.observe_compute("v100-16-0", 1e12, 0.52, num_microbatches=4, num_layers=3)
     assert est.apply(state).speed_flops[0] == pytest.approx(2e12)
+
+
+def test_stage_overhead_fit_and_estimator_take_layer_units():
+    """With per-layer overhead weights (docs/model.md §3) a stage's ``|S|`` is its layer units
+    Σ ν_l, not an integer: the fit recovers s, κ, λ from such points, and the estimator
+    subtracts λ per unit."""
+    speed, kappa, lam = 5e9, 2e-3, 4e-3
+    units = [0.14, 2.77, 0.33, 1.38, 6.0, 3.05]
+    mus = [2, 8, 2, 8, 2, 8]
+    flops = [1e7, 4e8, 6e7, 2e8, 9e8, 5e8]
+    times = [m * f / speed + kappa + lam * u for m, f, u in zip(mus, flops, units, strict=True)]
+    fit = fit_stage_overheads(mus, flops, units, times)
+    assert fit.speed_flops == pytest.approx(speed, rel=1e-9)
+    assert fit.kappa_s == pytest.approx(kappa, rel=1e-6)
+    assert fit.layer_overhead_s == pytest.approx(lam, rel=1e-6)
+    state = make_cluster({"V100-16": 1}).state()
+    state = state.with_changes(kappa_s=np.array([kappa]), layer_overhead_s=np.array([lam]))
+    est = ClusterEstimator.for_state(state)
+    # 4 micro-batches of a stage of 2.77 units: busy = t - 4 (κ + 2.77 λ) = 0.5 s
+    est.observe_compute(state.ids[0], 1e9, 0.5 + 4 * (kappa + 2.77 * lam), 4, 2.77)
+    assert est.apply(state).speed_flops[0] == pytest.approx(2e9)
 
 
 def test_planning_side_modules_do_not_import_torch():

@@ -62,6 +62,35 @@ def test_layer_overhead_in_stage_times() -> None:
     assert ev.sync_time_s == 0.0
 
 
+def test_layer_overhead_weights_in_stage_times_planner_and_fast_path() -> None:
+    """Per-layer overhead weights ν_l (docs/model.md §3): stage k pays λ Σ_{l∈S_k} ν_l."""
+    weighted = [{**ly, "overhead_weight": nu} for ly, nu in zip(LAYERS, (0.5, 2.0, 0.5),
+                                                                  strict=True)]  # fmt: skip
+    arrays = profile_from_dict({"layers": weighted}).arrays()
+    state = cluster_from_dict(CLUSTER).state()
+    ev = evaluate_plan(plan_from_dict(PIPE), state, arrays, TrainingConfig(batch=4))
+    # C1 = 12e-3 + 1e-3 + 0.5e-3 (0.5 + 2.0) = 14.25e-3; C2 = 3e-3 + 1e-3 x 0.5 = 3.5e-3
+    # E1 = 4e-3: A = 21.75e-3, M = 14.25e-3, n = 2 -> T = 36e-3
+    assert ev.stage_compute_s[0] == pytest.approx((14.25e-3, 3.5e-3), rel=1e-12)
+    assert ev.iteration_time_s == pytest.approx(36e-3, rel=1e-12)
+    # the controller's fast evaluation sees the same weights, and the planner's best plan is
+    # never worse than this one under them (its figure is the cost model's)
+    from hetrain.control.incremental import StructureArrays, evaluate_fast
+
+    plan = plan_from_dict(PIPE)
+    fast = evaluate_fast(plan, StructureArrays.build(plan, state.ids, arrays), state)
+    assert fast.group_times_s == pytest.approx(ev.group_times_s, rel=1e-12)
+    best = best_plan(state, arrays, TrainingConfig(batch=4))
+    again = evaluate_plan(best, state, arrays, TrainingConfig(batch=4)).iteration_time_s
+    assert best.iteration_time_s == pytest.approx(again, rel=1e-12)
+    assert best.iteration_time_s <= ev.iteration_time_s
+    # without weights: the v3 formula, C1 = 14e-3
+    plain = profile_from_dict({"layers": LAYERS}).arrays()
+    assert plain.layer_units(0, 2) == 2.0
+    assert evaluate_plan(plan_from_dict(PIPE), state, plain, TrainingConfig(batch=4)
+                         ).stage_compute_s[0][0] == pytest.approx(14e-3)  # fmt: skip
+
+
 def test_frozen_and_trainable_shared_memory_and_sync() -> None:
     ev = _evaluate(PIPE, SHARED)
     # a holds layers 0-1 and the tied tensor: θ' = 2e8 + 1e8 -> 3e8 * (2 + 2) = 1.2e9,

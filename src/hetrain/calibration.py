@@ -145,8 +145,11 @@ class StageOverheadFit:
     predicted_s: tuple[float, ...]
     num_points: int
 
-    def predict_s(self, microbatch_size: float, flops_per_sample: float, num_layers: int) -> float:
-        """docs/model.md §3 stage time ``μ · F / s + κ + λ · |S|`` in seconds."""
+    def predict_s(
+        self, microbatch_size: float, flops_per_sample: float, num_layers: float
+    ) -> float:
+        """docs/model.md §3 stage time ``μ · F / s + κ + λ · |S|`` in seconds (``num_layers``:
+        ``|S|``, or the stage's layer units ``Σ ν_l``)."""
         return (
             microbatch_size * flops_per_sample / self.speed_flops
             + self.kappa_s
@@ -175,12 +178,14 @@ def fit_stage_overheads(
         microbatch_sizes: ``μ_i`` (samples), shape ``(n,)``.
         flops_per_sample: ``F_i`` (FLOP per sample) of the stage, scalar or shape ``(n,)``;
             a stage of layers without FLOPs (``F_i = 0``) is allowed: it measures ``κ + λ n``.
-        num_layers: ``n_i = |S|`` layers of the stage, shape ``(n,)``, integers ``>= 1``.
+        num_layers: ``n_i = |S|`` layers of the stage, shape ``(n,)``, ``> 0``; or its layer
+            units ``Σ_{l∈S} ν_l`` with the profile's per-layer overhead weights
+            (:meth:`hetrain.profile.ProfileArrays.layer_units`, docs/model.md §3).
         times_s: measured ``t_i`` (s per micro-batch), shape ``(n,)``, all ``> 0``.
 
     Raises:
         ValueError: fewer than 3 points, shapes differ, a value is not finite, a time is not
-            ``> 0``, a layer count is not ``>= 1``, fewer than 2 distinct layer counts, no
+            ``> 0``, a layer count is not ``> 0``, fewer than 2 distinct layer counts, no
             point with work ``μ F > 0``, or the data imply no positive speed (time does not
             grow with work).
     """
@@ -204,12 +209,12 @@ def fit_stage_overheads(
         raise ValueError("fit_stage_overheads: times must be finite")
     if np.any(t <= 0) or np.any(mu <= 0) or np.any(flops < 0):
         raise ValueError("fit_stage_overheads: times and micro-batch sizes must be > 0, FLOPs >= 0")
-    if np.any(n < 1) or np.any(n != np.round(n)):
-        raise ValueError("fit_stage_overheads: layer counts must be integers >= 1")
+    if np.any(n <= 0):
+        raise ValueError("fit_stage_overheads: layer counts (or layer units Σ ν_l) must be > 0")
     if len(np.unique(n)) < 2:
         raise ValueError(
             "fit_stage_overheads: need chains of at least 2 different lengths to tell the "
-            f"per-layer cost from the per-stage cost, got only {int(n[0])} layer(s)"
+            f"per-layer cost from the per-stage cost, got only {n[0]:g} layer(s)"
         )
     x = mu * flops
     if not np.any(x > 0):
@@ -504,11 +509,12 @@ class ClusterEstimator:
         flops: float,
         time_s: float,
         num_microbatches: int = 1,
-        num_layers: int = 0,
+        num_layers: float = 0,
     ) -> bool:
         """Feed one iteration's compute of a device: ``flops`` done in ``time_s`` over
-        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (0 = do not
-        subtract ``λ``). Returns whether the sample was accepted."""
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers, or its layer
+        units ``Σ ν_l`` (docs/model.md §3; 0 = do not subtract ``λ``). Returns whether the
+        sample was accepted."""
         if flops <= 0 or time_s <= 0:
             raise ValueError(f"observe_compute({device_id!r}): flops and time_s must be > 0")
         per_mb = self.kappa_s[device_id] + self.layer_overhead_s[device_id] * num_layers

@@ -155,7 +155,10 @@ class ProfilePrefix:
     ``x[j] - x[i]``: ``train_flops`` (f+w, FLOP/sample), ``act_mem_bytes`` (m, bytes/sample),
     ``param_bytes`` (p, trainable bytes, shared tensors excluded), ``frozen_bytes`` (p^frozen,
     bytes); plus ``boundary_bytes`` (shape ``(L,)``): ``2 a_l`` per sample, what crosses a
-    stage boundary after layer ``l`` (activation forward, gradient backward).
+    stage boundary after layer ``l`` (activation forward, gradient backward); ``layer_units``
+    (shape ``(L + 1,)``): prefix sums of the per-layer overhead weights ν_l, so that stage
+    ``[i, j)`` pays ``λ (layer_units[j] − layer_units[i])`` per micro-batch (``j − i`` when every
+    ν_l is 1, docs/model.md §3).
 
     Shared tensors (docs/model.md §2), ``S`` of them: ``shared_bytes`` (shape ``(S,)``),
     ``shared_frozen`` (``(S,)`` bool) and ``shared_uses`` (``(S, L + 1)``: the number of layers
@@ -170,10 +173,13 @@ class ProfilePrefix:
     shared_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     shared_frozen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     shared_uses: np.ndarray | None = None
+    layer_units: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.frozen_bytes is None:
             object.__setattr__(self, "frozen_bytes", np.zeros_like(self.param_bytes))
+        if self.layer_units is None:
+            object.__setattr__(self, "layer_units", np.arange(len(self.param_bytes), dtype=float))
         if self.shared_uses is None:
             object.__setattr__(self, "shared_uses", np.zeros((0, len(self.param_bytes))))
 
@@ -233,7 +239,9 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
         mark[list(tensor.layers)] = 1.0
         uses[s, 1:] = np.cumsum(mark)
     frozen = getattr(profile, "frozen_param_bytes", None)
+    weights = getattr(profile, "overhead_weights", None)
     return ProfilePrefix(
+        layer_units=cum(weights if weights is not None else np.ones(num_layers)),
         train_flops=cum(profile.train_flops),
         act_mem_bytes=cum(profile.activation_memory_bytes),
         param_bytes=cum(profile.param_bytes),
@@ -275,7 +283,8 @@ def stage_times_s(
             is layers ``[x_k, x_{k+1})``.
         microbatch_size: ``μ_g`` samples.
 
-    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} |S_k|`` (docs/model.md (v3));
+    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l``
+    (docs/model.md (v3), with the per-layer overhead weights ν_l of §3: ``|S_k|`` when all are 1);
     ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
     """
     devices = np.asarray(devices, dtype=np.int64)
@@ -284,7 +293,7 @@ def stage_times_s(
     compute_s = (
         microbatch_size * flops / state.speed_flops[devices]
         + state.kappa_s[devices]
-        + state.layer_overhead_s[devices] * np.diff(bounds)
+        + state.layer_overhead_s[devices] * np.diff(prefix.layer_units[bounds])
     )
     if len(devices) == 1:
         return compute_s, np.zeros(0)

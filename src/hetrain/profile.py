@@ -26,7 +26,10 @@ class LayerProfile(BaseModel):
     (m_l, kept for backward, default ``a_l``), ``param_bytes`` (p_l, trainable) and
     ``frozen_param_bytes`` (p^frozen_l, parameters that take no gradient, default 0; docs/model.md
     (v3)
-    §2). Shared tensors are listed in :attr:`ModelProfile.shared`, not here."""
+    §2) and ``overhead_weight`` (ν_l, the layer's share of the per-layer fixed cost λ relative
+    to the model's average layer, default 1 = docs/model.md (v3)'s ``λ |S|``; docs/model.md
+    §3 "Per-layer overhead weights"). Shared tensors are listed in
+    :attr:`ModelProfile.shared`, not here."""
 
     model_config = _STRICT
     name: str = ""
@@ -36,6 +39,7 @@ class LayerProfile(BaseModel):
     activation_memory_bytes: float | None = Field(None, ge=0, le=MAX_NUMBER)
     param_bytes: float = Field(0.0, ge=0, le=MAX_NUMBER)
     frozen_param_bytes: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    overhead_weight: float = Field(1.0, ge=0, le=1e6)
 
     @model_validator(mode="after")
     def _defaults(self) -> LayerProfile:
@@ -108,6 +112,7 @@ class ModelProfile(BaseModel):
             ),
             param_bytes=np.array([ly.param_bytes for ly in self.layers], dtype=float),
             frozen_param_bytes=np.array([ly.frozen_param_bytes for ly in self.layers], dtype=float),
+            overhead_weights=np.array([ly.overhead_weight for ly in self.layers], dtype=float),
             shared=tuple(
                 SharedTensor(t.name, float(t.bytes), tuple(sorted(t.layers)), bool(t.frozen))
                 for t in self.shared
@@ -135,7 +140,9 @@ class ProfileArrays:
     """Per-layer vectors, shape ``(L,)``: ``fwd_flops`` f_l and ``bwd_flops`` w_l (FLOP per
     sample), ``activation_bytes`` a_l and ``activation_memory_bytes`` m_l (bytes per sample),
     ``param_bytes`` p_l (trainable bytes, shared tensors excluded) and ``frozen_param_bytes``
-    p^frozen_l (bytes; default zeros); ``shared``: the shared tensors (docs/model.md §2)."""
+    p^frozen_l (bytes; default zeros); ``overhead_weights`` ν_l (dimensionless, the layer's share
+    of the per-layer fixed cost λ; default ones, docs/model.md §3); ``shared``: the shared
+    tensors (docs/model.md §2)."""
 
     names: tuple[str, ...]
     fwd_flops: np.ndarray
@@ -145,10 +152,18 @@ class ProfileArrays:
     param_bytes: np.ndarray
     frozen_param_bytes: np.ndarray | None = None
     shared: tuple[SharedTensor, ...] = ()
+    overhead_weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.frozen_param_bytes is None:
             object.__setattr__(self, "frozen_param_bytes", np.zeros(len(self.names)))
+        if self.overhead_weights is None:
+            object.__setattr__(self, "overhead_weights", np.ones(len(self.names)))
+
+    def layer_units(self, start: int, end: int) -> float:
+        """``Σ_{l∈[start, end)} ν_l``: the per-layer fixed cost units of stage ``[start, end)``
+        (its number of layers when every ν_l is 1; docs/model.md §3)."""
+        return float(np.sum(self.overhead_weights[start:end]))
 
     @property
     def num_layers(self) -> int:

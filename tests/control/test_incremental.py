@@ -21,7 +21,7 @@ NUM_LAYERS = 8
 
 def _random_instance(rng: np.random.Generator):
     """A 6-device cluster on 3 nodes with κ, λ > 0 and tight memory, and an 8-layer profile
-    with frozen bytes, a trainable and a frozen shared tensor."""
+    with frozen bytes, per-layer overhead weights, a trainable and a frozen shared tensor."""
     devices = [
         {
             "id": f"d{i}",
@@ -42,6 +42,7 @@ def _random_instance(rng: np.random.Generator):
             "activation_bytes": float(rng.uniform(1e5, 1e7)),
             "param_bytes": float(rng.uniform(1e7, 1e8)),
             "frozen_param_bytes": float(rng.choice([0.0, rng.uniform(1e7, 3e8)])),
+            "overhead_weight": float(rng.choice([0.2, 1.0, 2.5])),
         }
         for _ in range(NUM_LAYERS)
     ]

@@ -58,6 +58,7 @@ def _layers(profile: dict) -> list[dict]:
                 "m": ly.get("activation_memory_bytes", ly["activation_bytes"]),
                 "p": ly.get("param_bytes", 0.0),
                 "p0": ly.get("frozen_param_bytes", 0.0),
+                "nu": ly.get("overhead_weight", 1.0),
             }
         )
     return out
@@ -92,7 +93,7 @@ def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule, b
             d = devs[order[k]]
             c.append(
                 mu * sum(layers[i]["fw"] for i in st) / d["speed"] + d["kappa"]
-                + d["lam"] * len(st)
+                + d["lam"] * sum(layers[i]["nu"] for i in st)
             )  # fmt: skip
         e = []
         for k in range(k_count - 1):

@@ -66,6 +66,10 @@ def random_instance(seed: int) -> tuple[dict, dict, int]:
     if seed % 4 == 1:  # per-layer overhead λ
         for dev in devices:
             dev["layer_overhead_ms"] = rng.choice([0.0, 0.2, 1.0])
+        if seed % 8 == 5:  # per-layer overhead weights ν_l (docs/model.md §3), own generator
+            nu = random.Random(seed).choices([0.2, 1.0, 2.5], k=len(layers))
+            for ly, weight in zip(layers, nu, strict=True):
+                ly["overhead_weight"] = weight
     if seed % 4 == 3:  # frozen parameters
         for ly in layers:
             ly["frozen_param_bytes"] = rng.choice([0.0, 1e7, 2e8])
@@ -119,6 +123,10 @@ def wide_instance(num_dev: int, seed: int) -> dict:
     if seed % 4 == 3:
         for ly in layers:
             ly["frozen_param_bytes"] = rng.choice([0.0, 1e7, 2e8])
+    if seed % 3 == 2:  # per-layer overhead weights ν_l (docs/model.md §3), own generator
+        nu = random.Random(seed).choices([0.2, 1.0, 2.5], k=num_layers)
+        for ly, weight in zip(layers, nu, strict=True):
+            ly["overhead_weight"] = weight
     if seed % 5 == 1:
         profile["shared"] = [
             {"name": "tied", "bytes": rng.choice([2e7, 2e8]), "layers": [0, num_layers - 1],
@@ -227,6 +235,9 @@ def test_instances_cover_the_cases() -> None:
     assert any(t.get("frozen") for c in cases for t in c["profile"].get("shared", []))
     assert any(ly.get("frozen_param_bytes") for c in cases for ly in c["profile"]["layers"])
     assert any(d.get("layer_overhead_ms") for c in cases for d in c["cluster"]["devices"])
+    assert any(
+        ly.get("overhead_weight", 1.0) != 1.0 for c in cases for ly in c["profile"]["layers"]
+    )
     shapes = set()
     for seed in SEEDS:
         case = tiny_case(seed)

@@ -63,6 +63,25 @@ def test_charlm_block_matches_the_transformer_formula():
     assert prof.layers[0].param_bytes == (v * c + t * c) * 4
 
 
+def test_overhead_weights_follow_each_layers_operator_count():
+    """ν_l (docs/model.md §3): a transformer block dispatches many more ATen operators than the
+    embedding or the head, so it carries more of the per-layer fixed cost; the mean is 1."""
+    ex = EXAMPLES["charlm"]
+    prof = profile_chain(ex.build(), ex.make_input(2))
+    nu = [ly.overhead_weight for ly in prof.layers]
+    assert sum(nu) == pytest.approx(len(nu), abs=1e-3)
+    assert nu[1:5] == [nu[1]] * 4  # four identical blocks, one weight
+    assert nu[1] > 1.2 and nu[0] < 0.3 and nu[5] < 0.5
+    arrays = prof.arrays()
+    assert arrays.layer_units(0, 6) == pytest.approx(6.0, abs=1e-3)
+    assert arrays.layer_units(1, 3) == pytest.approx(2 * nu[1])
+    # a linear layer and a ReLU: the same weight whatever the width (counts, not FLOPs)
+    small = profile_chain(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4))
+    wide = profile_chain(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), torch.randn(2, 64))
+    assert [ly.overhead_weight for ly in small.layers] == [ly.overhead_weight for ly in wide.layers]
+    assert small.layers[0].overhead_weight > small.layers[1].overhead_weight
+
+
 @pytest.mark.parametrize(
     ("name", "params", "fwd_gflop", "layers"),
     [

@@ -14,13 +14,15 @@ from hetrain.profiler.timing import default_stage_lengths
 def test_fit_stages_recovers_known_speed_kappa_and_lambda_from_constructed_times():
     ex = EXAMPLES["charlm"]
     prof = profile_chain(ex.build(), ex.make_input(2))
-    flops = np.concatenate(([0.0], np.cumsum(prof.arrays().train_flops)))
+    arrays = prof.arrays()
+    flops = np.concatenate(([0.0], np.cumsum(arrays.train_flops)))
     speed, kappa, lam = 4e10, 3e-4, 6e-4
     mus = (1, 4, 16)
     stages = ((0, 2), (2, 4), (4, 6), (0, 3), (3, 6), (0, 6))
 
     def t(mu, a, b):
-        return mu * (flops[b] - flops[a]) / speed + kappa + lam * (b - a)
+        # λ per layer unit: the stage's Σ ν_l (the profile's operator-count weights)
+        return mu * (flops[b] - flops[a]) / speed + kappa + lam * arrays.layer_units(a, b)
 
     train = np.array([[t(m, a, b) for a, b in stages] for m in mus])
     layers = np.array([[t(m, a, a + 1) for a in range(6)] for m in mus])
@@ -33,9 +35,9 @@ def test_fit_stages_recovers_known_speed_kappa_and_lambda_from_constructed_times
     assert fit.kappa_s == pytest.approx(kappa, rel=1e-6)
     assert fit.layer_overhead_s == pytest.approx(lam, rel=1e-6)
     assert fit.num_points == 3 * (6 + 6)
-    # stages of one length cannot tell λ from κ
+    # stages of one size in layer units cannot tell λ from κ
     with pytest.raises(ValueError, match="different lengths"):
-        fit_stages(prof, StageTimes(mus, stages[:3], train[:, :3], threads=1))
+        fit_stages(prof, StageTimes(mus, stages[1:2], train[:, 1:2], threads=1))
 
 
 def test_time_stages_tiles_the_chain_per_length_and_restores_threads():

@@ -77,6 +77,12 @@ class StructureArrays:
         """Number of active groups ``G'``."""
         return len(self.group_index)
 
+    @property
+    def stage_layer_units(self) -> np.ndarray:
+        """``Σ_{l∈S_k} ν_l`` per stage (the per-layer overhead units, docs/model.md §3)."""
+        units = self.prefix.layer_units
+        return units[self.stage_end] - units[self.stage_start]
+
     @classmethod
     def build(cls, plan: Plan, ids: tuple[str, ...], profile: ProfileArrays) -> StructureArrays:
         """Flatten the active groups of ``plan`` (device ids resolved against ``ids``).
@@ -132,7 +138,7 @@ class StructureArrays:
         ``(G,)``.
 
         ``A_g = Σ_k C_k + Σ_{k<K} E_k`` and ``M_g = max(max_k C_k, max_{k<K} E_k)`` with
-        ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} |S_k|`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
+        ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
         2 lat`` (as :func:`hetrain.costmodel.stage_times_s`).
         """
         g_count = len(self.group_index)
@@ -141,7 +147,7 @@ class StructureArrays:
         compute = (
             mu * self.stage_train_flops / state.speed_flops[dev]
             + state.kappa_s[dev]
-            + state.layer_overhead_s[dev] * (self.stage_end - self.stage_start)
+            + state.layer_overhead_s[dev] * self.stage_layer_units
         )
         has_next = self.next_device >= 0
         nxt = np.where(has_next, self.next_device, dev)

@@ -124,7 +124,7 @@ def split_rows(
     compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
     lam = state.layer_overhead_s[devices]
     if np.any(lam):
-        compute = compute + lam * np.diff(bounds, axis=1)
+        compute = compute + lam * np.diff(prefix.layer_units[bounds], axis=1)
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
     if len(devices) > 1:
@@ -262,7 +262,8 @@ def _stage_matrices(
         flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
         fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
         act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
-        span = idx[None, None, :] - idx[None, :, None]
+        units = prefix.layer_units
+        span = units[None, None, :] - units[None, :, None]
         base = (flops, fixed, act, span)
         if cache is not None:
             cache[key] = base

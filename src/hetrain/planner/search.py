@@ -963,7 +963,8 @@ def fixed_split_options(
         compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
         compute = compute + st.kappa_s[devs][:, None, :]
         if np.any(st.layer_overhead_s[devs]):
-            compute = compute + (st.layer_overhead_s[devs] * np.diff(bnd, axis=1))[:, None, :]
+            units = np.diff(pre.layer_units[bnd], axis=1)
+            compute = compute + (st.layer_overhead_s[devs] * units)[:, None, :]
         fill = compute.sum(axis=2)
         worst = compute.max(axis=2)
         if k > 1:

@@ -291,12 +291,14 @@ def fit_stages(
     """Fit ``t = μ F / s + κ + λ |S|`` (docs/model.md §3,
     :func:`hetrain.calibration.fit_stage_overheads`) to :func:`time_stages`' times, and to
     :func:`time_layers`' one-layer stages when given (forward + backward, their own sizes):
-    one point per (micro-batch size, stage), ``F = Σ_{l∈S} (f_l + w_l)``.
+    one point per (micro-batch size, stage), ``F = Σ_{l∈S} (f_l + w_l)`` and ``|S|`` the stage's
+    layer units ``Σ_{l∈S} ν_l`` (the profile's per-layer overhead weights, docs/model.md §3).
 
     Raises:
         ValueError: as :func:`fit_stage_overheads` (e.g. stages of one length only).
     """
-    flops = np.concatenate(([0.0], np.cumsum(profile.arrays().train_flops)))
+    arrays = profile.arrays()
+    flops = np.concatenate(([0.0], np.cumsum(arrays.train_flops)))
     mus, fl, n, t = [], [], [], []
     sources = [(times.microbatch_sizes, times.stages, times.train_s)]
     if layer_times is not None:
@@ -308,6 +310,6 @@ def fit_stages(
             for j, (a, b) in enumerate(stages):
                 mus.append(mu)
                 fl.append(flops[b] - flops[a])
-                n.append(b - a)
+                n.append(arrays.layer_units(a, b))
                 t.append(train_s[i, j])
     return fit_stage_overheads(mus, fl, n, t)

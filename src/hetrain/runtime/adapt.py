@@ -95,12 +95,17 @@ class SpeedEstimates:
         self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
 
     def observe(
-        self, device: str, flops: float, time_s: float, num_microbatches: int, num_layers: int = 0
+        self,
+        device: str,
+        flops: float,
+        time_s: float,
+        num_microbatches: int,
+        num_layers: float = 0,
     ) -> None:
         """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
-        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers (docs/model.md (v3):
-        κ and
-        λ per layer, ``n (κ + λ |S|)``, are subtracted before the speed is taken)."""
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers, or its layer
+        units ``Σ ν_l`` (docs/model.md (v3) §3: κ and λ per layer unit, ``n (κ + λ Σ ν_l)``,
+        are subtracted before the speed is taken)."""
         if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
             return
         overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
@@ -377,7 +382,8 @@ class PlanController:
                 if t is None:
                     continue
                 work = float(flops[start:end].sum()) * group.batch
-                self.estimates.observe(d, work, t, group.num_microbatches, end - start)
+                units = self.profile.layer_units(start, end)
+                self.estimates.observe(d, work, t, group.num_microbatches, units)
         self.observed_steps += 1
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()

@@ -339,6 +339,7 @@ def _measure_device(
     factor: float,
     repeats: int = CALIBRATION_REPEATS,
     device: torch.device | None = None,
+    overhead_weights: np.ndarray | None = None,
 ) -> tuple[float, float, float, float]:
     """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` (s), per-layer overhead ``λ`` (s)
     and relative jitter ``σ`` of this rank (collective: every rank calls it).
@@ -351,7 +352,9 @@ def _measure_device(
     all ranks compute at once, as they do in training (a rank measured while the others wait
     would see the machine to itself); each point is measured ``repeats`` times and summarised
     by the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the
-    measured time (docs/model.md §5). Fitted to ``t = μ F / s + κ + λ |S|`` by
+    measured time (docs/model.md §5). ``overhead_weights``: the profile's ν_l, shape ``(L,)``
+    (default ones); a chain's ``|S|`` below is its layer units ``Σ ν_l`` (docs/model.md §3).
+    Fitted to ``t = μ F / s + κ + λ |S|`` by
     :func:`hetrain.calibration.fit_stage_overheads` (``t = μ F / s + κ`` by ``fit_speed_kappa``
     when the half chain cannot be timed alone), else the two-point line. ``σ`` is
     :func:`hetrain.calibration.relative_jitter` of the repeats
@@ -394,14 +397,18 @@ def _measure_device(
                 time.sleep((factor - 1.0) * dt)
                 samples[(mu, n_layers)].append(dt * factor)
     model.zero_grad(set_to_none=True)
+    nu = np.ones(num_layers) if overhead_weights is None else np.asarray(overhead_weights, float)
+    if len(nu) != num_layers:  # a profile of another cut: plain layer counts
+        nu = np.ones(num_layers)
     points = [
-        (mu, float(np.sum(layer_flops[:n])), n, float(np.median(samples[(mu, n)])))
+        (mu, float(np.sum(layer_flops[:n])), float(np.sum(nu[:n])), float(np.median(times_s)))
         for mu in sizes
         for n in lengths
+        for times_s in [samples[(mu, n)]]
     ]
     times = [float(np.median(samples[(mu, num_layers)])) for mu in sizes]
     jitter = relative_jitter(list(samples.values()))
-    s, k, lam = _fit_device(points, times, sizes, float(np.sum(layer_flops)), num_layers)
+    s, k, lam = _fit_device(points, times, sizes, float(np.sum(layer_flops)), float(np.sum(nu)))
     return s, k, lam, jitter
 
 
@@ -534,6 +541,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             sampler.indices(start_step),
             factor,
             device=calib_device,
+            overhead_weights=np.asarray(profile.overhead_weights),
         )
         mine = (*mine, _measure_update_s_per_byte(calib_model, job))
         model.to("cpu")
