@@ -250,3 +250,105 @@ def test_absurd_number_of_local_workers_exits_2(tmp_path, capsys, monkeypatch):
         "hetrain: error: --workers: expected at most 1024 ranks on one machine (one process "
         "each), got 100000"
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        # the report written at the end replaced the trained weights (exit 0)
+        (["--out", "run/report.txt"],
+         "--out: run/report.txt: expected a file other than the run report's report.txt in "
+         "--run-dir"),
+        (["--metrics-out", "run/timeline_step1.png"],
+         "--metrics-out: run/timeline_step1.png: expected a file other than the run report's "
+         "timeline_step1.png in --run-dir"),
+        (["--out", "run/model/weights.pt"],
+         "--out: run/model/weights.pt: expected a path outside RUN_DIR/model (where a Hugging "
+         "Face model is exported)"),
+        # an --out there replaced a checkpoint's data file; the resume then refused it
+        (["--checkpoint-dir", "ckpt", "--out", "ckpt/step-000004/__0_0.distcp"],
+         "--out: ckpt/step-000004/__0_0.distcp: expected a path outside --checkpoint-dir ckpt "
+         "(it would overwrite the checkpoints)"),
+        (["--checkpoint-dir", "ckpt", "--metrics-out", "ckpt/metrics.jsonl"],
+         "--metrics-out: ckpt/metrics.jsonl: expected a path outside --checkpoint-dir ckpt (it "
+         "would overwrite the checkpoints)"),
+    ],
+)  # fmt: skip
+def test_outputs_over_files_the_run_writes_itself_exit_2(
+    tmp_path, capsys, monkeypatch, args, needle
+):
+    monkeypatch.chdir(tmp_path)
+    code, err = _run(capsys, "--workers", "2", "--run-dir", "run", *args)
+    assert code == 2, err
+    assert err == f"hetrain: error: {needle}"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_output_that_is_the_model_factorys_source_exits_2(tmp_path, capsys, monkeypatch):
+    """``--out myfac.py`` replaced the factory's code with the saved state_dict (exit 0)."""
+    monkeypatch.chdir(tmp_path)
+    source = (
+        "import torch\n\n\ndef make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), "
+        "torch.nn.Linear(8, 2))\n"
+        "    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))\n"
+        '    return {"model": model, "dataset": (x, y), '
+        '"loss_fn": torch.nn.functional.cross_entropy}\n'
+    )
+    (tmp_path / "qa_factory_src.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(
+        ["train", "--model", "qa_factory_src:make", "--workers", "2", "--steps", "2",
+         "--no-progress", "--out", "qa_factory_src.py"]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err == (
+        "hetrain: error: --out and --model: expected a file other than the --model input, "
+        "got qa_factory_src.py"
+    )
+    assert (tmp_path / "qa_factory_src.py").read_text() == source
+
+
+@pytest.mark.parametrize(
+    ("source", "needle"),
+    [
+        ("def f(:\n", "failed at {path}:1: SyntaxError: invalid syntax"),
+        ("x = 1 / 0\n", "failed: ZeroDivisionError: division by zero"),
+    ],
+)
+def test_model_module_that_fails_on_import_exits_2(tmp_path, capsys, monkeypatch, source, needle):
+    """A SyntaxError or an exception in the factory's module was a 60-line traceback, exit 1."""
+    name = f"qa_broken_{abs(hash(source)) % 10_000}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for command in (["train", "--workers", "2", "--steps", "2"], ["profile"]):
+        code = main([*command, "--model", f"{name}:make"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, err
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"hetrain: error: --model: {name}:make: importing '{name}' ")
+        assert needle.format(path=path) in err
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "factor"),
+    [
+        (["--slowdown", "w1=1e30"], "--slowdown", "1e+30"),
+        (["--slowdown", "w1=100", "--trace", "TRACE"], "--slowdown and --trace", "1e+07"),
+    ],
+)
+def test_emulated_slow_down_beyond_1e6_exits_2(tmp_path, capsys, args, option, factor):
+    """``--slowdown w1=1e30`` overflowed ``time.sleep`` in a rank (exit 1); a trace's tiny
+    speed factor did the same."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("slot,device,speed_factor,available,price_per_hour,nic_gbps\n0,w1,1e-5,,,\n")
+    args = [str(trace) if a == "TRACE" else a for a in args]
+    code, err = _run(capsys, "--workers", "2", *args)
+    assert code == 2, err
+    assert err == (
+        f"hetrain: error: {option}: w1: expected an emulated slow-down of at most 1e+06x a host "
+        f"core, got {factor}x (the rank would sleep that many times its compute)"
+    )

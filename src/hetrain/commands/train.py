@@ -116,16 +116,23 @@ def run_train(
     name = task.name if model is None else "model"
     run_dir = run_dir or Path("runs") / name
     metrics_out = metrics_out or run_dir / "metrics.jsonl"
-    if data is not None:  # the other input files are checked by build_job
+    sources = []  # input files a run must not overwrite (the others are checked by build_job)
+    if data is not None:
+        sources.append(("--data", data))
+    if model is not None:  # the factory's own source file (a --out there replaced the code)
+        module = sys.modules.get(model.partition(":")[0])
+        if getattr(module, "__file__", None):
+            sources.append(("--model", Path(module.__file__)))
+    for source_option, source in sources:
         for option, path in (
             ("--out", out or run_dir / "model.pt"),
             ("--metrics-out", metrics_out),
         ):
-            if path.resolve() == data.resolve():
+            if path.resolve() == source.resolve():
                 raise InputError(
-                    f"{option} and --data",
+                    f"{option} and {source_option}",
                     "",
-                    f"expected a file other than the --data input, got {path}",
+                    f"expected a file other than the {source_option} input, got {path}",
                 )
     options: dict[str, Any] = dict(
         steps=steps,

@@ -71,6 +71,50 @@ def parse_slowdown(items: Sequence[str] | Mapping[str, float] | None, devices: S
     return out
 
 
+MAX_EMULATED_SLOWDOWN = 1e6
+
+
+def _check_emulated_slowdown(
+    slow: Mapping[str, float],
+    cluster_spec: ClusterSpec | None,
+    trace_rows: Sequence[Any],
+    devices: Sequence[str],
+) -> None:
+    """The slowest emulated device is at most ``MAX_EMULATED_SLOWDOWN`` (1e6) x a host core:
+    ``--slowdown`` x, with ``--cluster``, ``max tflops / tflops_d`` x, with ``--trace``, ``1 /
+    min speed_factor_d`` (hetrain.runtime.worker_main.EmulationSchedule). The ranks sleep that
+    factor minus one times their compute: ``--slowdown w1=1e30`` overflowed ``time.sleep``
+    in a rank (exit 1) and a 1e9 tflops ratio slept for hours.
+
+    Raises:
+        InputError: naming the options that set the factor and the device.
+    """
+    factor = {d: float(slow.get(d, 1.0)) for d in devices}
+    options = {d: ["--slowdown"] if slow.get(d, 1.0) > 1.0 else [] for d in devices}
+    if cluster_spec is not None:
+        top = max(dv.tflops for dv in cluster_spec.devices)
+        for dv in cluster_spec.devices:
+            if dv.id in factor and top > dv.tflops:
+                factor[dv.id] *= top / dv.tflops
+                options[dv.id].append("--cluster")
+    for row in trace_rows:
+        sf = getattr(row, "speed_factor", None)
+        if row.device in factor and sf is not None and 0 < sf < 1.0:
+            worst = factor[row.device] / sf
+            if "--trace" not in options[row.device]:
+                options[row.device].append("--trace")
+            if worst > MAX_EMULATED_SLOWDOWN:
+                factor[row.device] = worst
+    for d in devices:
+        if factor[d] > MAX_EMULATED_SLOWDOWN:
+            raise InputError(
+                " and ".join(options[d]) or "--slowdown",
+                d,
+                f"expected an emulated slow-down of at most {MAX_EMULATED_SLOWDOWN:g}x a host "
+                f"core, got {factor[d]:.3g}x (the rank would sleep that many times its compute)",
+            )
+
+
 def _split(item: str) -> tuple[str, str]:
     device, sep, value = str(item).partition("=")
     if not sep or not device.strip():
@@ -117,6 +161,15 @@ def load_model_factory(spec: str) -> Callable[[], Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise InputError("--model", spec, f"cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # the module's own code failed (a SyntaxError, 1/0 at import)
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.filename:
+            where = f" at {exc.filename}:{exc.lineno}"
+        raise InputError(
+            "--model",
+            spec,
+            f"importing {module_name!r} failed{where}: {type(exc).__name__}: {exc}",
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise InputError("--model", spec, f"expected a callable {attr!r} in {module_name}")
@@ -251,6 +304,59 @@ def _check_output_path(option: str, path: Path, *, folder: bool) -> None:
             if not parent.is_dir():
                 raise InputError(option, "", f"expected {kind} path, but {parent} is a file")
             break
+
+
+REPORT_FILES = ("report.txt", "iteration_time.png", "predicted_vs_measured.png")
+
+
+def _check_outputs_apart(
+    out: str | Path | None,
+    metrics_out: str | Path | None,
+    run_dir: str | Path | None,
+    checkpoint_dir: str | Path | None,
+) -> None:
+    """``--out`` and ``--metrics-out`` are not files the run writes itself into ``--run-dir``
+    (the report: ``report.txt``, ``iteration_time.png``, ``predicted_vs_measured.png``,
+    ``timeline_step<N>.png``; ``model/``, where a Hugging Face model is exported) and not in
+    ``--checkpoint-dir`` (an ``--out`` there replaced a checkpoint's data file, and the
+    resume then refused the checkpoint as corrupted).
+
+    Raises:
+        InputError: naming the option and the file it would overwrite.
+    """
+    import fnmatch
+
+    for option, given in (("--out", out), ("--metrics-out", metrics_out)):
+        if given is None:
+            continue
+        path = Path(given).resolve()
+        if run_dir is not None:
+            folder = Path(run_dir).resolve()
+            if path.parent == folder and (
+                path.name in REPORT_FILES or fnmatch.fnmatch(path.name, "timeline_step*.png")
+            ):
+                raise InputError(
+                    option,
+                    str(given),
+                    f"expected a file other than the run report's {path.name} in --run-dir",
+                )
+            hf = folder / "model"
+            if path == hf or hf in path.parents:
+                raise InputError(
+                    option,
+                    str(given),
+                    "expected a path outside RUN_DIR/model (where a Hugging Face model is "
+                    "exported)",
+                )
+        if checkpoint_dir is not None:
+            ckpt_dir = Path(checkpoint_dir).resolve()
+            if path == ckpt_dir or ckpt_dir in path.parents:
+                raise InputError(
+                    option,
+                    str(given),
+                    f"expected a path outside --checkpoint-dir {checkpoint_dir} (it would "
+                    "overwrite the checkpoints)",
+                )
 
 
 def _check_distinct_outputs(
@@ -495,6 +601,7 @@ def build_job(
         _check_output_path("--metrics-out", Path(metrics_out), folder=False)
     if out is not None:
         _check_output_path("--out", Path(out), folder=False)
+    _check_outputs_apart(out, metrics_out, run_dir, checkpoint_dir)
     _check_distinct_outputs(
         out,
         metrics_out,
@@ -570,6 +677,7 @@ def build_job(
             ) from None
         if trace_rows:
             check_trace_steps(steps, len(device_ids), "--trace")
+    _check_emulated_slowdown(slow, cluster_spec, trace_rows or [], device_ids)
     if adaptive is None:
         adaptive = plan_obj is None
     return TrainJob(
