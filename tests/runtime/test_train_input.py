@@ -119,8 +119,18 @@ def test_plan_batch_mismatch_exits_2(tmp_path, capsys):
         (["--hang-timeout", "1e300"], "--hang-timeout: expected at most 1e+06 seconds"),
         # a folder for --data was "file not found"
         (["--example", "charlm", "--data", "."], "--data: expected a text file, got a folder"),
+        # torch's rendezvous raised a ValueError traceback (exit 1)
+        (["--nnodes", "2", "--rdzv-endpoint", "localhost:notaport"],
+         "--rdzv-endpoint: localhost:notaport: expected HOST:PORT with a port from 1 to 65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", "localhost:99999"], "a port from 1 to 65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", ":29500"], "a port from 1 to 65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohostport"], "a port from 1 to 65535"),
+        # float32 overflow in the optimizer step of a rank (exit 1), or NaN from step 1
+        (["--lr", "1e300"], "--lr: expected at most 1e+06, got 1e+300"),
+        (["--weight-decay", "1e300"], "--weight-decay: expected at most 1e+06, got 1e+300"),
+        (["--optimizer", "sgd", "--momentum", "1e300"], "--momentum: expected at most 1, got"),
     ],
-)
+)  # fmt: skip
 def test_bad_options_exit_2(tmp_path, capsys, monkeypatch, args, needle):
     monkeypatch.chdir(tmp_path)
     code, err = _run(capsys, "--workers", "2", *args)

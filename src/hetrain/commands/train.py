@@ -211,6 +211,14 @@ def run_train(
     # the launch options are checked before anything is printed (one line on bad input)
     if nnodes > 1 and rdzv_endpoint is None:
         raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if nnodes > 1:  # torch's rendezvous raised a ValueError traceback (exit 1) on these
+        host, sep, port = str(rdzv_endpoint).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InputError(
+                "--rdzv-endpoint",
+                str(rdzv_endpoint),
+                "expected HOST:PORT with a port from 1 to 65535",
+            )
     if max_restarts < 0:
         raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
     if (

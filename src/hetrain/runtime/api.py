@@ -132,7 +132,14 @@ def _positive_int(name: str, value: Any, minimum: int = 1, maximum: int | None =
     return value
 
 
-def _finite(name: str, value: Any, *, minimum: float = 0.0, strict: bool = True) -> float:
+def _finite(
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    strict: bool = True,
+    maximum: float | None = None,
+) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -140,7 +147,17 @@ def _finite(name: str, value: Any, *, minimum: float = 0.0, strict: bool = True)
     if not math.isfinite(v) or v < minimum or (strict and v == minimum):
         bound = ">" if strict else ">="
         raise InputError(name, "", f"expected a finite number {bound} {minimum:g}, got {value}")
+    if maximum is not None and v > maximum:
+        raise InputError(name, "", f"expected at most {maximum:g}, got {value}")
     return v
+
+
+# optimizer hyper-parameters beyond these overflow float32 in the optimizer step (--lr 1e300:
+# "value cannot be converted to type float without overflow" in a rank, exit 1) or train to
+# NaN from the first step (--weight-decay/--momentum 1e300); SGD momentum above 1 diverges
+MAX_LR = 1e6
+MAX_WEIGHT_DECAY = 1e6
+MAX_MOMENTUM = 1.0
 
 
 def load_model_factory(spec: str) -> Callable[[], Any]:
@@ -499,7 +516,7 @@ def build_job(
     steps = _positive_int(
         "--steps", steps if steps is not None else d.get("steps", 100), maximum=MAX_BATCH
     )
-    lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3))
+    lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3), maximum=MAX_LR)
     optimizer = optimizer or d.get("optimizer", "adamw")
     if optimizer not in OPTIMIZERS:
         raise InputError("--optimizer", "", f"expected sgd or adamw, got {optimizer!r}")
@@ -528,8 +545,9 @@ def build_job(
         "--weight-decay",
         weight_decay if weight_decay is not None else d.get("weight_decay", 0.0),
         strict=False,
+        maximum=MAX_WEIGHT_DECAY,
     )
-    momentum = _finite("--momentum", momentum, strict=False)
+    momentum = _finite("--momentum", momentum, strict=False, maximum=MAX_MOMENTUM)
     warmup_steps = _positive_int(
         "--warmup-steps", warmup_steps if warmup_steps is not None else d.get("warmup_steps", 0), 0
     )
