@@ -184,14 +184,18 @@ class TensorBoardSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All events of a metrics file, in order (a torn last line is skipped)."""
+    """All events of a metrics file, in order: its JSON-object lines (a torn last line, or a
+    line that is JSON but not an object, e.g. ``[1, 2]``, is skipped: a resume that appends
+    to such a file failed with ``'list' object has no attribute 'get'`` in rank 0)."""
     out = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         line = line.strip()
         if not line:
             continue
         try:
-            out.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(event, dict):
+            out.append(event)
     return out

@@ -1,0 +1,35 @@
+"""The metrics file (``hetrain.runtime.metrics``): reading back what a run wrote."""
+
+from __future__ import annotations
+
+import json
+
+from hetrain.cli import main
+from hetrain.runtime.metrics import read_metrics
+
+
+def test_read_metrics_keeps_the_json_object_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"event": "plan", "step": 0}\n[1, 2]\n"text"\n\n{"event": "step", "step": 0}\n{"ev'
+    )
+    assert read_metrics(path) == [{"event": "plan", "step": 0}, {"event": "step", "step": 0}]
+
+
+def test_resume_appends_to_a_metrics_file_with_foreign_lines(tmp_path, capsys):
+    """A resume on a metrics file holding a JSON line that is not an object failed in rank 0
+    (``'list' object has no attribute 'get'``, exit 1)."""
+    run = ["train", "--example", "digits", "--workers", "2", "--no-progress", "--no-report"]
+    args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    args += ["--run-dir", str(tmp_path / "run")]
+    assert main([*run, "--steps", "4", *args]) == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write("[1, 2]\n")
+    capsys.readouterr()
+    code = main([*run, "--steps", "6", *args])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    steps = [e["step"] for e in read_metrics(metrics) if e["event"] == "step"]
+    assert steps == [0, 1, 2, 3, 4, 5]
+    assert "[1, 2]" in metrics.read_text()  # the file is appended to, not rewritten
+    assert json.loads(metrics.read_text().splitlines()[0])["event"] == "plan"
