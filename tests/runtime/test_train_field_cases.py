@@ -97,6 +97,51 @@ def test_the_first_failing_rank_is_the_one_line(tmp_path):
     assert mine and "Traceback (most recent call last)" in mine[0]["traceback"]
 
 
+def test_a_single_rank_failure_is_one_line_too(tmp_path):
+    """``--workers 1`` runs in the launching process; its failure was the rank's whole
+    traceback on the console (exit 1) and no ``rank_errors.jsonl`` (new-user pass)."""
+    x = torch.randn(64, 8)
+    y = torch.randint(0, 4, (64,))
+    with pytest.raises(LaunchError) as info:
+        hetrain.train(
+            model=_wrong_width_model(),
+            dataset=(x, y),
+            loss_fn=F.cross_entropy,
+            workers=1,
+            steps=2,
+            batch=8,
+            run_dir=tmp_path / "run",
+        )
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith("rank 0 (w0), layer 3 (Linear): RuntimeError: mat1 and mat2"), line
+    rows = [json.loads(r) for r in (tmp_path / "run" / RANK_ERRORS_FILE).read_text().splitlines()]
+    assert len(rows) == 1 and "Traceback (most recent call last)" in rows[0]["traceback"]
+
+
+def test_profile_of_a_model_that_fails_its_forward_is_one_line(tmp_path, capsys, monkeypatch):
+    """``hetrain profile --model`` on a model whose layers do not fit together was an 84-line
+    traceback, exit 1 (new-user pass); ``train`` already said it in one line."""
+    (tmp_path / "qa_bad_width.py").write_text(
+        "import torch\n\n\ndef make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), "
+        "torch.nn.Linear(7, 2))\n"
+        "    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))\n"
+        '    return {"model": model, "dataset": (x, y), '
+        '"loss_fn": torch.nn.functional.cross_entropy}\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["profile", "--model", "qa_bad_width:make"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith(
+        "hetrain: error: --model: qa_bad_width:make: running the model failed: RuntimeError: "
+        "mat1 and mat2 shapes cannot be multiplied"
+    ), err
+    assert len(err.splitlines()) == 1
+
+
 def test_data_set_smaller_than_the_batch_wraps(tmp_path):
     """Case 3: 10 samples, global batch 16, 2 ranks: start-up calibration and training read
     through the sampler, which wraps (every sample once per epoch)."""

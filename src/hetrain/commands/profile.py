@@ -359,10 +359,20 @@ def _module_subject(
             return task.build_model()
 
         def profile(inputs: Any, label: str) -> Any:
-            if count_device == "meta":
-                return profile_on_meta(build, inputs, name=label, layers=task.layers)
-            module = build()
-            return profile_chain(task_chain(task, module, verify=True), inputs, name=label)
+            try:
+                if count_device == "meta":
+                    return profile_on_meta(build, inputs, name=label, layers=task.layers)
+                module = build()
+                return profile_chain(task_chain(task, module, verify=True), inputs, name=label)
+            except InputError:
+                raise
+            except Exception as exc:  # the user's model fails its own forward: one line
+                message = (str(exc).strip().splitlines() or [""])[0]
+                raise InputError(
+                    "--model",
+                    model_spec,
+                    f"running the model failed: {type(exc).__name__}: {message}",
+                ) from None
 
         return _Subject(
             model_spec,

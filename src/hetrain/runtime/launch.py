@@ -232,10 +232,23 @@ def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # one GPU: CUDA placement, NCCL collectives (of one rank)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    from hetrain.errors import InputError
+
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             return run_worker(job)
+        except (InputError, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            # as with several ranks: one line, the traceback in rank_errors.jsonl (it was the
+            # whole traceback on the console, exit 1, and no record)
+            record_rank_error(job, exc)
+            path = _errors_path(job)
+            line = first_failure(path, started) if path is not None else None
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise LaunchError(line or f"rank 0 failed: {type(exc).__name__}: {first}") from None
         finally:
             dist.destroy_process_group()
 
