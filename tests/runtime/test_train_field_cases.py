@@ -69,21 +69,16 @@ def _wrong_width_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(12, 4))
 
 
-def test_the_first_failing_rank_is_the_one_line(tmp_path):
-    """Case 2: layer 3 expects 12 inputs, gets 16; it runs on rank 1 (second stage)."""
+def _wrong_width_failure(tmp_path, workers: int, plan: dict | None = None):
+    """Train the wrong-width model; the failure's one line and the recorded rank errors."""
     x = torch.randn(64, 8)
     y = torch.randint(0, 4, (64,))
-    plan = {
-        "groups": [
-            {"devices": ["w0", "w1"], "stages": [[0, 2], [2, 4]], "microbatch_size": 4, "batch": 8}
-        ]
-    }
     with pytest.raises(LaunchError) as info:
         hetrain.train(
             model=_wrong_width_model(),
             dataset=(x, y),
             loss_fn=F.cross_entropy,
-            workers=2,
+            workers=workers,
             steps=2,
             batch=8,
             plan=plan,
@@ -91,8 +86,19 @@ def test_the_first_failing_rank_is_the_one_line(tmp_path):
         )
     line = str(info.value)
     assert "\n" not in line
-    assert line.startswith("rank 1 (w1), layer 3 (Linear): RuntimeError: mat1 and mat2"), line
     rows = [json.loads(r) for r in (tmp_path / "run" / RANK_ERRORS_FILE).read_text().splitlines()]
+    return line, rows
+
+
+def test_the_first_failing_rank_is_the_one_line(tmp_path):
+    """Case 2: layer 3 expects 12 inputs, gets 16; it runs on rank 1 (second stage)."""
+    plan = {
+        "groups": [
+            {"devices": ["w0", "w1"], "stages": [[0, 2], [2, 4]], "microbatch_size": 4, "batch": 8}
+        ]
+    }
+    line, rows = _wrong_width_failure(tmp_path, 2, plan)
+    assert line.startswith("rank 1 (w1), layer 3 (Linear): RuntimeError: mat1 and mat2"), line
     mine = [r for r in rows if r["rank"] == 1]
     assert mine and "Traceback (most recent call last)" in mine[0]["traceback"]
 
@@ -100,22 +106,8 @@ def test_the_first_failing_rank_is_the_one_line(tmp_path):
 def test_a_single_rank_failure_is_one_line_too(tmp_path):
     """``--workers 1`` runs in the launching process; its failure was the rank's whole
     traceback on the console (exit 1) and no ``rank_errors.jsonl`` (new-user pass)."""
-    x = torch.randn(64, 8)
-    y = torch.randint(0, 4, (64,))
-    with pytest.raises(LaunchError) as info:
-        hetrain.train(
-            model=_wrong_width_model(),
-            dataset=(x, y),
-            loss_fn=F.cross_entropy,
-            workers=1,
-            steps=2,
-            batch=8,
-            run_dir=tmp_path / "run",
-        )
-    line = str(info.value)
-    assert "\n" not in line
+    line, rows = _wrong_width_failure(tmp_path, 1)
     assert line.startswith("rank 0 (w0), layer 3 (Linear): RuntimeError: mat1 and mat2"), line
-    rows = [json.loads(r) for r in (tmp_path / "run" / RANK_ERRORS_FILE).read_text().splitlines()]
     assert len(rows) == 1 and "Traceback (most recent call last)" in rows[0]["traceback"]
 
 
