@@ -34,7 +34,7 @@ from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan, plan_from_dict
 from hetrain.runtime.data import Task, as_chain, as_source
 from hetrain.runtime.launch import launch
-from hetrain.runtime.worker_main import DTYPES, TrainJob, local_cluster_spec
+from hetrain.runtime.worker_main import DTYPES, TrainJob, base_slowdowns, local_cluster_spec
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -75,43 +75,43 @@ MAX_EMULATED_SLOWDOWN = 1e6
 
 
 def _check_emulated_slowdown(
-    slow: Mapping[str, float],
+    slow: dict[str, float],
     cluster_spec: ClusterSpec | None,
     trace_rows: Sequence[Any],
-    devices: Sequence[str],
+    devices: list[str],
 ) -> None:
     """The slowest emulated device is at most ``MAX_EMULATED_SLOWDOWN`` (1e6) x a host core:
-    ``--slowdown`` x, with ``--cluster``, ``max tflops / tflops_d`` x, with ``--trace``, ``1 /
-    min speed_factor_d`` (hetrain.runtime.worker_main.EmulationSchedule). The ranks sleep that
-    factor minus one times their compute: ``--slowdown w1=1e30`` overflowed ``time.sleep``
-    in a rank (exit 1) and a 1e9 tflops ratio slept for hours.
+    :func:`hetrain.runtime.worker_main.base_slowdowns` (``--slowdown``, with ``--cluster`` its
+    tflops ratio) divided by, with ``--trace``, the device's smallest ``speed_factor`` below 1
+    (as ``EmulationSchedule.factors``). The ranks sleep that factor minus one times their
+    compute: ``--slowdown w1=1e30`` overflowed ``time.sleep`` in a rank (exit 1) and a 1e9
+    tflops ratio slept for hours.
 
     Raises:
         InputError: naming the options that set the factor and the device.
     """
-    factor = {d: float(slow.get(d, 1.0)) for d in devices}
-    options = {d: ["--slowdown"] if slow.get(d, 1.0) > 1.0 else [] for d in devices}
-    if cluster_spec is not None:
-        top = max(dv.tflops for dv in cluster_spec.devices)
-        for dv in cluster_spec.devices:
-            if dv.id in factor and top > dv.tflops:
-                factor[dv.id] *= top / dv.tflops
-                options[dv.id].append("--cluster")
+    base = base_slowdowns(devices, slow, cluster_spec)
+    lowest = {d: 1.0 for d in devices}  # the smallest speed factor of the trace, at most 1
     for row in trace_rows:
-        sf = getattr(row, "speed_factor", None)
-        if row.device in factor and sf is not None and 0 < sf < 1.0:
-            worst = factor[row.device] / sf
-            if "--trace" not in options[row.device]:
-                options[row.device].append("--trace")
-            if worst > MAX_EMULATED_SLOWDOWN:
-                factor[row.device] = worst
+        if row.device in lowest and row.speed_factor is not None and row.speed_factor > 0:
+            lowest[row.device] = min(lowest[row.device], row.speed_factor)
     for d in devices:
-        if factor[d] > MAX_EMULATED_SLOWDOWN:
+        factor = base[d] / lowest[d]
+        if factor > MAX_EMULATED_SLOWDOWN:
+            options = [
+                option
+                for option, used in (
+                    ("--slowdown", slow.get(d, 1.0) > 1.0),
+                    ("--cluster", base[d] > slow.get(d, 1.0)),
+                    ("--trace", lowest[d] < 1.0),
+                )
+                if used
+            ]
             raise InputError(
-                " and ".join(options[d]) or "--slowdown",
+                " and ".join(options) or "--slowdown",
                 d,
                 f"expected an emulated slow-down of at most {MAX_EMULATED_SLOWDOWN:g}x a host "
-                f"core, got {factor[d]:.3g}x (the rank would sleep that many times its compute)",
+                f"core, got {factor:.3g}x (the rank would sleep that many times its compute)",
             )
 
 
@@ -695,7 +695,7 @@ def build_job(
             ) from None
         if trace_rows:
             check_trace_steps(steps, len(device_ids), "--trace")
-    _check_emulated_slowdown(slow, cluster_spec, trace_rows or [], device_ids)
+    _check_emulated_slowdown(slow, cluster_spec, trace_rows or [], list(device_ids))
     if adaptive is None:
         adaptive = plan_obj is None
     return TrainJob(

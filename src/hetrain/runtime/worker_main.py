@@ -215,23 +215,32 @@ def local_cluster_state(devices: list[str], speeds_flops: list[float]) -> Cluste
     return spec.state()
 
 
+def base_slowdowns(
+    devices: list[str], slowdown: dict[str, float], cluster: ClusterSpec | None
+) -> dict[str, float]:
+    """``base_d`` of :class:`EmulationSchedule` (dimensionless, ``>= 1`` per device of
+    ``devices``): ``--slowdown``'s factor times, with ``--cluster``, ``max_e tflops_e /
+    tflops_d`` (the local ranks emulate the cluster's relative speeds)."""
+    base = {d: float(slowdown.get(d, 1.0)) for d in devices}
+    if cluster is not None:
+        top = max(dv.tflops for dv in cluster.devices)
+        for dv in cluster.devices:
+            if dv.id in base:
+                base[dv.id] *= top / dv.tflops
+    return base
+
+
 class EmulationSchedule:
     """Per-step emulation: ``slowdown_d(t) = base_d / speed_factor_d(t)`` and NIC bandwidth from
-    the trace (docs/model.md §7: one slot = one step). ``base_d`` is ``--slowdown``'s factor times,
-    with
-    ``--cluster``, ``max_e tflops_e / tflops_d`` (the local ranks emulate the cluster's relative
-    speeds and its links)."""
+    the trace (docs/model.md §7: one slot = one step); ``base_d`` from :func:`base_slowdowns`
+    (the local ranks emulate the cluster's relative speeds and its links)."""
 
     def __init__(self, job: TrainJob) -> None:
         self.devices = list(job.devices)
-        self.base = {d: float(job.slowdown.get(d, 1.0)) for d in self.devices}
         self.cluster: ClusterSpec | None = None
         if job.cluster is not None:
             self.cluster = cluster_from_dict(job.cluster, "--cluster")
-            top = max(dv.tflops for dv in self.cluster.devices)
-            for dv in self.cluster.devices:
-                if dv.id in self.base:
-                    self.base[dv.id] *= top / dv.tflops
+        self.base = base_slowdowns(self.devices, dict(job.slowdown), self.cluster)
         self.timeline = None
         if job.trace_rows:
             from hetrain.trace import Trace
@@ -401,10 +410,14 @@ def _measure_device(
     if len(nu) != num_layers:  # a profile of another cut: plain layer counts
         nu = np.ones(num_layers)
     points = [
-        (mu, float(np.sum(layer_flops[:n])), float(np.sum(nu[:n])), float(np.median(times_s)))
+        (
+            mu,
+            float(np.sum(layer_flops[:n])),
+            float(np.sum(nu[:n])),
+            float(np.median(samples[mu, n])),
+        )
         for mu in sizes
         for n in lengths
-        for times_s in [samples[(mu, n)]]
     ]
     times = [float(np.median(samples[(mu, num_layers)])) for mu in sizes]
     jitter = relative_jitter(list(samples.values()))
