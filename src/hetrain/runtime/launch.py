@@ -197,13 +197,18 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     try:
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
-        path = _errors_path(job)
-        line = first_failure(path, started) if path is not None else None
-        raise LaunchError(line or _root_cause(exc)) from None
+        raise LaunchError(_failure_line(job, started) or _root_cause(exc)) from None
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)
     return results.get(0)
+
+
+def _failure_line(job: TrainJob, since_s: float) -> str | None:
+    """:func:`first_failure` of the run's ``rank_errors.jsonl`` since ``since_s`` (None
+    without a run folder or a usable record)."""
+    path = _errors_path(job)
+    return first_failure(path, since_s) if path is not None else None
 
 
 def _root_cause(exc: Any) -> str:
@@ -245,10 +250,9 @@ def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
             # as with several ranks: one line, the traceback in rank_errors.jsonl (it was the
             # whole traceback on the console, exit 1, and no record)
             record_rank_error(job, exc)
-            path = _errors_path(job)
-            line = first_failure(path, started) if path is not None else None
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise LaunchError(line or f"rank 0 failed: {type(exc).__name__}: {first}") from None
+            line = _failure_line(job, started) or f"rank 0 failed: {type(exc).__name__}: {first}"
+            raise LaunchError(line) from None
         finally:
             dist.destroy_process_group()
 
