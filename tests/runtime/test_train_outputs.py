@@ -139,3 +139,16 @@ def test_missing_tensorboard_in_the_python_api(tmp_path, monkeypatch) -> None:
             _model(), _data(), nn.functional.cross_entropy, workers=2, steps=2,
             run_dir=tmp_path, tensorboard=True,
         )  # fmt: skip
+
+
+def test_a_run_folder_hetrain_creates_ignores_its_outputs(tmp_path):
+    """Run outputs are never committed, wherever a run writes them: the folder gets a
+    ``.gitignore`` of ``*`` when hetrain creates it, and a folder the user made is left alone."""
+    from hetrain.runtime.api import make_run_dir
+
+    made = make_run_dir(tmp_path / "a" / "run")
+    assert (made / ".gitignore").read_text().splitlines()[-1] == "*"
+    own = tmp_path / "mine"
+    own.mkdir()
+    make_run_dir(own)
+    assert not (own / ".gitignore").exists()

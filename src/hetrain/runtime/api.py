@@ -833,6 +833,22 @@ def train(
     return summary
 
 
+def make_run_dir(run_dir: str | Path) -> Path:
+    """Create the run folder ``run_dir`` (parents too) and, when hetrain creates it, a
+    ``.gitignore`` of ``*`` inside it (as ``venv`` and pytest's cache do), so that run outputs
+    are never committed wherever they are written.
+
+    Raises:
+        OSError: the folder cannot be created.
+    """
+    path = Path(run_dir)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    if created:
+        (path / ".gitignore").write_text("# created by hetrain: run outputs are not sources\n*\n")
+    return path
+
+
 def run_job(
     job: TrainJob,
     *,
@@ -850,7 +866,7 @@ def run_job(
     if max_restarts < 0:
         raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
     if job.run_dir is not None:
-        Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+        make_run_dir(job.run_dir)
     nproc = len(job.devices) // nnodes
     summary = launch(
         job,
