@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hetrain.runtime.elastic import ElasticController, read_jsonl
+from hetrain._io import read_jsonl
+from hetrain.runtime.elastic import ElasticController
 
 _REPO = Path(__file__).resolve().parents[1]
 _CANDIDATES = [_REPO.parent / "shared", _REPO.parent.parent / "shared"]  # checkout or worktree

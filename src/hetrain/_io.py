@@ -42,6 +42,29 @@ def read_structured(path: str | Path) -> Any:
         raise InputError(str(path), "", "expected valid YAML") from None
 
 
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of a JSONL file (metrics, controller log, rank failure records), in
+    order; ``[]`` for a missing file. A torn line (a crash mid-write), a line that is not JSON
+    and a line that is JSON but not an object (``[1, 2]``) are skipped, as are undecodable
+    bytes. The one reader of every JSONL file hetrain writes.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 def read_text(path: str | Path) -> str:
     """The UTF-8 text of an input file.
 

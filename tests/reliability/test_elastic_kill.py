@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetrain.runtime.elastic import ElasticController, read_jsonl
+from hetrain._io import read_jsonl
+from hetrain.runtime.elastic import ElasticController
 
 STEPS = 160  # long enough that the returning device joins before the end
 EVERY = 5

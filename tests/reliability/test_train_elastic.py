@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hetrain.runtime.elastic import ElasticController, read_jsonl
+from hetrain._io import read_jsonl
+from hetrain.runtime.elastic import ElasticController
 
 STEPS = 150
 EVERY = 10

@@ -33,3 +33,18 @@ def test_resume_appends_to_a_metrics_file_with_foreign_lines(tmp_path, capsys):
     assert steps == [0, 1, 2, 3, 4, 5]
     assert "[1, 2]" in metrics.read_text()  # the file is appended to, not rewritten
     assert json.loads(metrics.read_text().splitlines()[0])["event"] == "plan"
+
+
+def test_every_jsonl_reader_is_the_one_reader(tmp_path):
+    """The run report, the elastic launcher and the metrics module read JSONL alike: the
+    report's summary of a metrics file with a foreign line ``[1, 2]`` failed
+    (``'list' object has no attribute 'get'``)."""
+    from hetrain._io import read_jsonl
+    from hetrain.report import run_report
+
+    path = tmp_path / "metrics.jsonl"
+    step = {"event": "step", "step": 0, "plan_id": 0, "iteration_time_s": 0.5, "loss": 2.0}
+    path.write_text("[1, 2]\n" + json.dumps(step) + '\n{"ev')
+    assert run_report.read_metrics(path) == read_jsonl(path) == [step]
+    assert run_report.summarize(run_report.read_metrics(path))["steps"] == 1
+    assert read_jsonl(tmp_path / "missing.jsonl") == []

@@ -5,21 +5,11 @@ Never imports torch (reads the JSONL metrics file only).
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Events of a JSONL metrics file in order (a torn last line is skipped)."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+from hetrain._io import read_jsonl as read_metrics
 
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,7 +28,6 @@ after the last checkpoint are redone: at most ``--checkpoint-every``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -41,19 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import InputError
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All complete JSON lines of a metrics file (a truncated line from a crash is skipped)."""
-    out = []
-    if not Path(path).exists():
-        return out
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line)
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
 
 
 def _device_id() -> str:

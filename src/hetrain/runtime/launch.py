@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hetrain._io import read_jsonl
 from hetrain.runtime.worker_main import TrainJob, run_worker
 
 
@@ -106,14 +107,7 @@ def first_failure(path: Path, since_s: float = 0.0) -> str | None:
     the elastic agent's record)."""
     if not path.is_file():
         return None
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if float(row.get("time_s", 0.0)) >= since_s:
-            rows.append(row)
+    rows = [row for row in read_jsonl(path) if float(row.get("time_s", 0.0)) >= since_s]
     if not rows:
         return None
     rows.sort(key=lambda r: r["time_s"])

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetrain._io import read_jsonl
+
 EVENTS = ("step", "plan", "replan", "checkpoint", "restart", "stop", "timeline", "end")
 
 
@@ -184,18 +186,6 @@ class TensorBoardSink:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All events of a metrics file, in order: its JSON-object lines (a torn last line, or a
-    line that is JSON but not an object, e.g. ``[1, 2]``, is skipped: a resume that appends
-    to such a file failed with ``'list' object has no attribute 'get'`` in rank 0)."""
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict):
-            out.append(event)
-    return out
+    """All events of a metrics file, in order (:func:`hetrain._io.read_jsonl`: its JSON-object
+    lines; a torn line or one that is not an object is skipped)."""
+    return read_jsonl(path)
