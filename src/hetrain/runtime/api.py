@@ -32,7 +32,7 @@ from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan, plan_from_dict
-from hetrain.runtime.data import Task, as_chain, as_source
+from hetrain.runtime.data import DEFAULT_TARGET_KEY, Task, as_chain, as_source
 from hetrain.runtime.launch import launch
 from hetrain.runtime.worker_main import DTYPES, TrainJob, base_slowdowns, local_cluster_spec
 
@@ -202,17 +202,25 @@ def task_from_objects(
     evaluate: Callable | None = None,
     name: str = "model",
     layers: Sequence[str] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str = DEFAULT_TARGET_KEY,
 ) -> Task:
     """A :class:`Task` for a user's chain and data. Every rank deep-copies ``model`` (ranks are
     forked, so all start from its current weights). Without ``evaluate``, the validation
-    quality is the mean ``loss_fn`` over ``val_dataset``.
+    quality is the mean ``loss_fn`` over ``val_dataset``. ``collate_fn`` and ``target_key``:
+    how map-style data sets are collated and which key of a dict sample holds the targets
+    (:func:`hetrain.runtime.data.as_source`), for both data sets.
 
     Raises:
         InputError: not a chain, bad data set, or no loss function.
     """
     chain = as_chain(model, name)
-    train = as_source(dataset, "dataset")
-    val = as_source(val_dataset, "val_dataset") if val_dataset is not None else None
+    train = as_source(dataset, "dataset", collate_fn=collate_fn, target_key=target_key)
+    val = (
+        as_source(val_dataset, "val_dataset", collate_fn=collate_fn, target_key=target_key)
+        if val_dataset is not None
+        else None
+    )
     if not callable(loss_fn):
         raise InputError("loss_fn", "", "expected a callable (outputs, targets) -> mean loss")
 
@@ -236,6 +244,19 @@ def task_from_objects(
     )
 
 
+FACTORY_KEYS = (
+    "model",
+    "dataset",
+    "loss_fn",
+    "val_dataset",
+    "evaluate",
+    "layers",
+    "collate_fn",
+    "target_key",
+)
+"""Keys a ``--model`` factory's mapping may hold (docs/training.md); any other is refused."""
+
+
 def task_from_factory(spec: str, seed: int | None = None) -> Task:
     """The task of ``--model pkg.module:factory``: the factory returns a :class:`Task`, or a
     mapping with ``model`` (chain or list of blocks), ``dataset`` and ``loss_fn`` (optional
@@ -256,6 +277,14 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     if isinstance(made, Task):
         return made
     if isinstance(made, Mapping) and {"model", "dataset", "loss_fn"} <= set(made):
+        unknown = sorted(str(k) for k in set(made) - set(FACTORY_KEYS))
+        if unknown:  # a key hetrain would not use is an error, never silently ignored
+            raise InputError(
+                "--model",
+                spec,
+                f"the factory returned unknown keys {', '.join(map(repr, unknown))} "
+                f"(known: {', '.join(FACTORY_KEYS)})",
+            )
         return task_from_objects(
             made["model"],
             made["dataset"],
@@ -264,6 +293,8 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
             evaluate=made.get("evaluate"),
             name=spec,
             layers=made.get("layers"),
+            collate_fn=made.get("collate_fn"),
+            target_key=made.get("target_key", DEFAULT_TARGET_KEY),
         )
     raise InputError(
         "--model",
@@ -752,6 +783,8 @@ def train(
     report: bool = True,
     tensorboard: bool = False,
     layers: Sequence[str] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str = DEFAULT_TARGET_KEY,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
@@ -764,7 +797,9 @@ def train(
             a suffix layer), an ``nn.Sequential`` (one layer per child) or a list of blocks;
             its current weights are the starting point on every rank.
         dataset: ``(inputs, targets)`` tensors ``(N, ...)``, a ``TensorDataset``, or any
-            map-style data set of ``(input, target)`` pairs.
+            map-style data set (a list too) of ``(input, target)`` pairs, of dicts (the
+            model's keyword arguments, targets under ``target_key``) or of ``(dict, target)``
+            pairs.
         loss_fn: ``(outputs, targets) -> scalar`` mean over the samples given, or ``->
             (sum, count)`` (token-level means with masking: divided by the global count).
         val_dataset / evaluate: validation data, and optionally ``(model, dtype) -> {metric:
@@ -783,6 +818,10 @@ def train(
             ``tensorboard`` package: ``pip install 'hetrain[tensorboard]'``).
         layers: cut points (module names, e.g. ``["transformer.h.0", ...]``) instead of the
             default cut.
+        collate_fn: ``list of items -> batch`` (a dict or ``(inputs, targets)``), applied to
+            each micro-batch's samples (e.g. padding to the micro-batch's longest sequence);
+            default: stack the samples.
+        target_key: the key of dict samples that holds the targets (``labels``).
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
@@ -802,7 +841,14 @@ def train(
             in ``run_dir/rank_errors.jsonl``).
     """
     task = task_from_objects(
-        model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate, layers=layers
+        model,
+        dataset,
+        loss_fn,
+        val_dataset=val_dataset,
+        evaluate=evaluate,
+        layers=layers,
+        collate_fn=collate_fn,
+        target_key=target_key,
     )
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")

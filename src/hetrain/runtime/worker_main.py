@@ -44,7 +44,14 @@ from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
-from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs, task_chain
+from hetrain.runtime.data import (
+    GlobalBatchSampler,
+    Task,
+    call_model,
+    cast_inputs,
+    global_batch,
+    task_chain,
+)
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
@@ -394,7 +401,7 @@ def _measure_device(
                 dist.barrier()
                 t0 = time.perf_counter()
                 if n_layers == num_layers:
-                    loss = task.loss_fn(model(x), y)
+                    loss = task.loss_fn(call_model(model, x), y)
                     if isinstance(loss, tuple):  # (sum, count) losses
                         loss = loss[0] / max(float(loss[1]), 1.0)
                     loss.backward()
@@ -725,7 +732,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     try:
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
-            x, y = job.task.train.batch(sampler.indices(step))
+            x, y = global_batch(job.task.train, sampler.indices(step))
             if worker.device.type == "cuda":
                 # one pinned host buffer and an asynchronous copy per step (the engine's
                 # per-micro-batch slices are then already on the GPU)
