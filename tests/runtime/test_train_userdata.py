@@ -203,3 +203,50 @@ def test_dict_samples_split_into_keyword_inputs_and_targets():
         as_source(renamed)
     with pytest.raises(InputError, match="collate_fn.*ZeroDivisionError"):
         as_source(items, collate_fn=lambda batch: 1 / 0)
+
+
+class UnusedParts(TinyLM):
+    """TinyLM with a Linear that ``forward`` never uses and a scale used only in ``eval()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(WIDTH, 3)
+        self.eval_scale = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(input_ids, attention_mask)
+        return logits if self.training else logits * self.eval_scale
+
+
+def test_parameters_without_a_gradient_are_not_stepped_under_a_hybrid_plan(tmp_path):
+    """AdamW with weight decay: a parameter that gets no gradient in a step is skipped (as
+    torch.optim does in one process), under an uneven hybrid of 3 ranks: the unused Linear
+    and the eval-only scale end bit-identical to their start, and the whole run equals a
+    plain loop."""
+    data = token_dicts()
+    torch.manual_seed(0)
+    model = UnusedParts()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    got = _hetrain(
+        tmp_path,
+        "hybrid",
+        model,
+        data,
+        token_loss,
+        collate_fn=pad_collate,
+        plan=PLANS["hybrid"],
+        workers=3,
+        weight_decay=0.1,
+    )
+    for key in ("unused.weight", "unused.bias", "eval_scale"):
+        assert torch.equal(got[1][key], start[key].double()), key
+    ref_model = UnusedParts()
+    ref_model.load_state_dict(start)
+    ref = plain_loop(
+        ref_model,
+        data,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, foreach=False),
+        token_loss,
+        pad_collate,
+    )
+    _assert_same(got, ref)

@@ -278,6 +278,11 @@ class Worker:
             [n for n in names if n not in self.shared] for names in chain.layer_tensors
         ]
         self._held: set[str] = set()
+        # trainable tensors in one order on every rank: which of them got a gradient this step
+        # anywhere (a parameter without one is not stepped, as torch.optim skips it)
+        self._grad_index = {
+            n: i for i, n in enumerate(n for n in chain.tensors if not chain.frozen(n))
+        }
         self.optimizers: dict[Unit, torch.optim.Optimizer | None] = {}
         held = self._held_names(self.layout)
         for name, t in chain.tensors.items():
@@ -410,6 +415,28 @@ class Worker:
         no optimizer state)."""
         params = self._unit_params(unit)
         return self.optimizer_spec.build(params) if params else None
+
+    def _local_grad_flags(self) -> torch.Tensor:
+        """``(T,)`` float64 over the trainable tensors (:attr:`_grad_index` order): 1 where a
+        tensor held here got a gradient in this rank's backward (before the gradient sync
+        fills zeros), else 0."""
+        flags = torch.zeros(len(self._grad_index), dtype=torch.float64)
+        for name in self._held:
+            i = self._grad_index.get(name)
+            if i is not None and self.chain.tensors[name].grad is not None:
+                flags[i] = 1.0
+        return flags.to(self.device)
+
+    def _drop_absent_grads(self, counts: torch.Tensor) -> None:
+        """Set ``.grad = None`` on held tensors that no rank gave a gradient this step
+        (``counts`` = :meth:`_local_grad_flags` summed over the ranks), so the optimizer skips
+        them as it does in one process (no weight decay, no momentum step)."""
+        absent = set(torch.nonzero(counts.cpu() == 0).flatten().tolist())
+        if not absent:
+            return
+        for name in self._held:
+            if self._grad_index.get(name) in absent:
+                self.chain.tensors[name].grad = None
 
     def _collate_microbatches(
         self, samples: SampleList, microbatches: Sequence[tuple[int, int]]
@@ -557,6 +584,7 @@ class Worker:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
+        got_grad = self._local_grad_flags()
         sync_time_s, sync_bytes = grad_sync.finish()
         self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
@@ -569,10 +597,11 @@ class Worker:
         flag = torch.ones((), dtype=torch.float64, device=self.device) if sum_mode else zero
         random_problem = float(bool(self.randomness.problems) and not self._random_reported)
         rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
-        reduced = torch.stack([loss_part, sq, count_part, flag, rflag])
+        reduced = torch.cat([torch.stack([loss_part, sq, count_part, flag, rflag]), got_grad])
         if self.world_size > 1:  # one rank: the sum is its own values
             dist.all_reduce(reduced)
-        loss, sqnorm, count, mode, random_problems = reduced.tolist()
+        loss, sqnorm, count, mode, random_problems = reduced[:5].tolist()
+        self._drop_absent_grads(reduced[5:])
         if random_problems > 0:
             self._report_random_problems()
         scale = 1.0
