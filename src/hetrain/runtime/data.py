@@ -392,6 +392,10 @@ class Task:
             ``quality_target`` and ``higher_is_better`` state what the default run reaches.
         defaults: default ``steps``, ``batch``, ``lr``, ``optimizer``, ``microbatch_size``,
             ``warmup_steps``, ``grad_clip_norm``, ``weight_decay``.
+        layers: cut points (module names) or None (the default cut).
+        optimizer: the user's ``param groups -> torch.optim.Optimizer`` or None (hetrain's).
+        param_groups: parameter groups by parameter name with their options
+            (:func:`hetrain.runtime.optim.resolve_param_groups`) or None (one group).
     """
 
     name: str
@@ -406,6 +410,10 @@ class Task:
     defaults: dict[str, Any] = field(default_factory=dict)
     # cut points (module names); None = the default cut of docs/model.md §5
     layers: list[str] | None = None
+    # the user's optimizer ``param groups -> torch.optim.Optimizer`` (None: hetrain's own)
+    optimizer: Callable[[list[dict[str, Any]]], Any] | None = None
+    # parameter groups by name: ((names, options), ...) (hetrain.runtime.optim)
+    param_groups: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] | None = None
 
     def quality_line(self, metrics: dict[str, float]) -> str:
         """One line stating the reached quality against the stated target (or that none was

@@ -39,7 +39,7 @@ from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
-from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
+from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr_factor
 from hetrain.runtime.randomness import InvariantRandomness
 from hetrain.runtime.stages import P2P, MicroBatches, Timers, run_stage, schedule_ops
 
@@ -266,6 +266,13 @@ class Worker:
         self.module = chain.module.to(dtype=dtype)
         # keep the tensor index current (``.to`` keeps parameter objects; buffers may change)
         chain._index_tensors()
+        # the optimizer's parameter group of each trainable tensor (by the module's names)
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        self._group_of = {
+            chain._name_of[id(named[n])]: index
+            for index, (names, _) in enumerate(optimizer.param_groups)
+            for n in names
+        }
         self.dtype = dtype
         self.loss_fn = loss_fn
         self.optimizer_spec = optimizer
@@ -413,8 +420,19 @@ class Worker:
     def _build_optimizer(self, unit: Unit) -> torch.optim.Optimizer | None:
         """The unit's own optimizer (None without trainable parameters: frozen parameters get
         no optimizer state)."""
-        params = self._unit_params(unit)
-        return self.optimizer_spec.build(params) if params else None
+        names = [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
+        if not names:
+            return None
+        groups = [self._group_of[n] for n in names] if self._group_of else None
+        return self.optimizer_spec.build([self.chain.tensors[n] for n in names], groups)
+
+    def _optimizer_names(self, unit: Unit, opt: torch.optim.Optimizer) -> list[str]:
+        """Local names of ``opt``'s parameters in its ``state_dict`` order (group by group)."""
+        return [
+            self._local(unit, self.chain._name_of[id(p)])
+            for group in opt.param_groups
+            for p in group["params"]
+        ]
 
     def _local_grad_flags(self) -> torch.Tensor:
         """``(T,)`` float64 over the trainable tensors (:attr:`_grad_index` order): 1 where a
@@ -612,7 +630,7 @@ class Worker:
             loss *= scale
         grad_norm = math.sqrt(sqnorm) * scale
         coef = clip_coefficient(grad_norm, self.grad_clip_norm) * scale
-        lr = self.optimizer_spec.lr_at(step)
+        lr_factor = self.optimizer_spec.lr_factor(step)
         for unit, opt in self.optimizers.items():
             if opt is None:
                 continue
@@ -620,7 +638,7 @@ class Worker:
                 for p in self._unit_params(unit):
                     if p.grad is not None:
                         p.grad.mul_(coef)
-            set_lr(opt, lr)
+            set_lr_factor(opt, lr_factor)
             opt.step()
         end = time.perf_counter()
         return StepResult(
@@ -784,9 +802,7 @@ class Worker:
             opt = self.optimizers.get(unit)
             if opt is None:
                 continue
-            names = [
-                self._local(unit, n) for n in self._unit_names(unit) if not self.chain.frozen(n)
-            ]
+            names = self._optimizer_names(unit, opt)
             okey = f"optim.{unit}" if isinstance(unit, int) else "optim.shared"
             for pidx, pstate in opt.state_dict()["state"].items():
                 for key, value in pstate.items():
@@ -809,19 +825,18 @@ class Worker:
                     raise KeyError(f"layer_state_dict: {prefix} lacks {self._local(unit, n)!r}")
                 self._materialize(n, state_dict[key].to(self.device))
             okey = f"optim.{unit}." if isinstance(unit, int) else "optim.shared."
-            names = {
-                self._local(unit, n): i
-                for i, n in enumerate(
-                    [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
-                )
-            }
+            opt = self._build_optimizer(unit)
+            names = (
+                {n: i for i, n in enumerate(self._optimizer_names(unit, opt))}
+                if opt is not None
+                else {}
+            )
             ostate: dict[int, dict[str, torch.Tensor]] = {}
             for k, v in state_dict.items():
                 if k.startswith(okey):
                     pname, key = k[len(okey) :].rsplit(".", 1)
                     if pname in names:
                         ostate.setdefault(names[pname], {})[key] = v
-            opt = self._build_optimizer(unit)
             if ostate and opt is not None:
                 groups = opt.state_dict()["param_groups"]
                 opt.load_state_dict({"state": ostate, "param_groups": groups})

@@ -53,6 +53,7 @@ from hetrain.runtime.data import (
     task_chain,
 )
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
+from hetrain.runtime.optim import OptimizerSpec
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -116,7 +117,13 @@ class TrainJob:
         task: model factory, data, loss, evaluation (:class:`~hetrain.runtime.data.Task`).
         devices: device id of every rank (index = global rank).
         steps, batch, seed: iterations, global batch ``B``, seed of weights and sampler.
-        optimizer, lr, weight_decay, momentum: optimizer (``sgd`` or ``adamw``).
+        optimizer, lr, weight_decay, momentum: optimizer (``sgd`` or ``adamw``), or
+            ``user``: ``optimizer_factory`` (``param groups -> torch.optim.Optimizer``; ``lr``
+            its first group's learning rate).
+        param_groups: parameter groups by name with their options
+            (:attr:`hetrain.runtime.optim.OptimizerSpec.param_groups`); empty: one group.
+        optimizer_state_factor: optimizer state bytes per parameter byte (measured by
+            :func:`hetrain.runtime.optim.check_factory`); None: from ``optimizer``.
         warmup_steps: linear warm-up; then cosine decay to ``min_lr_ratio * lr``
             (``lr_schedule="cosine"``) or constant (``"constant"``).
         grad_clip_norm: clip the global gradient norm (None = off).
@@ -150,6 +157,9 @@ class TrainJob:
     lr: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.0
+    optimizer_factory: Any = None
+    param_groups: tuple = ()
+    optimizer_state_factor: float | None = None
     warmup_steps: int = 0
     lr_schedule: str = "cosine"
     min_lr_ratio: float = 0.1
@@ -308,8 +318,30 @@ def local_cluster_spec(devices: list[str]) -> ClusterSpec:
     )
 
 
+def optimizer_spec(job: TrainJob) -> OptimizerSpec:
+    """The job's optimizer (hetrain's or the user's, its parameter groups) with the job's
+    learning-rate schedule (:func:`lr_multiplier`)."""
+    return OptimizerSpec(
+        name=job.optimizer,
+        lr=job.lr,
+        momentum=job.momentum,
+        weight_decay=job.weight_decay,
+        lr_schedule=lr_multiplier(job),
+        factory=job.optimizer_factory,
+        param_groups=tuple(job.param_groups or ()),
+        measured_state_factor=job.optimizer_state_factor,
+    )
+
+
+def _state_factor(job: TrainJob) -> float:
+    """docs/model.md §2 ``o`` of the job's optimizer (measured when the job carries it)."""
+    if job.optimizer_state_factor is not None:
+        return float(job.optimizer_state_factor)
+    return 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
+
+
 def _training_config(job: TrainJob) -> TrainingConfig:
-    o = 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
+    o = _state_factor(job)
     # this engine overlaps each gradient bucket's all-reduce with the last backward
     # (GradientSync; Worker's default bucket cap is TrainingConfig's default, 64 MiB): the
     # controller's model charges only the exposed part of the sync
@@ -327,17 +359,15 @@ def _measure_update_s_per_byte(model: nn.Module, job: TrainJob) -> float:
     byte; docs/profiling.md §6): the second step of the job's optimizer over the whole model
     with learning rate 0 (same arithmetic, weights unchanged; a temporary optimizer, so no
     state is kept), divided by the trainable bytes. 0 when the model has no parameters."""
-    from hetrain.runtime.optim import OptimizerSpec
-
     params = [p for p in model.parameters() if p.requires_grad]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     if not params or nbytes == 0:
         return 0.0
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = OptimizerSpec(
-        name=job.optimizer, lr=0.0, momentum=job.momentum, weight_decay=job.weight_decay
-    ).build(params)
+    opt = optimizer_spec(job).build(params)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
     opt.step()  # allocates the state
     t0 = time.perf_counter()
     opt.step()
@@ -466,7 +496,6 @@ def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] 
     up). ``num_threads``: torch threads of this rank (default: cores / local ranks). Returns
     the run summary on rank 0, None elsewhere."""
     from hetrain.runtime.engine import Worker, gather_measurements
-    from hetrain.runtime.optim import OptimizerSpec
 
     own_group = False
     if not dist.is_initialized():
@@ -481,13 +510,13 @@ def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] 
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
-        return _train(job, Worker, gather_measurements, OptimizerSpec)
+        return _train(job, Worker, gather_measurements)
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[str, Any] | None:
+def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(job.devices) != world:
         raise ValueError(
@@ -608,20 +637,14 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 "plan": plan,
                 "steps": job.steps,
                 "start_step": start_step,
-                "optimizer_state_factor": 2.0 if job.optimizer == "adamw" else 1.0,
+                "optimizer_state_factor": _state_factor(job),
                 "checkpoint_dir": job.checkpoint_dir,
                 "checkpoint_every": job.checkpoint_every,
                 "log_path": _controller_log_path(job),
             }
         )
 
-    spec = OptimizerSpec(
-        name=job.optimizer,
-        lr=job.lr,
-        momentum=job.momentum,
-        weight_decay=job.weight_decay,
-        lr_schedule=lr_multiplier(job),
-    )
+    spec = optimizer_spec(job)
     worker = Worker(
         chain,
         plan,
