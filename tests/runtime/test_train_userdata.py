@@ -468,3 +468,110 @@ def test_a_factory_gives_its_optimizer_and_groups_and_unknown_keys_are_refused(
     )
     with pytest.raises(InputError, match="unknown keys 'optimiser'"):
         task_from_factory("userfactory:typo")
+
+
+class Counter(nn.Module):
+    """Counts the samples its training forwards saw (a buffer ``forward`` changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.seen += x.shape[0]
+        return x
+
+
+def _bn_model(counter: bool = True, norm: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(16, momentum=None) if norm else nn.Identity()
+    parts = [nn.Linear(6, 16), bn, nn.ReLU(), nn.Dropout(0.2)]
+    return nn.Sequential(*parts, *([Counter()] if counter else []), nn.Linear(16, 3))
+
+
+def _bn_data():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["batchnorm1d", "counter-only"])
+def test_startup_leaves_every_parameter_and_buffer_bit_identical(tmp_path, norm):
+    """A BatchNorm1d (cumulative statistics; or none), dropout and a buffer ``forward``
+    updates: one step under a fixed 2-rank plan with the start-up's profiling and calibration
+    (adaptive) ends bit-identical, parameters and every buffer, to the same step without
+    them (the calibration trained BatchNorm1d on 1-sample micro-batches, and its forwards
+    counted)."""
+    plan = {"groups": [_g(["w0"], [[0, 6]], 2, 4), _g(["w1"], [[0, 6]], 2, 4)]}
+    states = {}
+    for adaptive in (True, False):
+        summary = hetrain.train(
+            model=_bn_model(norm=norm),
+            dataset=_bn_data(),
+            loss_fn=F.cross_entropy,
+            workers=2,
+            steps=1,
+            batch=8,
+            lr=0.05,
+            plan=plan,
+            adaptive=adaptive,
+            norm_block=2,
+            run_dir=tmp_path / str(adaptive),
+            report=False,
+        )
+        states[adaptive] = torch.load(summary["model_path"], weights_only=True)
+    assert states[True].keys() == states[False].keys()
+    for key, value in states[False].items():
+        assert torch.equal(states[True][key], value), key
+    if norm:
+        assert int(states[True]["1.num_batches_tracked"]) == 1  # the one training step
+    assert int(states[True]["4.seen"]) == 4  # the 4 samples of the first group, nothing else
+
+
+def test_startup_restores_what_the_model_changes(tmp_path):
+    """:func:`unchanged` puts back values, dtypes, devices, reassigned buffer objects,
+    training flags and torch's random state after a training forward, a dtype change and an
+    optimizer step."""
+    from hetrain.runtime.startup import unchanged
+
+    model = _bn_model()
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    objects = dict(model.state_dict(keep_vars=True))
+    rng = torch.get_rng_state()
+    with unchanged(model):
+        model.train().double()
+        model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        model[4].seen = torch.tensor(99)  # a forward that reassigns its buffer
+    after = model.state_dict(keep_vars=True)
+    for key, value in before.items():
+        assert after[key] is objects[key] and after[key].dtype == value.dtype, key
+        assert torch.equal(after[key], value), key
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m.training for m in model.modules())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_forward_updated_buffers_are_named_in_a_warning_and_refused_by_exact(capsys):
+    """A buffer ``forward`` changes: one start-up warning line naming it (its value depends on
+    the plan), and with ``exact`` an InputError (exit 2) before any rank starts. BatchNorm
+    statistics under a norm block are not named; without a norm block ``exact`` refuses them
+    too."""
+    from hetrain.errors import InputError
+    from hetrain.runtime.api import build_job, task_from_objects
+
+    def job(model, **kw):
+        task = task_from_objects(model, _bn_data(), F.cross_entropy)
+        return build_job(task, workers=2, steps=1, batch=8, **kw)
+
+    job(_bn_model(), norm_block=2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning: forward changes buffer(s) 4.seen" in err[0]
+    assert "depend on the plan" in err[0] and "num_batches" not in err[0]
+    with pytest.raises(InputError, match=r"4\.seen.*depend on the plan \(--exact\)"):
+        job(_bn_model(), norm_block=2, exact=True)
+    job(_bn_model(counter=False), norm_block=2, exact=True)  # BatchNorm under a norm block
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(InputError, match=r"1\.running_mean.*\(--exact\)"):
+        job(_bn_model(counter=False), exact=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -620,12 +621,12 @@ def build_job(
         maximum=MAX_WEIGHT_DECAY,
     )
     momentum = _finite("--momentum", momentum, strict=False, maximum=MAX_MOMENTUM)
-    groups = task.param_groups
+    opt_groups = task.param_groups
     if param_groups is not None:
-        if groups is not None:
+        if opt_groups is not None:
             raise InputError("param_groups", "", "given twice (the factory gives them too)")
-        groups = resolve_param_groups(task.build_model(), param_groups)
-    groups = tuple(groups or ())
+        opt_groups = resolve_param_groups(task.build_model(), param_groups)
+    opt_groups = tuple(opt_groups or ())
     warmup_steps = _positive_int(
         "--warmup-steps", warmup_steps if warmup_steps is not None else d.get("warmup_steps", 0), 0
     )
@@ -689,6 +690,21 @@ def build_job(
         static = InvariantRandomness(built, exact=True).static_problems()
         if static:
             raise InputError(task.name, "model", f"{static[0]} (--exact)")
+    # buffers a training forward changes: plan-dependent values (hetrain.runtime.startup)
+    from hetrain.runtime.data import cast_inputs
+    from hetrain.runtime.startup import check_forward_buffers, warn
+
+    floats = [p.dtype for p in built.parameters() if p.is_floating_point()]
+    sample, _ = task.train.batch(np.arange(min(2, len(task.train))))
+    warn(
+        check_forward_buffers(
+            built,
+            cast_inputs(sample, floats[0] if floats else torch.float32),
+            norm_block=norm_block,
+            exact=exact,
+            source=task.name,
+        )
+    )
     if checkpoint_dir is not None:
         _check_checkpoint_dir(Path(checkpoint_dir), chain, steps)
     if run_dir is not None:
@@ -785,9 +801,9 @@ def build_job(
         momentum=momentum,
         weight_decay=weight_decay,
         factory=user_optimizer,
-        param_groups=groups,
+        param_groups=opt_groups,
     )
-    opt_lr, state_factor = check_factory(spec._factory(), groups)
+    opt_lr, state_factor = check_factory(spec._factory(), opt_groups)
     if user_optimizer is not None:
         lr = opt_lr
     return TrainJob(
@@ -801,7 +817,7 @@ def build_job(
         weight_decay=weight_decay,
         momentum=momentum,
         optimizer_factory=user_optimizer,
-        param_groups=groups,
+        param_groups=opt_groups,
         optimizer_state_factor=state_factor,
         warmup_steps=warmup_steps,
         lr_schedule=lr_schedule,

@@ -21,6 +21,7 @@ validation split, exports the plain ``state_dict`` and returns a summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -54,6 +55,7 @@ from hetrain.runtime.data import (
 )
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
 from hetrain.runtime.optim import OptimizerSpec
+from hetrain.runtime.startup import unchanged
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -386,15 +388,18 @@ def _measure_device(
     repeats: int = CALIBRATION_REPEATS,
     device: torch.device | None = None,
     overhead_weights: np.ndarray | None = None,
+    sample_unit: int = 1,
 ) -> tuple[float, float, float, float]:
     """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` (s), per-layer overhead ``λ`` (s)
     and relative jitter ``σ`` of this rank (collective: every rank calls it).
 
     Forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers when the model is
     an ``nn.Sequential`` whose half chain has one differentiable output (chains of two lengths
-    tell ``λ`` from ``κ``, docs/model.md §2), on micro-batches of 1, 4 and 16 samples (at most the
-    global batch) taken from ``indices`` (the sampler's first global batch, so a data set
-    smaller than the batch wraps as in training). Every measurement starts after a barrier, so
+    tell ``λ`` from ``κ``, docs/model.md §2), on micro-batches of ``u``, ``4u`` and ``16u``
+    samples (``u = sample_unit``: the norm block, or 2 for a model with BatchNorm, which one
+    sample cannot train; sizes at most the global batch and multiples of ``u``) taken from
+    ``indices`` (the sampler's first global batch, so a data set smaller than the batch wraps
+    as in training). Every measurement starts after a barrier, so
     all ranks compute at once, as they do in training (a rank measured while the others wait
     would see the machine to itself); each point is measured ``repeats`` times and summarised
     by the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the
@@ -408,7 +413,8 @@ def _measure_device(
     from hetrain.calibration import relative_jitter
 
     batch = len(indices)
-    sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
+    unit = max(1, min(int(sample_unit), batch))
+    sizes = sorted({max(unit, min(k * unit, batch) // unit * unit) for k in (1, 4, 16)})
     num_layers = len(model) if isinstance(model, nn.Sequential) else 1
     half = -(-num_layers // 2)
     device = device or torch.device("cpu")
@@ -460,6 +466,16 @@ def _measure_device(
     jitter = relative_jitter(list(samples.values()))
     s, k, lam = _fit_device(points, times, sizes, float(np.sum(layer_flops)), float(np.sum(nu)))
     return s, k, lam, jitter
+
+
+def _sample_unit(model: nn.Module, norm_block: int | None) -> int:
+    """Smallest micro-batch the calibration runs: the norm block ``G`` when given, 2 for a
+    model with BatchNorm (training BatchNorm on one sample fails), else 1."""
+    from hetrain.runtime.norm import batchnorm_modules
+
+    if norm_block is not None:
+        return int(norm_block)
+    return 2 if batchnorm_modules(model) else 1
 
 
 def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[float, float, float]:
@@ -535,6 +551,10 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     )
     torch.manual_seed(job.seed)
     model = job.task.build_model()
+    # start-up (cut, profile, calibration) runs the model in training mode: everything it
+    # changes (buffers, dtype, device, random states) is put back before training
+    startup = contextlib.ExitStack()
+    startup.enter_context(unchanged(model))
     chain = task_chain(job.task, model)  # any module, cut into layers (runtime/cutting.py)
     num_layers = chain.num_layers
     fingerprint = ckpt.model_fingerprint(model)
@@ -591,9 +611,9 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             factor,
             device=calib_device,
             overhead_weights=np.asarray(profile.overhead_weights),
+            sample_unit=_sample_unit(model, job.norm_block),
         )
         mine = (*mine, _measure_update_s_per_byte(calib_model, job))
-        model.to("cpu")
         gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
         measured = [float(t[0]) for t in gathered]
@@ -610,6 +630,8 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             )
     else:
         base_state = _base_state(job, None)
+    startup.close()  # the model as built (hetrain.runtime.startup.unchanged)
+    chain._index_tensors()
     if plan is None:
         plan = even_dp_plan(
             job.devices, num_layers, job.batch, job.microbatch_size, norm_block=job.norm_block
