@@ -59,7 +59,11 @@ def unchanged(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for module, kind, name, t in saved:
                 getattr(module, kind)[name] = t
-                t.data = values[id(t)]
+                value = values[id(t)]
+                if (t.dtype, t.device, t.shape) == (value.dtype, value.device, value.shape):
+                    t.copy_(value)  # in place: views of the storage stay views
+                else:
+                    t.data = value
                 t.grad = None
         for m, mode in modes:
             m.training = mode
