@@ -6,6 +6,12 @@ permutation of the training samples per epoch (``numpy.random.default_rng([seed,
 Every rank builds the whole global batch (cheap for these data sets) and the engine slices its
 group's rows ``[offset_g, offset_g + b_g)``.
 
+User data (:func:`as_source`): tensors, a ``TensorDataset``, or a map-style data set of
+``(input, target)`` pairs, of dicts (the targets under ``target_key``, default ``labels``; the
+other keys are the model's keyword arguments) or of ``(dict, target)`` pairs, collated by
+:func:`stack_samples` or by the user's ``collate_fn`` (then per micro-batch by the engine,
+:class:`SampleList`).
+
 Example tasks (``--example``):
 
 - ``charlm``: :func:`hetrain.models.char_gpt` on the standard library's ``pydoc_data.topics``
@@ -102,11 +108,12 @@ class GlobalBatchSampler:
 
 
 class SampleSource(Protocol):
-    """A split of a data set: ``len()`` samples, ``batch(indices) -> (inputs, targets)``."""
+    """A split of a data set: ``len()`` samples, ``batch(indices) -> (inputs, targets)``
+    (tensors with a leading sample dimension, or pytrees of them: a dict of keyword inputs)."""
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, indices: np.ndarray) -> tuple[Any, Any]: ...
 
 
 @dataclass(frozen=True)
