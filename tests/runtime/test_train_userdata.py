@@ -575,3 +575,69 @@ def test_forward_updated_buffers_are_named_in_a_warning_and_refused_by_exact(cap
     assert "warning" not in capsys.readouterr().err
     with pytest.raises(InputError, match=r"1\.running_mean.*\(--exact\)"):
         job(_bn_model(counter=False), exact=True)
+
+
+#: torch.optim classes (every one but LBFGS), each with options that use its state
+OPTIMIZERS = {
+    "SGD-nesterov": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, nesterov=True),
+    "Adam-amsgrad": lambda g: torch.optim.Adam(g, lr=0.01, amsgrad=True),
+    "AdamW": lambda g: torch.optim.AdamW(g, lr=0.01),
+    "Adamax": lambda g: torch.optim.Adamax(g, lr=0.01),
+    "NAdam": lambda g: torch.optim.NAdam(g, lr=0.01),
+    "RAdam": lambda g: torch.optim.RAdam(g, lr=0.01),
+    "RMSprop": lambda g: torch.optim.RMSprop(g, lr=0.01, momentum=0.5, centered=True),
+    "Adagrad": lambda g: torch.optim.Adagrad(g, lr=0.05),
+    "Adadelta": lambda g: torch.optim.Adadelta(g, lr=0.5),
+    "ASGD": lambda g: torch.optim.ASGD(g, lr=0.05),
+    "Rprop": lambda g: torch.optim.Rprop(g, lr=0.01),
+}
+
+
+def _every_optimizer(rank, world, start, plans):
+    from hetrain.plan import plan_from_dict
+    from hetrain.runtime.cutting import cut_module
+    from hetrain.runtime.data import as_source, global_batch
+    from hetrain.runtime.engine import Worker
+    from hetrain.runtime.optim import OptimizerSpec, resolve_param_groups
+
+    source = as_source(token_dicts(), collate_fn=pad_collate)
+    perm, out = _perm(len(source), 0), {}
+    for name, factory in OPTIMIZERS.items():
+        model = TinyLM()
+        model.load_state_dict(start)
+        groups = resolve_param_groups(model, _user_groups(model))
+        spec = OptimizerSpec(name="user", factory=factory, param_groups=groups)
+        chain = cut_module(model, source.batch(np.arange(2))[0])
+        worker = Worker(chain, plan_from_dict(plans[0]), f"w{rank}", token_loss, spec,
+                        dtype=torch.float64)  # fmt: skip
+        losses = []
+        for t in range(STEPS):
+            if t > 0:
+                worker.apply_plan(plan_from_dict(plans[t]))
+            x, y = global_batch(source, perm[t * BATCH : (t + 1) * BATCH])
+            losses.append(worker.step(x, y, t).loss)
+        out[name] = (losses, worker.full_state_dict())
+    return out
+
+
+def test_every_torch_optimizer_with_groups_trains_like_a_plain_loop(tmp_path):
+    """The population of torch.optim classes (all but LBFGS), each with two parameter groups
+    whose options differ (weight decay, learning rate), through two plan changes on 3 ranks:
+    every one equals the same optimizer over the whole model in a plain loop."""
+    from hetrain.runtime.testing import run_ranks
+
+    torch.manual_seed(0)
+    start = {k: v.clone() for k, v in TinyLM().state_dict().items()}
+    plans = [PLANS["hybrid"], PLANS["pipeline-3"], PLANS["hybrid"]]
+    results = run_ranks(_every_optimizer, 3, tmp_path, args=(start, plans), timeout_s=400)
+    for name, factory in OPTIMIZERS.items():
+        ref_model = TinyLM()
+        ref_model.load_state_dict(start)
+        ref = plain_loop(
+            ref_model, data=token_dicts(), make_opt=lambda m, f=factory: f(_torch_groups(m)),
+            loss_fn=token_loss, collate=pad_collate,
+        )  # fmt: skip
+        try:
+            _assert_same(results[0][name], ref)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None

@@ -39,7 +39,12 @@ from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
-from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr_factor
+from hetrain.runtime.optim import (
+    OptimizerSpec,
+    clip_coefficient,
+    load_state,
+    set_lr_factor,
+)
 from hetrain.runtime.randomness import InvariantRandomness
 from hetrain.runtime.stages import P2P, MicroBatches, Timers, run_stage, schedule_ops
 
@@ -724,7 +729,7 @@ class Worker:
                     self._materialize(n, value.to(self.device))
                 opt = self._build_optimizer(unit)
                 if opt is not None and payload["optim"] is not None:
-                    opt.load_state_dict(payload["optim"])
+                    load_state(opt, payload["optim"])
                 self.optimizers[unit] = opt
         now_units = set(self._units(new))
         for unit in list(self.optimizers):
@@ -839,7 +844,7 @@ class Worker:
                         ostate.setdefault(names[pname], {})[key] = v
             if ostate and opt is not None:
                 groups = opt.state_dict()["param_groups"]
-                opt.load_state_dict({"state": ostate, "param_groups": groups})
+                load_state(opt, {"state": ostate, "param_groups": groups})
             self.optimizers[unit] = opt
 
 

@@ -291,6 +291,22 @@ def check_factory(
     return float(lrs[0]), state / nbytes
 
 
+def load_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)`` keeping every state tensor's dtype as saved:
+    ``torch.optim`` casts floating state to its parameter's dtype on load, which turns state
+    kept in float32 (NAdam's ``mu_product``) into float64 beside float64 parameters, and a
+    moved layer would then step with other arithmetic than where it was."""
+    optimizer.load_state_dict(state_dict)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state_dict["state"].items():
+        state = optimizer.state.get(params[index], {})
+        for key, value in saved.items():
+            mine = state.get(key)
+            tensors = isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor)
+            if tensors and mine.dtype != value.dtype:
+                state[key] = mine.to(value.dtype)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
