@@ -641,3 +641,24 @@ def test_every_torch_optimizer_with_groups_trains_like_a_plain_loop(tmp_path):
             _assert_same(results[0][name], ref)
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from None
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "resnet", "charlm", "digits"])
+def test_the_example_models_change_no_buffer_but_batchnorm_statistics(name):
+    """No false alarm over the examples' models (tiny sizes): a training forward changes no
+    buffer of GPT-2, BERT, the character LM or the digits CNN, and only BatchNorm statistics of
+    ResNet; the model is left as it was."""
+    from hetrain.runtime.data import example_task
+    from hetrain.runtime.startup import check_forward_buffers, forward_changed_buffers
+
+    task = example_task(name)
+    torch.manual_seed(0)
+    model = task.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, _ = task.train.batch(np.arange(2))
+    others, batchnorm = forward_changed_buffers(model, x)
+    assert others == []
+    assert bool(batchnorm) == (name == "resnet")
+    assert check_forward_buffers(model, x, norm_block=2, exact=True, source=name) is None
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
