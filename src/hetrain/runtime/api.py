@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,8 +33,9 @@ from hetrain._text import plural
 from hetrain.cluster import ClusterSpec, cluster_from_dict, load_cluster
 from hetrain.errors import InputError
 from hetrain.plan import Plan, load_plan, plan_from_dict
-from hetrain.runtime.data import Task, as_chain, as_source
+from hetrain.runtime.data import DEFAULT_TARGET_KEY, Task, as_chain, as_source
 from hetrain.runtime.launch import launch
+from hetrain.runtime.optim import check_factory, resolve_param_groups
 from hetrain.runtime.worker_main import DTYPES, TrainJob, base_slowdowns, local_cluster_spec
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -202,17 +204,38 @@ def task_from_objects(
     evaluate: Callable | None = None,
     name: str = "model",
     layers: Sequence[str] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str = DEFAULT_TARGET_KEY,
+    optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> Task:
     """A :class:`Task` for a user's chain and data. Every rank deep-copies ``model`` (ranks are
     forked, so all start from its current weights). Without ``evaluate``, the validation
-    quality is the mean ``loss_fn`` over ``val_dataset``.
+    quality is the mean ``loss_fn`` over ``val_dataset``. ``collate_fn`` and ``target_key``:
+    how map-style data sets are collated and which key of a dict sample holds the targets
+    (:func:`hetrain.runtime.data.as_source`), for both data sets. ``optimizer``: the user's
+    ``param groups -> torch.optim.Optimizer``; ``param_groups``: ``[{"params": [names or
+    parameters of model], **options}, ...]`` (resolved to names here, against ``model``).
 
     Raises:
-        InputError: not a chain, bad data set, or no loss function.
+        InputError: not a chain, bad data set, no loss function, an optimizer that is not
+            callable, bad parameter groups.
     """
     chain = as_chain(model, name)
-    train = as_source(dataset, "dataset")
-    val = as_source(val_dataset, "val_dataset") if val_dataset is not None else None
+    if optimizer is not None and not callable(optimizer):
+        raise InputError(
+            "optimizer",
+            "",
+            f"expected a callable (param groups -> torch.optim.Optimizer), got "
+            f"{type(optimizer).__name__}",
+        )
+    groups = resolve_param_groups(chain, param_groups) if param_groups is not None else None
+    train = as_source(dataset, "dataset", collate_fn=collate_fn, target_key=target_key)
+    val = (
+        as_source(val_dataset, "val_dataset", collate_fn=collate_fn, target_key=target_key)
+        if val_dataset is not None
+        else None
+    )
     if not callable(loss_fn):
         raise InputError("loss_fn", "", "expected a callable (outputs, targets) -> mean loss")
 
@@ -233,7 +256,24 @@ def task_from_objects(
         evaluate=evaluate or (default_eval if val is not None else None),
         quality_metric="val_loss" if evaluate is None and val is not None else None,
         layers=list(layers) if layers is not None else None,
+        optimizer=optimizer,
+        param_groups=groups,
     )
+
+
+FACTORY_KEYS = (
+    "model",
+    "dataset",
+    "loss_fn",
+    "val_dataset",
+    "evaluate",
+    "layers",
+    "collate_fn",
+    "target_key",
+    "optimizer",
+    "param_groups",
+)
+"""Keys a ``--model`` factory's mapping may hold (docs/training.md); any other is refused."""
 
 
 def task_from_factory(spec: str, seed: int | None = None) -> Task:
@@ -256,6 +296,14 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
     if isinstance(made, Task):
         return made
     if isinstance(made, Mapping) and {"model", "dataset", "loss_fn"} <= set(made):
+        unknown = sorted(str(k) for k in set(made) - set(FACTORY_KEYS))
+        if unknown:  # a key hetrain would not use is an error, never silently ignored
+            raise InputError(
+                "--model",
+                spec,
+                f"the factory returned unknown keys {', '.join(map(repr, unknown))} "
+                f"(known: {', '.join(FACTORY_KEYS)})",
+            )
         return task_from_objects(
             made["model"],
             made["dataset"],
@@ -264,6 +312,10 @@ def task_from_factory(spec: str, seed: int | None = None) -> Task:
             evaluate=made.get("evaluate"),
             name=spec,
             layers=made.get("layers"),
+            collate_fn=made.get("collate_fn"),
+            target_key=made.get("target_key", DEFAULT_TARGET_KEY),
+            optimizer=made.get("optimizer"),
+            param_groups=made.get("param_groups"),
         )
     raise InputError(
         "--model",
@@ -460,9 +512,10 @@ def build_job(
     batch: int | None = None,
     seed: int = 0,
     lr: float | None = None,
-    optimizer: str | None = None,
+    optimizer: str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
     weight_decay: float | None = None,
     momentum: float = 0.0,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
     warmup_steps: int | None = None,
     lr_schedule: str = "cosine",
     grad_clip_norm: float | None | str = "default",
@@ -516,9 +569,29 @@ def build_job(
     steps = _positive_int(
         "--steps", steps if steps is not None else d.get("steps", 100), maximum=MAX_BATCH
     )
+    user_optimizer = task.optimizer
+    if callable(optimizer):  # hetrain.train(optimizer=torch.optim.AdamW, ...)
+        if user_optimizer is not None:
+            raise InputError("optimizer", "", "given twice (the factory gives one too)")
+        user_optimizer, optimizer = optimizer, None
+    if user_optimizer is not None:
+        # the user's optimizer sets its own hyper-parameters: hetrain's would be ignored
+        for option, value in (
+            ("--optimizer", optimizer),
+            ("--lr", lr),
+            ("--weight-decay", weight_decay),
+            ("--momentum", momentum or None),
+        ):
+            if value is not None:
+                raise InputError(
+                    option,
+                    "",
+                    "not used with the user's own optimizer: set it in the optimizer (or its "
+                    "param_groups)",
+                )
     lr = _finite("--lr", lr if lr is not None else d.get("lr", 1e-3), maximum=MAX_LR)
-    optimizer = optimizer or d.get("optimizer", "adamw")
-    if optimizer not in OPTIMIZERS:
+    optimizer = "user" if user_optimizer is not None else optimizer or d.get("optimizer", "adamw")
+    if optimizer not in (*OPTIMIZERS, "user"):
         raise InputError("--optimizer", "", f"expected sgd or adamw, got {optimizer!r}")
     if dtype not in DTYPES:
         raise InputError("--dtype", "", f"expected float32 or float64, got {dtype!r}")
@@ -548,6 +621,12 @@ def build_job(
         maximum=MAX_WEIGHT_DECAY,
     )
     momentum = _finite("--momentum", momentum, strict=False, maximum=MAX_MOMENTUM)
+    opt_groups = task.param_groups
+    if param_groups is not None:
+        if opt_groups is not None:
+            raise InputError("param_groups", "", "given twice (the factory gives them too)")
+        opt_groups = resolve_param_groups(task.build_model(), param_groups)
+    opt_groups = tuple(opt_groups or ())
     warmup_steps = _positive_int(
         "--warmup-steps", warmup_steps if warmup_steps is not None else d.get("warmup_steps", 0), 0
     )
@@ -611,6 +690,21 @@ def build_job(
         static = InvariantRandomness(built, exact=True).static_problems()
         if static:
             raise InputError(task.name, "model", f"{static[0]} (--exact)")
+    # buffers a training forward changes: plan-dependent values (hetrain.runtime.startup)
+    from hetrain.runtime.data import cast_inputs
+    from hetrain.runtime.startup import check_forward_buffers, warn
+
+    floats = [p.dtype for p in built.parameters() if p.is_floating_point()]
+    sample, _ = task.train.batch(np.arange(min(2, len(task.train))))
+    warn(
+        check_forward_buffers(
+            built,
+            cast_inputs(sample, floats[0] if floats else torch.float32),
+            norm_block=norm_block,
+            exact=exact,
+            source=task.name,
+        )
+    )
     if checkpoint_dir is not None:
         _check_checkpoint_dir(Path(checkpoint_dir), chain, steps)
     if run_dir is not None:
@@ -698,6 +792,20 @@ def build_job(
     _check_emulated_slowdown(slow, cluster_spec, trace_rows or [], list(device_ids))
     if adaptive is None:
         adaptive = plan_obj is None
+    # the optimizer and its groups, tried on stand-in parameters (hetrain.runtime.optim)
+    from hetrain.runtime.optim import OptimizerSpec
+
+    spec = OptimizerSpec(
+        name=optimizer,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        factory=user_optimizer,
+        param_groups=opt_groups,
+    )
+    opt_lr, state_factor = check_factory(spec._factory(), opt_groups)
+    if user_optimizer is not None:
+        lr = opt_lr
     return TrainJob(
         task=task,
         devices=device_ids,
@@ -708,6 +816,9 @@ def build_job(
         lr=lr,
         weight_decay=weight_decay,
         momentum=momentum,
+        optimizer_factory=user_optimizer,
+        param_groups=opt_groups,
+        optimizer_state_factor=state_factor,
         warmup_steps=warmup_steps,
         lr_schedule=lr_schedule,
         grad_clip_norm=grad_clip_norm,
@@ -745,13 +856,15 @@ def train(
     workers: int | None = None,
     steps: int = 100,
     batch: int = 32,
-    optimizer: str = "adamw",
-    lr: float = 1e-3,
+    optimizer: str | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] = "adamw",
+    lr: float | None = None,
     run_dir: str | Path | None = None,
     load_into_model: bool = True,
     report: bool = True,
     tensorboard: bool = False,
     layers: Sequence[str] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str = DEFAULT_TARGET_KEY,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
@@ -764,7 +877,9 @@ def train(
             a suffix layer), an ``nn.Sequential`` (one layer per child) or a list of blocks;
             its current weights are the starting point on every rank.
         dataset: ``(inputs, targets)`` tensors ``(N, ...)``, a ``TensorDataset``, or any
-            map-style data set of ``(input, target)`` pairs.
+            map-style data set (a list too) of ``(input, target)`` pairs, of dicts (the
+            model's keyword arguments, targets under ``target_key``) or of ``(dict, target)``
+            pairs.
         loss_fn: ``(outputs, targets) -> scalar`` mean over the samples given, or ``->
             (sum, count)`` (token-level means with masking: divided by the global count).
         val_dataset / evaluate: validation data, and optionally ``(model, dtype) -> {metric:
@@ -772,7 +887,14 @@ def train(
         cluster: a cluster file (path/dict/ClusterSpec) whose devices the local ranks emulate
             (relative speeds by sleeping, links), one rank per device.
         workers: local ranks ``w0 … w{N-1}`` without ``cluster`` (default 4).
-        steps, batch, optimizer, lr: iterations, global batch ``B``, ``sgd``/``adamw``, LR.
+        steps, batch: iterations, global batch ``B``.
+        optimizer: ``sgd``/``adamw`` (hetrain's, learning rate ``lr``, default 1e-3,
+            ``weight_decay``, ``momentum``), or the user's own: any callable ``param groups ->
+            torch.optim.Optimizer`` (``torch.optim.AdamW``, ``functools.partial(
+            torch.optim.SGD, lr=0.1, momentum=0.9)``, a lambda), built on every rank over the
+            parameters it holds; its learning rates are scaled by the schedule
+            (``warmup_steps``, ``lr_schedule``).
+        lr: hetrain's optimizer's learning rate (not with the user's optimizer).
         run_dir: folder for metrics, report and the exported ``state_dict`` (default
             ``./runs/<name>``).
         load_into_model: load the trained weights into ``model`` when done.
@@ -783,6 +905,13 @@ def train(
             ``tensorboard`` package: ``pip install 'hetrain[tensorboard]'``).
         layers: cut points (module names, e.g. ``["transformer.h.0", ...]``) instead of the
             default cut.
+        collate_fn: ``list of items -> batch`` (a dict or ``(inputs, targets)``), applied to
+            each micro-batch's samples (e.g. padding to the micro-batch's longest sequence);
+            default: stack the samples.
+        target_key: the key of dict samples that holds the targets (``labels``).
+        **options: also ``param_groups``: ``[{"params": [names or parameters of model],
+            **options}, ...]`` (e.g. ``{"weight_decay": 0.0}`` for norms and biases), every
+            trainable parameter in one group.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
             ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
@@ -801,8 +930,19 @@ def train(
             own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
             in ``run_dir/rank_errors.jsonl``).
     """
+    user_optimizer = optimizer if callable(optimizer) else None
     task = task_from_objects(
-        model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate, layers=layers
+        model,
+        dataset,
+        loss_fn,
+        val_dataset=val_dataset,
+        evaluate=evaluate,
+        layers=layers,
+        collate_fn=collate_fn,
+        target_key=target_key,
+        optimizer=user_optimizer,
+        # resolved against ``model`` itself: its parameter objects may name the groups
+        param_groups=options.pop("param_groups", None),
     )
     run_dir = Path(run_dir) if run_dir is not None else Path("runs") / task.name
     options.setdefault("metrics_out", run_dir / "metrics.jsonl")
@@ -814,7 +954,7 @@ def train(
         cluster=cluster,
         steps=steps,
         batch=batch,
-        optimizer=optimizer,
+        optimizer=None if user_optimizer is not None else optimizer,
         lr=lr,
         run_dir=run_dir,
         tensorboard=tensorboard,

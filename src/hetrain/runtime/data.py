@@ -6,6 +6,12 @@ permutation of the training samples per epoch (``numpy.random.default_rng([seed,
 Every rank builds the whole global batch (cheap for these data sets) and the engine slices its
 group's rows ``[offset_g, offset_g + b_g)``.
 
+User data (:func:`as_source`): tensors, a ``TensorDataset``, or a map-style data set of
+``(input, target)`` pairs, of dicts (the targets under ``target_key``, default ``labels``; the
+other keys are the model's keyword arguments) or of ``(dict, target)`` pairs, collated by
+:func:`stack_samples` or by the user's ``collate_fn`` (then per micro-batch by the engine,
+:class:`SampleList`).
+
 Example tasks (``--example``):
 
 - ``charlm``: :func:`hetrain.models.char_gpt` on the standard library's ``pydoc_data.topics``
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,11 +108,12 @@ class GlobalBatchSampler:
 
 
 class SampleSource(Protocol):
-    """A split of a data set: ``len()`` samples, ``batch(indices) -> (inputs, targets)``."""
+    """A split of a data set: ``len()`` samples, ``batch(indices) -> (inputs, targets)``
+    (tensors with a leading sample dimension, or pytrees of them: a dict of keyword inputs)."""
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, indices: np.ndarray) -> tuple[Any, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -133,21 +140,124 @@ class TensorSource:
         return self.inputs[idx], self.targets[idx]
 
 
+DEFAULT_TARGET_KEY = "labels"
+"""Key of a dict sample (or of a collated dict batch) that holds the targets given to
+``loss_fn`` (the Hugging Face convention); the other keys are the model's keyword arguments."""
+
+
+def stack_samples(items: Sequence[Any]) -> Any:
+    """Collate samples of one structure into one batch: a dict per key, a tuple/list per
+    position, anything else (tensor, array, number) with ``torch.stack(torch.as_tensor(...))``
+    along a new first dimension. Row ``i`` of the result is sample ``i``, whatever the other
+    samples are.
+
+    Raises:
+        ValueError: samples of different structure or shape.
+    """
+    first = items[0]
+    if isinstance(first, Mapping):
+        keys = list(first)
+        for item in items:
+            if not isinstance(item, Mapping) or list(item) != keys:
+                raise ValueError(f"samples with different keys ({keys} and {list(item)})")
+        return {k: stack_samples([item[k] for item in items]) for k in keys}
+    if isinstance(first, tuple | list):
+        if any(not isinstance(i, tuple | list) or len(i) != len(first) for i in items):
+            raise ValueError("samples with different numbers of fields")
+        return tuple(stack_samples(list(col)) for col in zip(*items, strict=True))
+    return torch.stack([torch.as_tensor(x) for x in items])
+
+
+def split_target(batch: Any, target_key: str = DEFAULT_TARGET_KEY) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a collated batch: a dict loses its ``target_key`` entry (the
+    targets) and the rest are the model's keyword arguments; a pair is ``(inputs, targets)``
+    (``inputs`` itself may be a dict).
+
+    Raises:
+        ValueError: a dict without ``target_key`` or anything other than a dict or a pair.
+    """
+    if isinstance(batch, Mapping):
+        if target_key not in batch:
+            raise ValueError(
+                f"dict samples without the target key {target_key!r} (keys: "
+                f"{', '.join(map(str, batch))}); name the key of the targets with target_key"
+            )
+        return {k: v for k, v in batch.items() if k != target_key}, batch[target_key]
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"expected (input, target) pairs or dicts with a {target_key!r} key, got "
+        f"{type(batch).__name__}"
+    )
+
+
 @dataclass(frozen=True)
 class MapSource:
-    """Any map-style data set whose items are ``(input, target)`` pairs (e.g. a
-    ``torch.utils.data.Dataset``); a batch stacks the items with ``torch.stack``."""
+    """Any map-style data set (``len()`` and ``dataset[i]``, e.g. a ``torch.utils.data.Dataset``,
+    a list, a Hugging Face ``datasets`` data set in torch format) whose items are ``(input,
+    target)`` pairs, dicts (the targets under ``target_key``, the other keys the model's keyword
+    arguments) or ``(dict, target)`` pairs.
+
+    A batch is ``collate_fn(items)`` (a list of items in, a dict or an ``(inputs, targets)``
+    pair out, as a ``DataLoader``'s ``collate_fn``, e.g. ``transformers``'
+    ``DataCollatorWithPadding``) or, without one, :func:`stack_samples`. With a ``collate_fn``
+    the engine collates each micro-batch's samples by themselves (:meth:`samples`): padding to
+    the longest sequence of the micro-batch."""
 
     dataset: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    target_key: str = DEFAULT_TARGET_KEY
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = zip(*(self.dataset[int(i)] for i in indices), strict=True)
-        return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
-            [torch.as_tensor(y) for y in ys]
-        )
+    def items(self, indices: np.ndarray) -> list[Any]:
+        """The raw items ``dataset[i]`` of ``indices``."""
+        return [self.dataset[int(i)] for i in indices]
+
+    def collate(self, items: list[Any]) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of ``items`` (see the class)."""
+        batch = self.collate_fn(list(items)) if self.collate_fn else stack_samples(items)
+        return split_target(batch, self.target_key)
+
+    def batch(self, indices: np.ndarray) -> tuple[Any, Any]:
+        return self.collate(self.items(indices))
+
+    def samples(self, indices: np.ndarray) -> SampleList | tuple[Any, Any]:
+        """The global batch of ``indices`` for the engine: a :class:`SampleList` (collated per
+        micro-batch) with a ``collate_fn``, else the collated ``(inputs, targets)``."""
+        if self.collate_fn is None:
+            return self.batch(indices)
+        return SampleList(tuple(self.items(indices)), self)
+
+
+@dataclass(frozen=True)
+class SampleList:
+    """The raw samples of (part of) a global batch, in row order; the engine takes its group's
+    rows with :meth:`rows` and collates each micro-batch with :meth:`collate`, so padding
+    depends only on the micro-batch's own samples."""
+
+    items: tuple[Any, ...]
+    source: MapSource
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def rows(self, start: int, end: int) -> SampleList:
+        """Samples ``[start, end)``."""
+        return SampleList(self.items[start:end], self.source)
+
+    def collate(self) -> tuple[Any, Any]:
+        """``(inputs, targets)`` of these samples (the source's ``collate_fn``)."""
+        return self.source.collate(list(self.items))
+
+
+def global_batch(source: SampleSource, indices: np.ndarray) -> tuple[Any, Any]:
+    """What the engine's ``step`` takes for the samples ``indices``: ``(SampleList, None)``
+    for a source that collates per micro-batch, else ``source.batch(indices)``."""
+    if isinstance(source, MapSource) and source.collate_fn is not None:
+        return source.samples(indices), None
+    return source.batch(indices)
 
 
 @dataclass(frozen=True)
@@ -169,30 +279,69 @@ class CharWindows:
         return win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
 
-def as_source(dataset: Any, name: str = "dataset") -> SampleSource:
+def _is_array(x: Any) -> bool:
+    return isinstance(x, torch.Tensor | np.ndarray)
+
+
+def as_source(
+    dataset: Any,
+    name: str = "dataset",
+    *,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    target_key: str = DEFAULT_TARGET_KEY,
+) -> SampleSource:
     """Turn what a user passes as a data set into a :class:`SampleSource`.
 
     Accepts a :class:`SampleSource`, a pair ``(inputs, targets)`` of tensors/arrays, a
-    ``torch.utils.data.TensorDataset`` of two tensors, or any map-style data set of
-    ``(input, target)`` pairs.
+    ``torch.utils.data.TensorDataset`` of two tensors, or any map-style data set (a list
+    included) of ``(input, target)`` pairs, of dicts (targets under ``target_key``, the other
+    keys the model's keyword arguments) or of ``(dict, target)`` pairs (:class:`MapSource`,
+    collated by ``collate_fn`` per micro-batch when given). The first two items are collated
+    here, so a bad item or ``collate_fn`` is reported before training.
 
     Raises:
-        InputError: anything else, or an empty data set.
+        InputError: anything else, an empty data set, ``collate_fn`` not callable or with a
+            data set that is not map-style, or items that do not collate.
     """
+    if collate_fn is not None and not callable(collate_fn):
+        raise InputError("collate_fn", "", f"expected a callable, got {type(collate_fn).__name__}")
+    if not isinstance(target_key, str) or not target_key:
+        raise InputError("target_key", "", f"expected a non-empty string, got {target_key!r}")
+    plain = collate_fn is None and target_key == DEFAULT_TARGET_KEY
     if hasattr(dataset, "batch") and hasattr(dataset, "__len__"):
         src = dataset
-    elif isinstance(dataset, tuple | list) and len(dataset) == 2:
+    elif (
+        plain
+        and isinstance(dataset, tuple | list)
+        and len(dataset) == 2
+        and all(_is_array(d) for d in dataset)
+    ):
         src = TensorSource(torch.as_tensor(dataset[0]), torch.as_tensor(dataset[1]))
-    elif isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2:
+    elif (
+        plain and isinstance(dataset, torch.utils.data.TensorDataset) and len(dataset.tensors) == 2
+    ):
         src = TensorSource(*dataset.tensors)
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        src = MapSource(dataset)
+        src = MapSource(dataset, collate_fn, target_key)
     else:
         raise InputError(
-            name, "", "expected (inputs, targets) tensors, a TensorDataset or a map-style dataset"
+            name,
+            "",
+            "expected (inputs, targets) tensors, a TensorDataset or a map-style dataset of "
+            "(input, target) pairs or dicts",
         )
+    if collate_fn is not None and not isinstance(src, MapSource):
+        raise InputError("collate_fn", "", f"expected a map-style {name} of samples to collate")
     if len(src) < 1:
         raise InputError(name, "", "expected at least one sample")
+    if isinstance(src, MapSource):
+        try:
+            src.batch(np.arange(min(2, len(src))))
+        except Exception as exc:  # the user's items or collate_fn: one line
+            what = "collate_fn" if collate_fn is not None else name
+            raise InputError(
+                what, "", f"items 0-1 do not collate: {type(exc).__name__}: {exc}"
+            ) from None
     return src
 
 
@@ -204,22 +353,35 @@ def as_source(dataset: Any, name: str = "dataset") -> SampleSource:
 def _mean_loss(
     model: nn.Module, loss_fn: Callable, source: SampleSource, batch: int, limit: int, dtype
 ) -> float:
-    total, count = 0.0, 0
+    """Mean ``loss_fn`` over the first ``limit`` samples of ``source`` in batches of ``batch``
+    (a ``(sum, count)`` loss: total sum over total count)."""
+    total, count = 0.0, 0.0
     n = min(len(source), limit)
     with torch.no_grad():
         for start in range(0, n, batch):
             idx = np.arange(start, min(start + batch, n))
             x, y = source.batch(idx)
-            x = cast_inputs(x, dtype)
-            out = model(x)
-            total += float(loss_fn(out, y)) * len(idx)
-            count += len(idx)
-    return total / max(count, 1)
+            value = loss_fn(call_model(model, cast_inputs(x, dtype)), y)
+            if isinstance(value, tuple | list):  # (sum, count)
+                total, count = total + float(value[0]), count + float(value[1])
+            else:
+                total, count = total + float(value) * len(idx), count + len(idx)
+    return total / max(count, 1.0)
 
 
-def cast_inputs(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Floating inputs to the training ``dtype``; integer inputs (token ids) unchanged."""
-    return x.to(dtype) if torch.is_floating_point(x) else x
+def cast_inputs(x: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors of ``x`` (a tensor or a pytree: dict, tuple) to the training ``dtype``;
+    integer tensors (token ids, masks) unchanged."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, x
+    )
+
+
+def call_model(model: nn.Module, x: Any) -> Any:
+    """``model(**x)`` for a dict of inputs (keyword arguments), else ``model(x)``."""
+    return model(**x) if isinstance(x, Mapping) else model(x)
 
 
 @dataclass
@@ -237,6 +399,10 @@ class Task:
             ``quality_target`` and ``higher_is_better`` state what the default run reaches.
         defaults: default ``steps``, ``batch``, ``lr``, ``optimizer``, ``microbatch_size``,
             ``warmup_steps``, ``grad_clip_norm``, ``weight_decay``.
+        layers: cut points (module names) or None (the default cut).
+        optimizer: the user's ``param groups -> torch.optim.Optimizer`` or None (hetrain's).
+        param_groups: parameter groups by parameter name with their options
+            (:func:`hetrain.runtime.optim.resolve_param_groups`) or None (one group).
     """
 
     name: str
@@ -251,6 +417,10 @@ class Task:
     defaults: dict[str, Any] = field(default_factory=dict)
     # cut points (module names); None = the default cut of docs/model.md §5
     layers: list[str] | None = None
+    # the user's optimizer ``param groups -> torch.optim.Optimizer`` (None: hetrain's own)
+    optimizer: Callable[[list[dict[str, Any]]], Any] | None = None
+    # parameter groups by name: ((names, options), ...) (hetrain.runtime.optim)
+    param_groups: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] | None = None
 
     def quality_line(self, metrics: dict[str, float]) -> str:
         """One line stating the reached quality against the stated target (or that none was

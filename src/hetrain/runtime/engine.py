@@ -27,6 +27,7 @@ from torch import nn
 from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.runtime.cutting import Chain, cut_module
+from hetrain.runtime.data import SampleList, cast_inputs
 from hetrain.runtime.data_parallel import (
     Bucket,
     GradientSync,
@@ -38,9 +39,14 @@ from hetrain.runtime.emulation import Emulation, sleep_s
 from hetrain.runtime.layout import Layout, build_layout
 from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
 from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
-from hetrain.runtime.optim import OptimizerSpec, clip_coefficient, set_lr
+from hetrain.runtime.optim import (
+    OptimizerSpec,
+    clip_coefficient,
+    load_state,
+    set_lr_factor,
+)
 from hetrain.runtime.randomness import InvariantRandomness
-from hetrain.runtime.stages import P2P, Timers, run_stage, schedule_ops
+from hetrain.runtime.stages import P2P, MicroBatches, Timers, run_stage, schedule_ops
 
 
 @dataclass
@@ -265,6 +271,13 @@ class Worker:
         self.module = chain.module.to(dtype=dtype)
         # keep the tensor index current (``.to`` keeps parameter objects; buffers may change)
         chain._index_tensors()
+        # the optimizer's parameter group of each trainable tensor (by the module's names)
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        self._group_of = {
+            chain._name_of[id(named[n])]: index
+            for index, (names, _) in enumerate(optimizer.param_groups)
+            for n in names
+        }
         self.dtype = dtype
         self.loss_fn = loss_fn
         self.optimizer_spec = optimizer
@@ -277,6 +290,11 @@ class Worker:
             [n for n in names if n not in self.shared] for names in chain.layer_tensors
         ]
         self._held: set[str] = set()
+        # trainable tensors in one order on every rank: which of them got a gradient this step
+        # anywhere (a parameter without one is not stepped, as torch.optim skips it)
+        self._grad_index = {
+            n: i for i, n in enumerate(n for n in chain.tensors if not chain.frozen(n))
+        }
         self.optimizers: dict[Unit, torch.optim.Optimizer | None] = {}
         held = self._held_names(self.layout)
         for name, t in chain.tensors.items():
@@ -407,8 +425,58 @@ class Worker:
     def _build_optimizer(self, unit: Unit) -> torch.optim.Optimizer | None:
         """The unit's own optimizer (None without trainable parameters: frozen parameters get
         no optimizer state)."""
-        params = self._unit_params(unit)
-        return self.optimizer_spec.build(params) if params else None
+        names = [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
+        if not names:
+            return None
+        groups = [self._group_of[n] for n in names] if self._group_of else None
+        return self.optimizer_spec.build([self.chain.tensors[n] for n in names], groups)
+
+    def _optimizer_names(self, unit: Unit, opt: torch.optim.Optimizer) -> list[str]:
+        """Local names of ``opt``'s parameters in its ``state_dict`` order (group by group)."""
+        return [
+            self._local(unit, self.chain._name_of[id(p)])
+            for group in opt.param_groups
+            for p in group["params"]
+        ]
+
+    def _local_grad_flags(self) -> torch.Tensor:
+        """``(T,)`` float64 over the trainable tensors (:attr:`_grad_index` order): 1 where a
+        tensor held here got a gradient in this rank's backward (before the gradient sync
+        fills zeros), else 0."""
+        flags = torch.zeros(len(self._grad_index), dtype=torch.float64)
+        for name in self._held:
+            i = self._grad_index.get(name)
+            if i is not None and self.chain.tensors[name].grad is not None:
+                flags[i] = 1.0
+        return flags.to(self.device)
+
+    def _drop_absent_grads(self, counts: torch.Tensor) -> None:
+        """Set ``.grad = None`` on held tensors that no rank gave a gradient this step
+        (``counts`` = :meth:`_local_grad_flags` summed over the ranks), so the optimizer skips
+        them as it does in one process (no weight decay, no momentum step)."""
+        absent = set(torch.nonzero(counts.cpu() == 0).flatten().tolist())
+        if not absent:
+            return
+        for name in self._held:
+            if self._grad_index.get(name) in absent:
+                self.chain.tensors[name].grad = None
+
+    def _collate_microbatches(
+        self, samples: SampleList, microbatches: Sequence[tuple[int, int]]
+    ) -> tuple[MicroBatches, MicroBatches]:
+        """Inputs and targets of each micro-batch ``[start, end)`` (rows of ``samples``),
+        collated from its own samples (the source's ``collate_fn``), on this rank's device,
+        floating inputs in the training dtype."""
+        from torch.utils._pytree import tree_map_only
+
+        xs, ys = {}, {}
+        for start, end in microbatches:
+            x, y = samples.rows(start, end).collate()
+            xs[(start, end)] = tree_map_only(
+                torch.Tensor, lambda t: cast_inputs(t.to(self.device), self.dtype), x
+            )
+            ys[(start, end)] = tree_map_only(torch.Tensor, lambda t: t.to(self.device), y)
+        return MicroBatches(xs), MicroBatches(ys)
 
     def _canonical(self, unit: Unit, layout: Layout | None = None) -> int:
         layout = layout or self.layout
@@ -456,6 +524,13 @@ class Worker:
 
         t_start = time.perf_counter()
         batch = self.layout.global_batch
+        samples = inputs if isinstance(inputs, SampleList) else None
+        if samples is not None:  # collated per micro-batch below (data.py)
+            if len(samples) != batch:
+                raise ValueError(
+                    f"inputs: expected the global batch of {batch} samples, got {len(samples)}"
+                )
+            inputs = targets = None
         rows_in = [t.shape[0] for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         rows_t = [t.shape[0] for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
         if any(r != batch for r in rows_in + rows_t):
@@ -496,9 +571,16 @@ class Worker:
                     t = t[rows].to(self.device)
                     return t.to(self.dtype) if t.is_floating_point() else t
 
-                x = tree_map_only(torch.Tensor, cast, inputs)
-                y = None
-                if k == len(group.ranks) - 1:
+                if samples is not None:
+                    x, y = self._collate_microbatches(
+                        samples.rows(rows.start, rows.stop), microbatches
+                    )
+                else:
+                    x = tree_map_only(torch.Tensor, cast, inputs)
+                    y = None
+                if k < len(group.ranks) - 1:
+                    y = None
+                elif samples is None:
                     y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
                 s0, s1 = stage
                 try:
@@ -525,6 +607,7 @@ class Worker:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
+        got_grad = self._local_grad_flags()
         sync_time_s, sync_bytes = grad_sync.finish()
         self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
@@ -537,10 +620,11 @@ class Worker:
         flag = torch.ones((), dtype=torch.float64, device=self.device) if sum_mode else zero
         random_problem = float(bool(self.randomness.problems) and not self._random_reported)
         rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
-        reduced = torch.stack([loss_part, sq, count_part, flag, rflag])
+        reduced = torch.cat([torch.stack([loss_part, sq, count_part, flag, rflag]), got_grad])
         if self.world_size > 1:  # one rank: the sum is its own values
             dist.all_reduce(reduced)
-        loss, sqnorm, count, mode, random_problems = reduced.tolist()
+        loss, sqnorm, count, mode, random_problems = reduced[:5].tolist()
+        self._drop_absent_grads(reduced[5:])
         if random_problems > 0:
             self._report_random_problems()
         scale = 1.0
@@ -551,7 +635,7 @@ class Worker:
             loss *= scale
         grad_norm = math.sqrt(sqnorm) * scale
         coef = clip_coefficient(grad_norm, self.grad_clip_norm) * scale
-        lr = self.optimizer_spec.lr_at(step)
+        lr_factor = self.optimizer_spec.lr_factor(step)
         for unit, opt in self.optimizers.items():
             if opt is None:
                 continue
@@ -559,7 +643,7 @@ class Worker:
                 for p in self._unit_params(unit):
                     if p.grad is not None:
                         p.grad.mul_(coef)
-            set_lr(opt, lr)
+            set_lr_factor(opt, lr_factor)
             opt.step()
         end = time.perf_counter()
         return StepResult(
@@ -645,7 +729,7 @@ class Worker:
                     self._materialize(n, value.to(self.device))
                 opt = self._build_optimizer(unit)
                 if opt is not None and payload["optim"] is not None:
-                    opt.load_state_dict(payload["optim"])
+                    load_state(opt, payload["optim"])
                 self.optimizers[unit] = opt
         now_units = set(self._units(new))
         for unit in list(self.optimizers):
@@ -723,9 +807,7 @@ class Worker:
             opt = self.optimizers.get(unit)
             if opt is None:
                 continue
-            names = [
-                self._local(unit, n) for n in self._unit_names(unit) if not self.chain.frozen(n)
-            ]
+            names = self._optimizer_names(unit, opt)
             okey = f"optim.{unit}" if isinstance(unit, int) else "optim.shared"
             for pidx, pstate in opt.state_dict()["state"].items():
                 for key, value in pstate.items():
@@ -748,22 +830,21 @@ class Worker:
                     raise KeyError(f"layer_state_dict: {prefix} lacks {self._local(unit, n)!r}")
                 self._materialize(n, state_dict[key].to(self.device))
             okey = f"optim.{unit}." if isinstance(unit, int) else "optim.shared."
-            names = {
-                self._local(unit, n): i
-                for i, n in enumerate(
-                    [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
-                )
-            }
+            opt = self._build_optimizer(unit)
+            names = (
+                {n: i for i, n in enumerate(self._optimizer_names(unit, opt))}
+                if opt is not None
+                else {}
+            )
             ostate: dict[int, dict[str, torch.Tensor]] = {}
             for k, v in state_dict.items():
                 if k.startswith(okey):
                     pname, key = k[len(okey) :].rsplit(".", 1)
                     if pname in names:
                         ostate.setdefault(names[pname], {})[key] = v
-            opt = self._build_optimizer(unit)
             if ostate and opt is not None:
                 groups = opt.state_dict()["param_groups"]
-                opt.load_state_dict({"state": ostate, "param_groups": groups})
+                load_state(opt, {"state": ostate, "param_groups": groups})
             self.optimizers[unit] = opt
 
 

@@ -21,6 +21,7 @@ validation split, exports the plain ``state_dict`` and returns a summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -44,8 +45,17 @@ from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
-from hetrain.runtime.data import GlobalBatchSampler, Task, cast_inputs, task_chain
+from hetrain.runtime.data import (
+    GlobalBatchSampler,
+    Task,
+    call_model,
+    cast_inputs,
+    global_batch,
+    task_chain,
+)
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
+from hetrain.runtime.optim import OptimizerSpec
+from hetrain.runtime.startup import unchanged
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -109,7 +119,13 @@ class TrainJob:
         task: model factory, data, loss, evaluation (:class:`~hetrain.runtime.data.Task`).
         devices: device id of every rank (index = global rank).
         steps, batch, seed: iterations, global batch ``B``, seed of weights and sampler.
-        optimizer, lr, weight_decay, momentum: optimizer (``sgd`` or ``adamw``).
+        optimizer, lr, weight_decay, momentum: optimizer (``sgd`` or ``adamw``), or
+            ``user``: ``optimizer_factory`` (``param groups -> torch.optim.Optimizer``; ``lr``
+            its first group's learning rate).
+        param_groups: parameter groups by name with their options
+            (:attr:`hetrain.runtime.optim.OptimizerSpec.param_groups`); empty: one group.
+        optimizer_state_factor: optimizer state bytes per parameter byte (measured by
+            :func:`hetrain.runtime.optim.check_factory`); None: from ``optimizer``.
         warmup_steps: linear warm-up; then cosine decay to ``min_lr_ratio * lr``
             (``lr_schedule="cosine"``) or constant (``"constant"``).
         grad_clip_norm: clip the global gradient norm (None = off).
@@ -143,6 +159,9 @@ class TrainJob:
     lr: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.0
+    optimizer_factory: Any = None
+    param_groups: tuple = ()
+    optimizer_state_factor: float | None = None
     warmup_steps: int = 0
     lr_schedule: str = "cosine"
     min_lr_ratio: float = 0.1
@@ -301,8 +320,30 @@ def local_cluster_spec(devices: list[str]) -> ClusterSpec:
     )
 
 
+def optimizer_spec(job: TrainJob) -> OptimizerSpec:
+    """The job's optimizer (hetrain's or the user's, its parameter groups) with the job's
+    learning-rate schedule (:func:`lr_multiplier`)."""
+    return OptimizerSpec(
+        name=job.optimizer,
+        lr=job.lr,
+        momentum=job.momentum,
+        weight_decay=job.weight_decay,
+        lr_schedule=lr_multiplier(job),
+        factory=job.optimizer_factory,
+        param_groups=tuple(job.param_groups or ()),
+        measured_state_factor=job.optimizer_state_factor,
+    )
+
+
+def _state_factor(job: TrainJob) -> float:
+    """docs/model.md §2 ``o`` of the job's optimizer (measured when the job carries it)."""
+    if job.optimizer_state_factor is not None:
+        return float(job.optimizer_state_factor)
+    return 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
+
+
 def _training_config(job: TrainJob) -> TrainingConfig:
-    o = 2.0 if job.optimizer == "adamw" else (1.0 if job.momentum > 0 else 0.0)
+    o = _state_factor(job)
     # this engine overlaps each gradient bucket's all-reduce with the last backward
     # (GradientSync; Worker's default bucket cap is TrainingConfig's default, 64 MiB): the
     # controller's model charges only the exposed part of the sync
@@ -320,17 +361,15 @@ def _measure_update_s_per_byte(model: nn.Module, job: TrainJob) -> float:
     byte; docs/profiling.md §6): the second step of the job's optimizer over the whole model
     with learning rate 0 (same arithmetic, weights unchanged; a temporary optimizer, so no
     state is kept), divided by the trainable bytes. 0 when the model has no parameters."""
-    from hetrain.runtime.optim import OptimizerSpec
-
     params = [p for p in model.parameters() if p.requires_grad]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     if not params or nbytes == 0:
         return 0.0
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = OptimizerSpec(
-        name=job.optimizer, lr=0.0, momentum=job.momentum, weight_decay=job.weight_decay
-    ).build(params)
+    opt = optimizer_spec(job).build(params)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
     opt.step()  # allocates the state
     t0 = time.perf_counter()
     opt.step()
@@ -349,15 +388,18 @@ def _measure_device(
     repeats: int = CALIBRATION_REPEATS,
     device: torch.device | None = None,
     overhead_weights: np.ndarray | None = None,
+    sample_unit: int = 1,
 ) -> tuple[float, float, float, float]:
     """Speed ``s`` (FLOP/s), per-micro-batch overhead ``κ`` (s), per-layer overhead ``λ`` (s)
     and relative jitter ``σ`` of this rank (collective: every rank calls it).
 
     Forward + backward of the whole model, and of its first ``⌈L/2⌉`` layers when the model is
     an ``nn.Sequential`` whose half chain has one differentiable output (chains of two lengths
-    tell ``λ`` from ``κ``, docs/model.md §2), on micro-batches of 1, 4 and 16 samples (at most the
-    global batch) taken from ``indices`` (the sampler's first global batch, so a data set
-    smaller than the batch wraps as in training). Every measurement starts after a barrier, so
+    tell ``λ`` from ``κ``, docs/model.md §2), on micro-batches of ``u``, ``4u`` and ``16u``
+    samples (``u = sample_unit``: the norm block, or 2 for a model with BatchNorm, which one
+    sample cannot train; sizes at most the global batch and multiples of ``u``) taken from
+    ``indices`` (the sampler's first global batch, so a data set smaller than the batch wraps
+    as in training). Every measurement starts after a barrier, so
     all ranks compute at once, as they do in training (a rank measured while the others wait
     would see the machine to itself); each point is measured ``repeats`` times and summarised
     by the median. The emulated ``factor`` is applied by sleeping ``(factor - 1)`` x the
@@ -371,7 +413,8 @@ def _measure_device(
     from hetrain.calibration import relative_jitter
 
     batch = len(indices)
-    sizes = sorted({1, max(1, min(4, batch)), max(1, min(16, batch))})
+    unit = max(1, min(int(sample_unit), batch))
+    sizes = sorted({max(unit, min(k * unit, batch) // unit * unit) for k in (1, 4, 16)})
     num_layers = len(model) if isinstance(model, nn.Sequential) else 1
     half = -(-num_layers // 2)
     device = device or torch.device("cpu")
@@ -394,7 +437,7 @@ def _measure_device(
                 dist.barrier()
                 t0 = time.perf_counter()
                 if n_layers == num_layers:
-                    loss = task.loss_fn(model(x), y)
+                    loss = task.loss_fn(call_model(model, x), y)
                     if isinstance(loss, tuple):  # (sum, count) losses
                         loss = loss[0] / max(float(loss[1]), 1.0)
                     loss.backward()
@@ -423,6 +466,16 @@ def _measure_device(
     jitter = relative_jitter(list(samples.values()))
     s, k, lam = _fit_device(points, times, sizes, float(np.sum(layer_flops)), float(np.sum(nu)))
     return s, k, lam, jitter
+
+
+def _sample_unit(model: nn.Module, norm_block: int | None) -> int:
+    """Smallest micro-batch the calibration runs: the norm block ``G`` when given, 2 for a
+    model with BatchNorm (training BatchNorm on one sample fails), else 1."""
+    from hetrain.runtime.norm import batchnorm_modules
+
+    if norm_block is not None:
+        return int(norm_block)
+    return 2 if batchnorm_modules(model) else 1
 
 
 def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[float, float, float]:
@@ -459,7 +512,6 @@ def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] 
     up). ``num_threads``: torch threads of this rank (default: cores / local ranks). Returns
     the run summary on rank 0, None elsewhere."""
     from hetrain.runtime.engine import Worker, gather_measurements
-    from hetrain.runtime.optim import OptimizerSpec
 
     own_group = False
     if not dist.is_initialized():
@@ -474,13 +526,13 @@ def run_worker(job: TrainJob, num_threads: int | None = None) -> dict[str, Any] 
     try:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(num_threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
-        return _train(job, Worker, gather_measurements, OptimizerSpec)
+        return _train(job, Worker, gather_measurements)
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[str, Any] | None:
+def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(job.devices) != world:
         raise ValueError(
@@ -499,6 +551,10 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     )
     torch.manual_seed(job.seed)
     model = job.task.build_model()
+    # start-up (cut, profile, calibration) runs the model in training mode: everything it
+    # changes (buffers, dtype, device, random states) is put back before training
+    startup = contextlib.ExitStack()
+    startup.enter_context(unchanged(model))
     chain = task_chain(job.task, model)  # any module, cut into layers (runtime/cutting.py)
     num_layers = chain.num_layers
     fingerprint = ckpt.model_fingerprint(model)
@@ -555,9 +611,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             factor,
             device=calib_device,
             overhead_weights=np.asarray(profile.overhead_weights),
+            sample_unit=_sample_unit(model, job.norm_block),
         )
         mine = (*mine, _measure_update_s_per_byte(calib_model, job))
-        model.to("cpu")
         gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
         measured = [float(t[0]) for t in gathered]
@@ -574,6 +630,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             )
     else:
         base_state = _base_state(job, None)
+    startup.close()  # the model as built (hetrain.runtime.startup.unchanged)
+    chain._index_tensors()
     if plan is None:
         plan = even_dp_plan(
             job.devices, num_layers, job.batch, job.microbatch_size, norm_block=job.norm_block
@@ -601,20 +659,14 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 "plan": plan,
                 "steps": job.steps,
                 "start_step": start_step,
-                "optimizer_state_factor": 2.0 if job.optimizer == "adamw" else 1.0,
+                "optimizer_state_factor": _state_factor(job),
                 "checkpoint_dir": job.checkpoint_dir,
                 "checkpoint_every": job.checkpoint_every,
                 "log_path": _controller_log_path(job),
             }
         )
 
-    spec = OptimizerSpec(
-        name=job.optimizer,
-        lr=job.lr,
-        momentum=job.momentum,
-        weight_decay=job.weight_decay,
-        lr_schedule=lr_multiplier(job),
-    )
+    spec = optimizer_spec(job)
     worker = Worker(
         chain,
         plan,
@@ -725,7 +777,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     try:
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
-            x, y = job.task.train.batch(sampler.indices(step))
+            x, y = global_batch(job.task.train, sampler.indices(step))
             if worker.device.type == "cuda":
                 # one pinned host buffer and an asynchronous copy per step (the engine's
                 # per-micro-batch slices are then already on the GPU)
