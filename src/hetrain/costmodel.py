@@ -56,7 +56,7 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.profile import ProfileArrays
+from hetrain.profile import MeasuredTimes, ProfileArrays
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -174,6 +174,9 @@ class ProfilePrefix:
     shared_frozen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     shared_uses: np.ndarray | None = None
     layer_units: np.ndarray | None = None
+    measured: tuple[MeasuredTimes, ...] = ()
+    bwd_flops: np.ndarray | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.frozen_bytes is None:
@@ -182,6 +185,58 @@ class ProfilePrefix:
             object.__setattr__(self, "layer_units", np.arange(len(self.param_bytes), dtype=float))
         if self.shared_uses is None:
             object.__setattr__(self, "shared_uses", np.zeros((0, len(self.param_bytes))))
+        if self.bwd_flops is None:
+            object.__setattr__(self, "bwd_flops", self.train_flops * (2.0 / 3.0))
+
+    # --- measured times (docs/model.md §3 "Measured times") ---------------------------------
+
+    def kind_index(self, state: ClusterState) -> np.ndarray:
+        """Per device of ``state``, the index of its kind in :attr:`measured`, or -1 when the
+        profile has no measured times for it (the FLOP model); shape ``(D,)``, int64."""
+        if not self.measured:
+            return np.full(state.num_devices, -1, dtype=np.int64)
+        key = ("kind-index", state.kinds)
+        out = self._cache.get(key)
+        if out is None:
+            names = {m.kind: i for i, m in enumerate(self.measured)}
+            out = np.array([names.get(k, -1) for k in state.kinds], dtype=np.int64)
+            self._cache[key] = out
+        return out
+
+    def measured_prefix_s(self, microbatch_sizes: np.ndarray, part: str = "train") -> np.ndarray:
+        """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.layer_times_s`)
+        of every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
+        ``(N_kinds, U, L + 1)``, seconds per micro-batch; so that stage ``[i, j)`` of kind
+        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per sizes and part."""
+        sizes = tuple(float(x) for x in np.asarray(microbatch_sizes, dtype=float).ravel())
+        key = ("measured-prefix", part, sizes)
+        out = self._cache.get(key)
+        if out is None:
+            out = np.zeros((len(self.measured), len(sizes), self.num_layers + 1))
+            for q, table in enumerate(self.measured):
+                for u, mu in enumerate(sizes):
+                    out[q, u, 1:] = np.cumsum(table.layer_times_s(mu, part))
+            self._cache[key] = out
+        return out
+
+    def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
+        """Per kind, prefix sums over layers of a lower bound on each layer's seconds per
+        sample at every micro-batch size ``1..max_microbatch_size``: ``min_μ t_l(μ) / μ``,
+        shape ``(N_kinds, L + 1)``. ``t_l`` is linear between its breakpoints (the measured
+        sizes), so ``t_l(μ)/μ`` is monotone on each piece and the minimum is at ``1``,
+        ``max_microbatch_size`` or a measured size in between (0 where ``t_l`` reaches 0)."""
+        key = ("measured-rate", int(max_microbatch_size))
+        out = self._cache.get(key)
+        if out is None:
+            top = float(max(1, max_microbatch_size))
+            out = np.zeros((len(self.measured), self.num_layers + 1))
+            for q, table in enumerate(self.measured):
+                inside = [float(x) for x in table.microbatch_sizes if 1.0 < x < top]
+                points = sorted({1.0, top, *inside})
+                per = np.min([table.layer_times_s(mu) / mu for mu in points], axis=0)
+                out[q, 1:] = np.cumsum(per)
+            self._cache[key] = out
+        return out
 
     @property
     def num_layers(self) -> int:
@@ -241,6 +296,8 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
     frozen = getattr(profile, "frozen_param_bytes", None)
     weights = getattr(profile, "overhead_weights", None)
     return ProfilePrefix(
+        measured=tuple(getattr(profile, "measured", ()) or ()),
+        bwd_flops=cum(profile.bwd_flops),
         layer_units=cum(weights if weights is not None else np.ones(num_layers)),
         train_flops=cum(profile.train_flops),
         act_mem_bytes=cum(profile.activation_memory_bytes),
@@ -256,6 +313,101 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
 # ---------------------------------------------------------------------------------------------
 # Per-group primitives
 # ---------------------------------------------------------------------------------------------
+
+
+def stage_compute_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    microbatch_size: int | np.ndarray,
+    part: str = "train",
+) -> np.ndarray:
+    """Seconds per micro-batch of a stage: layers ``[start, end)`` on ``device`` with
+    micro-batches of ``microbatch_size`` samples (docs/model.md §3). The one place the cost
+    model, the partitioner and the search compute a stage's compute time.
+
+    All four inputs are integer (``microbatch_size`` also float) arrays broadcast together; the
+    result has the broadcast shape. A device whose kind (``state.kinds``) has measured times in
+    the profile takes ``(P_q(μ)[end] − P_q(μ)[start]) · nominal_d / s_d``
+    (:meth:`ProfilePrefix.measured_prefix_s`, :meth:`ClusterState.measured_time_scale`; κ and
+    λ are not charged: the measured times include them); any other device takes the FLOP
+    model ``μ Σ(f_l + w_l)/s_d + κ_d + λ_d Σ ν_l``. ``part="bwd"`` gives the backward pass
+    only (``μ Σ w_l / s_d`` without κ and λ, or the measured backward times).
+
+    Raises:
+        ValueError: unknown ``part``.
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if part == "train":
+        flops = prefix.train_flops[ends] - prefix.train_flops[starts]
+        out = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
+        lam = state.layer_overhead_s[devices]
+        if np.any(lam):
+            out = out + lam * (prefix.layer_units[ends] - prefix.layer_units[starts])
+    elif part == "bwd":
+        flops = prefix.bwd_flops[ends] - prefix.bwd_flops[starts]
+        out = microbatch_size * flops / state.speed_flops[devices]
+    else:
+        raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
+    if not prefix.measured:
+        return out
+    kind = prefix.kind_index(state)[devices]
+    if not np.any(kind >= 0):
+        return out
+    mu = np.asarray(microbatch_size, dtype=float)
+    sizes, which = np.unique(mu, return_inverse=True)
+    which = which.reshape(mu.shape)
+    table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
+    q = np.maximum(kind, 0)
+    measured = (table[q, which, ends] - table[q, which, starts]) * state.measured_time_scale()[
+        devices
+    ]
+    return np.where(kind >= 0, measured, out)
+
+
+def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
+    """Per device, a speed ``ŝ_d`` (FLOP/s, shape ``(D,)``) with ``C ≥ μ Σ_{l∈S}(f_l+w_l)/ŝ_d``
+    for every stage ``S`` and ``μ ≤ batch``: ``s_d`` under the FLOP model; for a device with
+    measured times ``max_l (f_l + w_l) / r_l`` (``r_l`` the per-sample lower bound of
+    :meth:`ProfilePrefix.measured_rate_prefix_s`, times the state's scale), inf where some
+    layer with FLOPs takes no time. So ``B Σ(f+w) / Σ_d ŝ_d`` stays a lower bound on the
+    iteration time of any plan of those devices (docs/model.md §3 ``T_LB``; the search prunes
+    with it)."""
+    speed = np.asarray(state.speed_flops, dtype=float).copy()
+    kind = prefix.kind_index(state)
+    if not np.any(kind >= 0):
+        return speed
+    flops = np.diff(prefix.train_flops)
+    rates = np.diff(prefix.measured_rate_prefix_s(batch), axis=1)  # (N_kinds, L)
+    scale = state.measured_time_scale()
+    for d in np.flatnonzero(kind >= 0):
+        r = rates[kind[d]] * scale[d]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(flops > 0, flops / r, 0.0)
+        speed[d] = float(np.max(ratio)) if len(ratio) else np.inf
+    return speed
+
+
+def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
+    """Per device, the FLOP/s it reaches on the whole chain (shape ``(D,)``): ``s_d`` under the
+    FLOP model; for a device with measured times ``μ Σ(f+w) / C_chain(μ)`` at ``μ`` = the
+    smaller of ``batch`` and the kind's largest measured size. For orderings and proportional
+    shares (heuristics and baselines), never for times."""
+    speed = np.asarray(state.speed_flops, dtype=float).copy()
+    kind = prefix.kind_index(state)
+    if not np.any(kind >= 0):
+        return speed
+    num_layers = prefix.num_layers
+    total = float(prefix.train_flops[-1])
+    for d in np.flatnonzero(kind >= 0):
+        mu = float(min(batch, prefix.measured[kind[d]].microbatch_sizes[-1]))
+        t = float(stage_compute_s(state, prefix, d, 0, num_layers, mu))
+        speed[d] = mu * total / t if t > 0 else np.inf
+    return speed
 
 
 def link_bandwidths_bytes_per_s(state: ClusterState, devices: np.ndarray) -> np.ndarray:
@@ -283,18 +435,14 @@ def stage_times_s(
             is layers ``[x_k, x_{k+1})``.
         microbatch_size: ``μ_g`` samples.
 
-    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l``
-    (docs/model.md (v3), with the per-layer overhead weights ν_l of §3: ``|S_k|`` when all are 1);
+    Formulas: ``C_k`` of :func:`stage_compute_s` (the FLOP model ``μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k}
+    + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l``, docs/model.md (v3), with the per-layer overhead weights
+    ν_l of §3: ``|S_k|`` when all are 1; or the kind's measured times);
     ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
     """
     devices = np.asarray(devices, dtype=np.int64)
     bounds = np.asarray(bounds, dtype=np.int64)
-    flops = prefix.train_flops[bounds[1:]] - prefix.train_flops[bounds[:-1]]
-    compute_s = (
-        microbatch_size * flops / state.speed_flops[devices]
-        + state.kappa_s[devices]
-        + state.layer_overhead_s[devices] * np.diff(prefix.layer_units[bounds])
-    )
+    compute_s = stage_compute_s(state, prefix, devices, bounds[:-1], bounds[1:], microbatch_size)
     if len(devices) == 1:
         return compute_s, np.zeros(0)
     last = bounds[1:-1] - 1
@@ -562,7 +710,6 @@ class SyncGroup:
 def overlapped_sync_s(
     state: ClusterState,
     prefix: ProfilePrefix,
-    bwd_flops_prefix: np.ndarray,
     groups: Sequence[SyncGroup],
     bucket_edges: np.ndarray,
 ) -> float:
@@ -579,7 +726,8 @@ def overlapped_sync_s(
 
     All groups start the iteration at time 0. In active group g (``G'`` active groups), the
     last micro-batch's backward leaves stage k at ``end_k = T_g − Σ_{j<k} (W_j + E_j)`` with
-    ``W_j = μ_g Σ_{l∈S_j} w_l / s_{d_j}`` (the backward pass drains toward stage 1). Bucket
+    ``W_j = μ_g Σ_{l∈S_j} w_l / s_{d_j}`` (or the kind's measured backward times:
+    :func:`stage_compute_s` with ``part="bwd"``; the backward pass drains toward stage 1). Bucket
     ``b = [y_b, y_{b+1})`` (:func:`sync_bucket_edges`; inside one stage k of every group) is
     ready in g at ``r_{b,g} = end_k − μ_g Σ_{l∈S_k, l<y_b} w_l / s_{d_k}`` and needs
     ``dur_{b,g} = 2 (G'−1) lat + 2 (G'−1)/G' · θ_b / β_{d_k}`` (``θ_b`` its parameter bytes,
@@ -613,13 +761,12 @@ def overlapped_sync_s(
     for gr in groups:
         devs = np.asarray(gr.devices, dtype=np.int64)
         bounds = np.asarray(gr.bounds, dtype=np.int64)
-        speed = state.speed_flops[devs]
         mu = gr.microbatch_size
-        bwd_s = mu * (bwd_flops_prefix[bounds[1:]] - bwd_flops_prefix[bounds[:-1]]) / speed
+        bwd_s = stage_compute_s(state, prefix, devs, bounds[:-1], bounds[1:], mu, "bwd")
         drain_s = np.concatenate(([0.0], np.cumsum(bwd_s[:-1] + np.asarray(gr.transfer_s))))
         stage = np.searchsorted(bounds, lo, side="right") - 1
         end_s = gr.group_time_s - drain_s[stage]
-        r = end_s - mu * (bwd_flops_prefix[lo] - bwd_flops_prefix[bounds[stage]]) / speed[stage]
+        r = end_s - stage_compute_s(state, prefix, devs[stage], bounds[stage], lo, mu, "bwd")
         ready = np.maximum(ready, r)
         beta = beta_all[offset + stage]
         dur = np.maximum(dur, latency_s + scale * theta / beta)
@@ -737,10 +884,15 @@ def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> fl
     balance,
     fractional shares, no communication).
 
+    With measured times the speeds are :func:`bound_speed_flops` (still a lower bound).
+
     Raises:
         ValueError: no device is available.
     """
-    speed = float(np.sum(state.speed_flops[np.asarray(state.available, dtype=bool)]))
+    speeds = state.speed_flops
+    if getattr(profile, "measured", ()):
+        speeds = bound_speed_flops(state, profile_prefix(profile), batch)
+    speed = float(np.sum(speeds[np.asarray(state.available, dtype=bool)]))
     if speed <= 0:
         raise ValueError("lower_bound_s: no device is available")
     return float(batch * np.sum(profile.train_flops) / speed)
@@ -897,9 +1049,8 @@ def evaluate_plan(
     sync_time = max(sync_by_id.values(), default=0.0)
     exposed = None
     if config.sync_overlap:
-        bwd_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(profile.bwd_flops, dtype=float))))
         edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
-        exposed = overlapped_sync_s(state, prefix, bwd_prefix, sync_groups, edges)
+        exposed = overlapped_sync_s(state, prefix, sync_groups, edges)
         # shared tensors (docs/model.md (v3)): their all-reduces are charged in full after the layer
         # buckets (not overlapped; docs/planner.md)
         shared = shared_sync_times_s(state, prefix, active)

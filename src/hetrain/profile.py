@@ -62,19 +62,77 @@ class SharedTensorProfile(BaseModel):
     frozen: bool = Field(False, strict=True)
 
 
+class MeasuredTimesProfile(BaseModel):
+    """Measured times of every layer on one device kind (docs/model.md §3, §7): the
+    ``microbatch_sizes`` measured (samples, strictly increasing integers >= 1) and, per size, a
+    row of ``L`` forward seconds (``fwd_s``) and ``L`` backward seconds (``bwd_s``) per
+    micro-batch of that size, in layer order. Rows are checked against the profile's ``L`` by
+    :class:`ModelProfile`."""
+
+    model_config = _STRICT
+    microbatch_sizes: list[int] = Field(min_length=1)
+    fwd_s: list[list[float]] = Field(min_length=1)
+    bwd_s: list[list[float]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> MeasuredTimesProfile:
+        sizes = self.microbatch_sizes
+        for i, mu in enumerate(sizes):
+            if isinstance(mu, bool) or mu < 1:
+                raise ValueError(f"microbatch_sizes[{i}]: expected an integer >= 1, got {mu!r}")
+            if i and mu <= sizes[i - 1]:
+                raise ValueError(
+                    f"microbatch_sizes[{i}]: expected strictly increasing sizes, got {mu} "
+                    f"after {sizes[i - 1]}"
+                )
+        for key in ("fwd_s", "bwd_s"):
+            rows = getattr(self, key)
+            if len(rows) != len(sizes):
+                raise ValueError(
+                    f"{key}: expected one row per micro-batch size ({len(sizes)}), got {len(rows)}"
+                )
+            for r, row in enumerate(rows):
+                for j, t in enumerate(row):
+                    if not 0.0 <= t <= MAX_NUMBER:
+                        raise ValueError(
+                            f"{key}[{r}][{j}]: expected seconds >= 0 and <= {MAX_NUMBER:g}, "
+                            f"got {t!r}"
+                        )
+        return self
+
+
 class ModelProfile(BaseModel):
     """A model profile file ``{"name": ..., "layers": [...], "shared": [...]}`` (docs/model.md §7),
-    layers in execution order (0-based indices in plans), shared tensors optional.
+    layers in execution order (0-based indices in plans), shared tensors optional, and
+    optional ``measured_times``: per device kind (a cluster device's ``kind``, docs/model.md
+    §7) the measured per-layer times of :class:`MeasuredTimesProfile`.
 
     Raises:
         ValueError (via pydantic): a shared tensor naming a layer outside ``[0, L)`` or the
-            same layer twice, or two shared tensors with one name.
+            same layer twice, two shared tensors with one name, an empty kind name, or a
+            measured-times row without exactly ``L`` entries.
     """
 
     model_config = _STRICT
     name: str = "model"
     layers: list[LayerProfile] = Field(min_length=1)
     shared: list[SharedTensorProfile] = Field(default_factory=list)
+    measured_times: dict[str, MeasuredTimesProfile] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_measured(self) -> ModelProfile:
+        num_layers = len(self.layers)
+        for kind, table in self.measured_times.items():
+            if not kind:
+                raise ValueError("measured_times: expected non-empty device kind names")
+            for key in ("fwd_s", "bwd_s"):
+                for r, row in enumerate(getattr(table, key)):
+                    if len(row) != num_layers:
+                        raise ValueError(
+                            f"measured_times.{kind}.{key}[{r}]: expected one time per layer "
+                            f"({num_layers}), got {len(row)}"
+                        )
+        return self
 
     @model_validator(mode="after")
     def _check_shared(self) -> ModelProfile:
@@ -117,11 +175,24 @@ class ModelProfile(BaseModel):
                 SharedTensor(t.name, float(t.bytes), tuple(sorted(t.layers)), bool(t.frozen))
                 for t in self.shared
             ),
+            measured=tuple(
+                MeasuredTimes(
+                    kind,
+                    np.asarray(t.microbatch_sizes, dtype=float),
+                    np.asarray(t.fwd_s, dtype=float),
+                    np.asarray(t.bwd_s, dtype=float),
+                )
+                for kind, t in sorted(self.measured_times.items())
+            ),
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The docs/model.md §7 JSON object (defaults filled in)."""
-        return self.model_dump(mode="json")
+        """The docs/model.md §7 JSON object (defaults filled in; ``measured_times`` only when
+        the profile has some)."""
+        out = self.model_dump(mode="json")
+        if not out["measured_times"]:
+            del out["measured_times"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -136,13 +207,50 @@ class SharedTensor:
 
 
 @dataclass(frozen=True)
+class MeasuredTimes:
+    """Measured per-layer times of one device ``kind`` (docs/model.md §3 "Measured times"):
+    ``microbatch_sizes`` (shape ``(m,)``, samples, strictly increasing), ``fwd_s`` and
+    ``bwd_s`` (shape ``(m, L)``): seconds per micro-batch of each size, per layer."""
+
+    kind: str
+    microbatch_sizes: np.ndarray
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+
+    def layer_times_s(self, microbatch_size: float, part: str = "train") -> np.ndarray:
+        """Per-layer seconds per micro-batch of ``microbatch_size`` samples, shape ``(L,)``
+        (docs/model.md §3): piecewise linear in the micro-batch size between the measured
+        sizes, extrapolated along the line through the two nearest measured sizes outside
+        them, proportional to the size (a line through 0) when one size was measured, and
+        never below 0. ``part``: ``"train"`` (forward + backward), ``"fwd"`` or ``"bwd"``.
+
+        Raises:
+            ValueError: unknown ``part``.
+        """
+        if part == "train":
+            rows = self.fwd_s + self.bwd_s
+        elif part in ("fwd", "bwd"):
+            rows = self.fwd_s if part == "fwd" else self.bwd_s
+        else:
+            raise ValueError(f"part: expected 'train', 'fwd' or 'bwd', got {part!r}")
+        sizes = self.microbatch_sizes
+        mu = float(microbatch_size)
+        if len(sizes) == 1:
+            return np.maximum(rows[0] * (mu / sizes[0]), 0.0)
+        i = int(np.clip(np.searchsorted(sizes, mu, side="right") - 1, 0, len(sizes) - 2))
+        w = (mu - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return np.maximum((1.0 - w) * rows[i] + w * rows[i + 1], 0.0)
+
+
+@dataclass(frozen=True)
 class ProfileArrays:
     """Per-layer vectors, shape ``(L,)``: ``fwd_flops`` f_l and ``bwd_flops`` w_l (FLOP per
     sample), ``activation_bytes`` a_l and ``activation_memory_bytes`` m_l (bytes per sample),
     ``param_bytes`` p_l (trainable bytes, shared tensors excluded) and ``frozen_param_bytes``
     p^frozen_l (bytes; default zeros); ``overhead_weights`` ν_l (dimensionless, the layer's share
     of the per-layer fixed cost λ; default ones, docs/model.md §3); ``shared``: the shared
-    tensors (docs/model.md §2)."""
+    tensors (docs/model.md §2); ``measured``: measured per-layer times per device kind
+    (:class:`MeasuredTimes`, sorted by kind; default none: the FLOP model everywhere)."""
 
     names: tuple[str, ...]
     fwd_flops: np.ndarray
@@ -153,6 +261,7 @@ class ProfileArrays:
     frozen_param_bytes: np.ndarray | None = None
     shared: tuple[SharedTensor, ...] = ()
     overhead_weights: np.ndarray | None = None
+    measured: tuple[MeasuredTimes, ...] = ()
 
     def __post_init__(self) -> None:
         if self.frozen_param_bytes is None:
