@@ -123,6 +123,57 @@ def sailor_layer_times(
     return fwd, bwd
 
 
+def sailor_measured_times(
+    profile_json: dict[str, Any],
+    num_layers: int,
+    tp: int = 1,
+    exclude_microbatch_sizes: tuple[int, ...] = (),
+) -> dict[str, Any] | None:
+    """The docs/model.md §7 ``measured_times`` entry of one GPU kind from a parsed sailor
+    ``profile.json``: every micro-batch size profiled at tensor-parallel degree ``tp`` for all
+    ``num_layers`` layers (sizes in ``exclude_microbatch_sizes`` left out), with the per-layer
+    forward and backward seconds per micro-batch (:func:`sailor_layer_times`). None when no
+    size qualifies (e.g. the GPU was profiled only with tensor parallelism, or for another
+    layer count)."""
+    sizes, fwd, bwd = [], [], []
+    for mb in sorted(profile_json, key=int):
+        if int(mb) in exclude_microbatch_sizes:
+            continue
+        layers = profile_json[mb].get(str(tp))
+        if layers is None or len(layers) != num_layers:
+            continue
+        f, b = sailor_layer_times(profile_json, int(mb), tp)
+        sizes.append(int(mb))
+        fwd.append([float(x) for x in f])
+        bwd.append([float(x) for x in b])
+    if not sizes:
+        return None
+    return {"microbatch_sizes": sizes, "fwd_s": fwd, "bwd_s": bwd}
+
+
+def sailor_profile_with_measured_times(
+    data_dir: str | Path, model: str, kinds: tuple[str, ...] | None = None
+) -> ModelProfile:
+    """:func:`sailor_model_profile` of ``model`` with the ``measured_times`` of every GPU kind
+    in ``<data_dir>/sailor/profiles/<model>/`` (or only ``kinds``) that
+    :func:`sailor_measured_times` accepts, keyed by the sailor GPU name (``A100-40``,
+    ``V100-16``, ...): a cluster names its devices ``A100-40-0``, ... (docs/model.md §7 kinds).
+
+    Raises:
+        InputError: unreadable files or an unknown model.
+    """
+    root = Path(data_dir) / "sailor"
+    prof = sailor_model_profile(load_json(root / "llm_info.json"), model)
+    measured = {}
+    folder = root / "profiles" / model
+    names = kinds if kinds is not None else sorted(p.name for p in folder.iterdir() if p.is_dir())
+    for kind in names:
+        table = sailor_measured_times(load_json(folder / kind / "profile.json"), prof.num_layers)
+        if table is not None:
+            measured[kind] = table
+    return ModelProfile.model_validate({**prof.to_json_dict(), "measured_times": measured})
+
+
 def load_json(path: str | Path) -> Any:
     """Read a JSON file (``InputError`` if missing or invalid)."""
     p = Path(path)
