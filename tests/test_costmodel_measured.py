@@ -123,6 +123,14 @@ def test_device_kind_defaults_to_the_id_without_its_number() -> None:
     assert default_kind("node-a") == "node-a"
     state = cluster_from_dict(CLUSTER).state()
     assert state.kinds == ("a", "b")
+    # kinds match without regard to case; one kind twice (by case) is refused
+    upper = {**PROFILE, "measured_times": {"A": PROFILE["measured_times"]["a"]}}
+    prefix = profile_prefix(profile_from_dict(upper).arrays())
+    assert prefix.kind_index(state).tolist() == [0, -1]
+    twice = {**PROFILE, "measured_times": {"A": PROFILE["measured_times"]["a"],
+                                           "a": PROFILE["measured_times"]["a"]}}  # fmt: skip
+    with pytest.raises(InputError, match="each device kind once"):
+        profile_from_dict(twice, "m.json")
 
 
 def test_cost_model_equals_a_hand_computation_on_three_layers_and_two_kinds() -> None:

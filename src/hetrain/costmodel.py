@@ -191,15 +191,16 @@ class ProfilePrefix:
     # --- measured times (docs/model.md §3 "Measured times") ---------------------------------
 
     def kind_index(self, state: ClusterState) -> np.ndarray:
-        """Per device of ``state``, the index of its kind in :attr:`measured`, or -1 when the
-        profile has no measured times for it (the FLOP model); shape ``(D,)``, int64."""
+        """Per device of ``state``, the index of its kind in :attr:`measured` (kinds compared
+        without regard to case), or -1 when the profile has no measured times for it (the
+        FLOP model); shape ``(D,)``, int64."""
         if not self.measured:
             return np.full(state.num_devices, -1, dtype=np.int64)
         key = ("kind-index", state.kinds)
         out = self._cache.get(key)
         if out is None:
-            names = {m.kind: i for i, m in enumerate(self.measured)}
-            out = np.array([names.get(k, -1) for k in state.kinds], dtype=np.int64)
+            names = {m.kind.casefold(): i for i, m in enumerate(self.measured)}
+            out = np.array([names.get(k.casefold(), -1) for k in state.kinds], dtype=np.int64)
             self._cache[key] = out
         return out
 

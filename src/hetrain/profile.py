@@ -122,9 +122,16 @@ class ModelProfile(BaseModel):
     @model_validator(mode="after")
     def _check_measured(self) -> ModelProfile:
         num_layers = len(self.layers)
+        seen: dict[str, str] = {}
         for kind, table in self.measured_times.items():
             if not kind:
                 raise ValueError("measured_times: expected non-empty device kind names")
+            if kind.casefold() in seen:
+                raise ValueError(
+                    f"measured_times.{kind}: expected each device kind once (kinds are "
+                    f"compared without regard to case; also {seen[kind.casefold()]!r})"
+                )
+            seen[kind.casefold()] = kind
             for key in ("fwd_s", "bwd_s"):
                 for r, row in enumerate(getattr(table, key)):
                     if len(row) != num_layers:
