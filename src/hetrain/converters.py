@@ -15,6 +15,10 @@ Pure Python + numpy (no torch). Two sources:
   measured forward/backward milliseconds per minibatch, output activation bytes per minibatch
   and parameter bytes. It is made a chain by cutting only where exactly one tensor crosses
   (PipeDream does the same for its partitioner); FLOPs come from each operator's shapes.
+
+Both fill a profile's measured per-layer times per device kind (docs/model.md §3, §7):
+:func:`sailor_profile_with_measured_times` (every GPU kind sailor profiled without tensor
+parallelism) and :func:`pipedream_profile_with_measured_times` (one kind named by the caller).
 """
 
 from __future__ import annotations
@@ -396,6 +400,22 @@ def pipedream_chain(
         bwd_ms=np.array(bwd_ms),
         batch_size=batch,
         ops_per_layer=tuple(counts),
+    )
+
+
+def pipedream_profile_with_measured_times(chain: PipedreamChain, kind: str) -> ModelProfile:
+    """``chain.profile`` with the published per-layer times as docs/model.md §7
+    ``measured_times`` of device kind ``kind`` at one micro-batch size (the minibatch the
+    graph was profiled with, ``chain.batch_size``): forward and backward seconds per layer.
+    pipedream does not record the GPU, so the caller names the kind (docs/model.md §3: with
+    one measured size, times scale in proportion to the micro-batch size)."""
+    table = {
+        "microbatch_sizes": [int(chain.batch_size)],
+        "fwd_s": [[float(x) / 1e3 for x in chain.fwd_ms]],
+        "bwd_s": [[float(x) / 1e3 for x in chain.bwd_ms]],
+    }
+    return ModelProfile.model_validate(
+        {**chain.profile.to_json_dict(), "measured_times": {kind: table}}
     )
 
 

@@ -205,39 +205,27 @@ class ProfilePrefix:
         return out
 
     def measured_prefix_s(self, microbatch_sizes: np.ndarray, part: str = "train") -> np.ndarray:
-        """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.layer_times_s`)
-        of every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
+        """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.prefix_s`) of
+        every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
         ``(N_kinds, U, L + 1)``, seconds per micro-batch; so that stage ``[i, j)`` of kind
         ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per sizes and part."""
         sizes = tuple(float(x) for x in np.asarray(microbatch_sizes, dtype=float).ravel())
         key = ("measured-prefix", part, sizes)
         out = self._cache.get(key)
         if out is None:
-            out = np.zeros((len(self.measured), len(sizes), self.num_layers + 1))
-            for q, table in enumerate(self.measured):
-                for u, mu in enumerate(sizes):
-                    out[q, u, 1:] = np.cumsum(table.layer_times_s(mu, part))
+            out = np.array(
+                [[table.prefix_s(mu, part) for mu in sizes] for table in self.measured]
+            ).reshape(len(self.measured), len(sizes), self.num_layers + 1)
             self._cache[key] = out
         return out
 
     def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
-        """Per kind, prefix sums over layers of a lower bound on each layer's seconds per
-        sample at every micro-batch size ``1..max_microbatch_size``: ``min_μ t_l(μ) / μ``,
-        shape ``(N_kinds, L + 1)``. ``t_l`` is linear between its breakpoints (the measured
-        sizes), so ``t_l(μ)/μ`` is monotone on each piece and the minimum is at ``1``,
-        ``max_microbatch_size`` or a measured size in between (0 where ``t_l`` reaches 0)."""
-        key = ("measured-rate", int(max_microbatch_size))
-        out = self._cache.get(key)
-        if out is None:
-            top = float(max(1, max_microbatch_size))
-            out = np.zeros((len(self.measured), self.num_layers + 1))
-            for q, table in enumerate(self.measured):
-                inside = [float(x) for x in table.microbatch_sizes if 1.0 < x < top]
-                points = sorted({1.0, top, *inside})
-                per = np.min([table.layer_times_s(mu) / mu for mu in points], axis=0)
-                out[q, 1:] = np.cumsum(per)
-            self._cache[key] = out
-        return out
+        """Per kind, :meth:`MeasuredTimes.rate_prefix_s`: prefix sums over layers of a lower
+        bound on each layer's seconds per sample at every micro-batch size ``1..max``, shape
+        ``(N_kinds, L + 1)``."""
+        return np.array(
+            [table.rate_prefix_s(max_microbatch_size) for table in self.measured]
+        ).reshape(len(self.measured), self.num_layers + 1)
 
     @property
     def num_layers(self) -> int:
@@ -343,31 +331,55 @@ def stage_compute_s(
     devices = np.asarray(devices, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
+    if part not in ("train", "bwd"):
+        raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
+    kind = prefix.kind_index(state)[devices] if prefix.measured else None
+    some = kind is not None and bool(np.any(kind >= 0))
+    if some and bool(np.all(kind >= 0)):
+        return _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
     if part == "train":
         flops = prefix.train_flops[ends] - prefix.train_flops[starts]
         out = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
         lam = state.layer_overhead_s[devices]
         if np.any(lam):
             out = out + lam * (prefix.layer_units[ends] - prefix.layer_units[starts])
-    elif part == "bwd":
+    else:
         flops = prefix.bwd_flops[ends] - prefix.bwd_flops[starts]
         out = microbatch_size * flops / state.speed_flops[devices]
-    else:
-        raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
-    if not prefix.measured:
+    if not some:
         return out
-    kind = prefix.kind_index(state)[devices]
-    if not np.any(kind >= 0):
-        return out
-    mu = np.asarray(microbatch_size, dtype=float)
-    sizes, which = np.unique(mu, return_inverse=True)
-    which = which.reshape(mu.shape)
-    table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
-    q = np.maximum(kind, 0)
-    measured = (table[q, which, ends] - table[q, which, starts]) * state.measured_time_scale()[
-        devices
-    ]
+    measured = _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
     return np.where(kind >= 0, measured, out)
+
+
+def _measured_stage_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    kind: np.ndarray,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    microbatch_size: int | np.ndarray,
+    part: str,
+) -> np.ndarray:
+    """:func:`stage_compute_s` of measured-time devices (``kind`` >= 0: the index of the
+    device's kind in ``prefix.measured``; entries with -1 are computed as kind 0 and must be
+    replaced by the caller). Broadcast shape of the inputs, seconds."""
+    mu = np.asarray(microbatch_size, dtype=float)
+    q = np.maximum(kind, 0)
+    scale = state.measured_time_scale()[devices]
+    # (the scale multiplies the gathered prefix sums before the difference: the gathers
+    # are smaller than the result when starts and ends broadcast against each other)
+    if mu.size == 1:  # one size (the common case): no per-element size index
+        table = prefix.measured_prefix_s(mu.reshape(1), part)[:, 0]  # (N_kinds, L + 1)
+        measured = table[q, ends] * scale - table[q, starts] * scale
+    else:
+        sizes, which = np.unique(mu, return_inverse=True)
+        which = which.reshape(mu.shape)
+        table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
+        measured = table[q, which, ends] * scale - table[q, which, starts] * scale
+    shape = np.broadcast_shapes(measured.shape, mu.shape)
+    return measured if measured.shape == shape else np.broadcast_to(measured, shape).copy()
 
 
 def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
@@ -384,12 +396,11 @@ def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) ->
         return speed
     flops = np.diff(prefix.train_flops)
     rates = np.diff(prefix.measured_rate_prefix_s(batch), axis=1)  # (N_kinds, L)
-    scale = state.measured_time_scale()
-    for d in np.flatnonzero(kind >= 0):
-        r = rates[kind[d]] * scale[d]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(flops > 0, flops / r, 0.0)
-        speed[d] = float(np.max(ratio)) if len(ratio) else np.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(flops > 0, flops / rates, 0.0)
+    per_kind = np.max(ratio, axis=1) if ratio.shape[1] else np.full(len(rates), np.inf)
+    mine = kind >= 0
+    speed[mine] = per_kind[kind[mine]] / state.measured_time_scale()[mine]
     return speed
 
 
@@ -402,12 +413,14 @@ def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
         return speed
-    num_layers = prefix.num_layers
     total = float(prefix.train_flops[-1])
-    for d in np.flatnonzero(kind >= 0):
-        mu = float(min(batch, prefix.measured[kind[d]].microbatch_sizes[-1]))
-        t = float(stage_compute_s(state, prefix, d, 0, num_layers, mu))
-        speed[d] = mu * total / t if t > 0 else np.inf
+    per_kind = np.empty(len(prefix.measured))
+    for q, table in enumerate(prefix.measured):
+        mu = float(min(batch, table.microbatch_sizes[-1]))
+        t = float(table.prefix_s(mu)[-1])
+        per_kind[q] = mu * total / t if t > 0 else np.inf
+    mine = kind >= 0
+    speed[mine] = per_kind[kind[mine]] / state.measured_time_scale()[mine]
     return speed
 
 

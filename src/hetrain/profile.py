@@ -7,7 +7,7 @@ the cost model and the planner read. Measuring a profile from a real ``torch.nn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,34 @@ class MeasuredTimes:
     microbatch_sizes: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def prefix_s(self, microbatch_size: float, part: str = "train") -> np.ndarray:
+        """Prefix sums over layers of :meth:`layer_times_s`, shape ``(L + 1,)`` (seconds per
+        micro-batch; stage ``[i, j)`` takes ``P[j] − P[i]``); cached per size and part."""
+        key = ("prefix", float(microbatch_size), part)
+        out = self._cache.get(key)
+        if out is None:
+            out = np.concatenate(([0.0], np.cumsum(self.layer_times_s(microbatch_size, part))))
+            self._cache[key] = out
+        return out
+
+    def rate_prefix_s(self, max_microbatch_size: float) -> np.ndarray:
+        """Prefix sums over layers of ``min_{1≤μ≤max} t_l(μ)/μ`` (a lower bound on each
+        layer's seconds per sample), shape ``(L + 1,)``. ``t_l`` is linear between its
+        breakpoints (the measured sizes), so ``t_l(μ)/μ`` is monotone on each piece and the
+        minimum is at 1, ``max_microbatch_size`` or a measured size in between (0 where
+        ``t_l`` reaches 0). Cached per ``max_microbatch_size``."""
+        key = ("rate", float(max_microbatch_size))
+        out = self._cache.get(key)
+        if out is None:
+            top = float(max(1.0, max_microbatch_size))
+            inside = [float(x) for x in self.microbatch_sizes if 1.0 < x < top]
+            points = sorted({1.0, top, *inside})
+            per = np.min([self.layer_times_s(mu) / mu for mu in points], axis=0)
+            out = np.concatenate(([0.0], np.cumsum(per)))
+            self._cache[key] = out
+        return out
 
     def layer_times_s(self, microbatch_size: float, part: str = "train") -> np.ndarray:
         """Per-layer seconds per micro-batch of ``microbatch_size`` samples, shape ``(L,)``
@@ -235,7 +263,9 @@ class MeasuredTimes:
             ValueError: unknown ``part``.
         """
         if part == "train":
-            rows = self.fwd_s + self.bwd_s
+            rows = self._cache.get("train-rows")
+            if rows is None:
+                rows = self._cache["train-rows"] = self.fwd_s + self.bwd_s
         elif part in ("fwd", "bwd"):
             rows = self.fwd_s if part == "fwd" else self.bwd_s
         else:
