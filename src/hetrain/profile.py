@@ -321,6 +321,69 @@ class ProfileArrays:
         return self.fwd_flops + self.bwd_flops
 
 
+#: Relative tolerance within which the per-layer figures of profiles merged by
+#: :func:`merge_profiles` must agree (FLOP counts and byte sizes of one model are exact; the
+#: tolerance only absorbs rounding of JSON written by other tools).
+MERGE_REL_TOL = 1e-6
+
+
+def merge_profiles(profiles: list[tuple[str, ModelProfile]]) -> ModelProfile:
+    """One profile from several profiles of one model (docs/model.md §7), e.g. measured on
+    several machines: the first profile's layers, shared tensors and name, and the
+    ``measured_times`` of every device kind of all of them.
+
+    Args:
+        profiles: ``(source, profile)`` pairs (``source`` names the file in errors), at
+            least one.
+
+    Raises:
+        InputError: a profile with another number of layers, a layer figure (FLOPs, bytes,
+            overhead weight) or shared tensor that differs from the first profile's (beyond
+            :data:`MERGE_REL_TOL`), or one device kind in two profiles (kinds compared
+            without regard to case).
+    """
+    if not profiles:
+        raise InputError("merge", "", "expected at least one profile")
+    first_source, first = profiles[0]
+    base = first.to_json_dict()
+    measured: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for source, prof in profiles:
+        data = prof.to_json_dict()
+        if len(data["layers"]) != len(base["layers"]):
+            raise InputError(
+                source,
+                "layers",
+                f"expected {len(base['layers'])} layers as in {first_source}, got "
+                f"{len(data['layers'])}",
+            )
+        for i, (mine, ref) in enumerate(zip(data["layers"], base["layers"], strict=True)):
+            for key, value in ref.items():
+                if key == "name":
+                    continue
+                other = mine[key]
+                if not np.isclose(other, value, rtol=MERGE_REL_TOL, atol=0.0):
+                    raise InputError(
+                        source,
+                        f"layers[{i}].{key}",
+                        f"expected {value!r} as in {first_source} (profiles of one model), "
+                        f"got {other!r}",
+                    )
+        if data["shared"] != base["shared"]:
+            raise InputError(source, "shared", f"expected the shared tensors of {first_source}")
+        for kind, table in data.get("measured_times", {}).items():
+            if kind.casefold() in owner:
+                raise InputError(
+                    source,
+                    f"measured_times.{kind}",
+                    f"expected each device kind in one profile only (also in "
+                    f"{owner[kind.casefold()]})",
+                )
+            owner[kind.casefold()] = source
+            measured[kind] = table
+    return profile_from_dict({**base, "measured_times": measured}, "<merged profile>")
+
+
 def load_profile(path: str | Path) -> ModelProfile:
     """Load and validate a model profile (JSON or YAML, docs/model.md §7).
 
