@@ -196,11 +196,30 @@ class ProfilePrefix:
         FLOP model); shape ``(D,)``, int64."""
         if not self.measured:
             return np.full(state.num_devices, -1, dtype=np.int64)
-        key = ("kind-index", state.kinds)
+        last = self._cache.get("kind-index-last")
+        if last is not None and last[0] is state:  # the same state object: no hashing
+            return last[1]
+        out = self._kind_index_of(state.kinds)
+        self._cache["kind-index-last"] = (state, out, state.measured_time_scale())
+        return out
+
+    def time_scale(self, state: ClusterState) -> np.ndarray:
+        """:meth:`ClusterState.measured_time_scale` of ``state``, shape ``(D,)``, cached for the
+        last state asked (the planner asks thousands of times for one state)."""
+        if not self.measured:
+            return state.measured_time_scale()
+        last = self._cache.get("kind-index-last")
+        if last is None or last[0] is not state:
+            self.kind_index(state)
+            last = self._cache["kind-index-last"]
+        return last[2]
+
+    def _kind_index_of(self, kinds: tuple[str, ...]) -> np.ndarray:
+        key = ("kind-index", kinds)
         out = self._cache.get(key)
         if out is None:
             names = {m.kind.casefold(): i for i, m in enumerate(self.measured)}
-            out = np.array([names.get(k.casefold(), -1) for k in state.kinds], dtype=np.int64)
+            out = np.array([names.get(k.casefold(), -1) for k in kinds], dtype=np.int64)
             self._cache[key] = out
         return out
 
@@ -367,7 +386,7 @@ def _measured_stage_s(
     replaced by the caller). Broadcast shape of the inputs, seconds."""
     mu = np.asarray(microbatch_size, dtype=float)
     q = np.maximum(kind, 0)
-    scale = state.measured_time_scale()[devices]
+    scale = prefix.time_scale(state)[devices]
     # (the scale multiplies the gathered prefix sums before the difference: the gathers
     # are smaller than the result when starts and ends broadcast against each other)
     if mu.size == 1:  # one size (the common case): no per-element size index
