@@ -200,3 +200,13 @@ def test_partitioner_and_cost_model_agree_on_measured_stage_times() -> None:
                                                "microbatch_size": mu, "batch": mu}]})  # fmt: skip
             ev = evaluate_plan(plan, state, arrays, TrainingConfig(batch=mu))
             assert table.fill_s[row] == pytest.approx(ev.iteration_time_s, rel=1e-12)
+
+
+def test_a_saved_controller_state_keeps_kinds_and_nominal_speeds() -> None:
+    from hetrain.control.decision import state_from_dict, state_to_dict
+
+    state = cluster_from_dict(CLUSTER).state()
+    slow = state.with_changes(speed_flops=state.speed_flops * 0.5)
+    again = state_from_dict(json.loads(json.dumps(state_to_dict(slow))))
+    assert again.kinds == ("a", "b")  # gpu7's explicit kind, not its id
+    assert again.measured_time_scale().tolist() == [2.0, 2.0]
