@@ -15,7 +15,7 @@ from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import plan_from_dict
 from hetrain.profile import load_profile
 
-MEASURE = ["--example", "digits", "--measure", "--microbatch-sizes", "1,4", "--repeats", "1",
+MEASURE = ["--example", "digits", "--measure", "--microbatch-sizes", "1,64", "--repeats", "1",
            "--warmup", "0", "--no-link", "--workers", "2"]  # fmt: skip
 
 
@@ -27,7 +27,7 @@ def test_a_merged_profile_of_two_measure_runs_plans_with_both_kinds(tmp_path, ca
         assert code == 0, capsys.readouterr().err
     one = load_profile(paths["box-a"])
     (table,) = one.measured_times.values()
-    assert list(one.measured_times) == ["box-a"] and table.microbatch_sizes == [1, 4]
+    assert list(one.measured_times) == ["box-a"] and table.microbatch_sizes == [1, 64]
     assert np.array(table.fwd_s).shape == (2, one.num_layers)
     details = json.loads((tmp_path / "box-a.measure.json").read_text())
     assert table.fwd_s == details["fwd_s"] and table.bwd_s == details["bwd_s"]
@@ -54,9 +54,9 @@ def test_a_merged_profile_of_two_measure_runs_plans_with_both_kinds(tmp_path, ca
     state = cluster_from_dict(cluster).state()
     arrays = merged.arrays()
     plan = plan_from_dict({"groups": [{"devices": ["box-a-0", "box-b-0"],
-                                       "stages": [[0, 3], [3, 6]], "microbatch_size": 4,
-                                       "batch": 4}]})  # fmt: skip
-    ev = evaluate_plan(plan, state, arrays, TrainingConfig(batch=4))
+                                       "stages": [[0, 3], [3, 6]], "microbatch_size": 64,
+                                       "batch": 64}]})  # fmt: skip
+    ev = evaluate_plan(plan, state, arrays, TrainingConfig(batch=64))
     a = merged.measured_times["box-a"]
     want_a = sum(a.fwd_s[1][:3]) + sum(a.bwd_s[1][:3])
     want_b = sum(b.fwd_s[1][3:]) + sum(b.bwd_s[1][3:])

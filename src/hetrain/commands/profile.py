@@ -566,15 +566,6 @@ def _measure(
                 threads=threads,
                 progress=advance,
             )
-    try:
-        fit = fit_device(profile, times)
-        stage_fit = fit_stages(profile, stage_times, times) if stage_times is not None else None
-    except ValueError as exc:  # e.g. timings too noisy on a busy machine
-        print(
-            f"hetrain: measurement failed: {exc} (try more --repeats or wider --microbatch-sizes)",
-            file=sys.stderr,
-        )
-        return 1
     # the measured per-layer times under this machine's kind (docs/model.md §3, §7), when
     # they are times of the profiled samples and layers
     same_shape = tuple(subject.make_input(1).shape[1:]) == timed_shape
@@ -597,6 +588,15 @@ def _measure(
             "profiled ones; the profile gets no measured times (time without --seq-len)",
             file=sys.stderr,
         )
+    try:
+        fit = fit_device(profile, times)
+        stage_fit = fit_stages(profile, stage_times, times) if stage_times is not None else None
+    except ValueError as exc:  # e.g. timings too noisy on a busy machine
+        print(
+            f"hetrain: measurement failed: {exc} (try more --repeats or wider --microbatch-sizes)",
+            file=sys.stderr,
+        )
+        return 1
     link_fit = measure_p2p() if link else None
     mem_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nic_gbps = link_fit.bandwidth_bytes_per_s * 8 / 1e9 if link_fit else 10.0
