@@ -612,7 +612,7 @@ def _measure(
             {
                 "id": f"w{r}",
                 "node": "local",
-                "tflops": round(device_fit.speed_flops / 1e12, 6),
+                "tflops": float(f"{device_fit.speed_flops / 1e12:.6g}"),  # 6 significant digits
                 "memory_gib": round(mem_bytes / workers / 2**30, 3),
                 "nic_gbps": round(nic_gbps, 4),
                 "microbatch_overhead_ms": round(device_fit.kappa_s * 1e3, 4),
