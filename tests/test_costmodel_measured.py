@@ -10,6 +10,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetrain.cli import main
 from hetrain.cluster import cluster_from_dict, default_kind
@@ -210,3 +212,38 @@ def test_a_saved_controller_state_keeps_kinds_and_nominal_speeds() -> None:
     again = state_from_dict(json.loads(json.dumps(state_to_dict(slow))))
     assert again.kinds == ("a", "b")  # gpu7's explicit kind, not its id
     assert again.measured_time_scale().tolist() == [2.0, 2.0]
+
+
+@st.composite
+def _tables(draw):
+    """A measured-times table of 1-4 sizes and 1-5 layers, times 0-1 s (any shape, so that
+    some layers fall with μ and the extrapolation reaches 0)."""
+    sizes = sorted(draw(st.sets(st.integers(1, 64), min_size=1, max_size=4)))
+    layers = draw(st.integers(1, 5))
+    times = st.lists(st.floats(0.0, 1.0), min_size=layers, max_size=layers)
+    rows = draw(st.lists(times, min_size=len(sizes), max_size=len(sizes)))
+    return sizes, rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tables(), st.integers(1, 100))
+def test_measured_interpolation_hits_the_measured_sizes_and_bounds_every_micro_batch(
+    table, batch
+) -> None:
+    """Exact at every measured size; linear between two; the per-sample bound used by the
+    search's pruning (docs/planner.md) is at most ``t_l(μ)/μ`` for every ``μ = 1..B``."""
+    from hetrain.profile import MeasuredTimes
+
+    sizes, rows = table
+    zeros = np.zeros((len(sizes), len(rows[0])))
+    m = MeasuredTimes("k", np.asarray(sizes, dtype=float), np.asarray(rows), zeros)
+    for mu, row in zip(sizes, rows, strict=True):
+        assert m.layer_times_s(mu) == pytest.approx(row, abs=1e-12)
+    if len(sizes) >= 2:
+        mid = (sizes[0] + sizes[1]) / 2
+        want = (np.asarray(rows[0]) + np.asarray(rows[1])) / 2
+        assert m.layer_times_s(mid) == pytest.approx(want, abs=1e-12)
+    bound = np.diff(m.rate_prefix_s(batch))
+    for mu in range(1, batch + 1):
+        assert np.all(bound <= m.layer_times_s(mu) / mu + 1e-12)
+    assert np.all(m.layer_times_s(batch + 7) >= 0.0)
