@@ -247,3 +247,16 @@ def test_measured_interpolation_hits_the_measured_sizes_and_bounds_every_micro_b
     for mu in range(1, batch + 1):
         assert np.all(bound <= m.layer_times_s(mu) / mu + 1e-12)
     assert np.all(m.layer_times_s(batch + 7) >= 0.0)
+
+
+def test_a_profile_with_measured_times_and_no_flops_plans_and_evaluates() -> None:
+    prof = {**PROFILE, "layers": [{**ly, "fwd_flops": 0.0} for ly in PROFILE["layers"]]}
+    cluster = {
+        **CLUSTER,
+        "devices": [CLUSTER["devices"][0], {**CLUSTER["devices"][0], "id": "a-1", "node": "n1"}],
+    }
+    state = cluster_from_dict(cluster).state()
+    arrays = profile_from_dict(prof).arrays()
+    plan = best_plan(state, arrays, TrainingConfig(batch=4))
+    ev = evaluate_plan(plan, state, arrays, TrainingConfig(batch=4))
+    assert ev.lower_bound_s == 0.0 and ev.iteration_time_s == plan.iteration_time_s > 0

@@ -417,7 +417,9 @@ def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) ->
     rates = np.diff(prefix.measured_rate_prefix_s(batch), axis=1)  # (N_kinds, L)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(flops > 0, flops / rates, 0.0)
-    per_kind = np.max(ratio, axis=1) if ratio.shape[1] else np.full(len(rates), np.inf)
+    per_kind = np.max(ratio, axis=1) if ratio.shape[1] else np.zeros(len(rates))
+    # no layer with FLOPs: any speed satisfies the inequality (inf: T_LB's term is 0)
+    per_kind = np.where(per_kind > 0, per_kind, np.inf)
     mine = kind >= 0
     speed[mine] = per_kind[kind[mine]] / state.measured_time_scale()[mine]
     return speed
@@ -432,7 +434,9 @@ def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
         return speed
-    total = float(prefix.train_flops[-1])
+    # (a profile without FLOPs: 1 "FLOP" per sample, so the measured kinds still rank by
+    # samples per second; devices of the FLOP model then take no time at all)
+    total = float(prefix.train_flops[-1]) or 1.0
     per_kind = np.empty(len(prefix.measured))
     for q, table in enumerate(prefix.measured):
         mu = float(min(batch, table.microbatch_sizes[-1]))
