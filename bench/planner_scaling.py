@@ -19,7 +19,14 @@ PASS/FAIL at the end (a size not run is not judged). The exact search's target o
 (every plan within 0.1 % of the optimum at 5 and 6 devices) is a test:
 tests/planner/test_exhaustive.py.
 
-Run: PYTHONPATH=src python bench/planner_scaling.py [--sizes 4 16 64]
+``--measured``: the same instances with measured per-layer times per device kind in the
+profile (docs/model.md §3 "Measured times"): sailor's for OPT-350M and GPT-Neo-2.7B (every
+kind sailor profiled without tensor parallelism; the catalog's K80 and P100 keep the FLOP
+model), pipedream's ResNet-50 times as V100-16's (pipedream does not record its GPU); the
+targets are the same. For the latency figures run both on a quiet machine:
+``python bench/planner_scaling.py --sizes 16 1024`` and ``... --sizes 16 1024 --measured``.
+
+Run: PYTHONPATH=src python bench/planner_scaling.py [--sizes 4 16 64] [--measured]
 """
 
 from __future__ import annotations
@@ -35,11 +42,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _sailor_inputs import sailor_cluster, sailor_profile  # noqa: E402
 
-from hetrain.catalog import make_mixed_cluster  # noqa: E402
+from hetrain.catalog import DEFAULT_DATA_DIR, make_mixed_cluster  # noqa: E402
 from hetrain.cluster import cluster_from_dict  # noqa: E402
+from hetrain.converters import (  # noqa: E402
+    pipedream_chain,
+    pipedream_profile_with_measured_times,
+    sailor_profile_with_measured_times,
+)
 from hetrain.costmodel import TrainingConfig, evaluate_plan  # noqa: E402
 from hetrain.planner import baselines, best_plan  # noqa: E402
-from hetrain.profile import load_profile, profile_from_dict  # noqa: E402
+from hetrain.profile import ModelProfile, load_profile, profile_from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_TARGETS_MS = {16: 50.0, 1024: 2000.0}
@@ -61,17 +73,41 @@ SETUPS = {
 }
 
 
-def instance(size: int, sailor: bool = False, jitter: float = 0.0):
+MEASURED_SOURCES = {"opt-350m": "OPT-350", "gpt-neo-2.7b": "GPT-Neo-2.7", "OPT-350": "OPT-350",
+                    "GPT-Neo-2.7": "GPT-Neo-2.7", "OPT-30": "OPT-30"}  # fmt: skip
+
+
+def with_measured(name: str, profile: ModelProfile) -> ModelProfile:
+    """``profile`` with measured per-layer times per device kind (see the module docstring)."""
+    if name == "resnet50-pipedream":
+        chain = pipedream_chain(DEFAULT_DATA_DIR / "pipedream-profiles" / "resnet50_graph.txt")
+        measured = pipedream_profile_with_measured_times(chain, "V100-16")
+    else:
+        measured = sailor_profile_with_measured_times(DEFAULT_DATA_DIR, MEASURED_SOURCES[name])
+    if measured.num_layers != profile.num_layers:
+        raise SystemExit(f"{name}: measured times for {measured.num_layers} layers, "
+                         f"profile has {profile.num_layers}")  # fmt: skip
+    return profile.model_copy(update={"measured_times": measured.measured_times})
+
+
+def instance(size: int, sailor: bool = False, jitter: float = 0.0, measured: bool = False):
     if not sailor:
         name = CATALOG_SETUPS[size]
         state = make_mixed_cluster(size, seed=0, speed_jitter=jitter).state()
         profile = load_profile(ROOT / "examples" / "profiles" / f"{name}.json")
+        if measured:
+            profile = with_measured(name, profile)
         return name, state, profile.arrays(), TrainingConfig(batch=8 * size)
     model, per_node = SETUPS[size]
     kinds = ["A100-40", "V100-16"] if size == 4 else PATTERN
     nodes = [(kinds[i % len(kinds)], per_node) for i in range(size // per_node)]
-    cluster = cluster_from_dict(sailor_cluster(model, nodes))
+    raw = sailor_cluster(model, nodes)
+    for d in raw["devices"]:  # ids "<kind>-n<node>-<g>": name the kind
+        d["kind"] = d["id"].rsplit("-n", 1)[0]
+    cluster = cluster_from_dict(raw)
     profile = profile_from_dict(sailor_profile(model))
+    if measured:
+        profile = with_measured(model, profile)
     return model, cluster.state(), profile.arrays(), TrainingConfig(batch=8 * size)
 
 
@@ -88,6 +124,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SETUPS))
     parser.add_argument("--sailor", action="store_true", help="inputs straight from sailor data")
     parser.add_argument("--jitter", type=float, default=0.0, help="catalog speed jitter (0-1)")
+    parser.add_argument("--measured", action="store_true",
+                        help="profiles with measured per-layer times per device kind")  # fmt: skip
     args = parser.parse_args()
     names = ["dp-even", "dp-proportional", "pipeline", "static-hybrid"]
     makers = [baselines.dp_even_plan, baselines.dp_proportional_plan, baselines.pipeline_plan,
@@ -101,7 +139,7 @@ def main() -> None:
     cpu_ms: dict[int, float] = {}
     worse: list[int] = []
     for size in args.sizes:
-        model, state, profile, config = instance(size, args.sailor, args.jitter)
+        model, state, profile, config = instance(size, args.sailor, args.jitter, args.measured)
         times, cpu = [], []
         for _ in range(3):
             t0, c0 = time.perf_counter(), time.process_time()

@@ -13,6 +13,13 @@ B. sailor, across models: the speed fitted on OPT-350M predicts GPT-Neo-2.7B on 
    (the catalog's speeds are per model family: this shows by how much that matters).
 C. pipedream (one minibatch size, so κ = 0): one speed per network from its total time,
    predicting per-layer times and 4 FLOP-balanced stages.
+D. sailor, the measured-times model (docs/model.md §3 "Measured times") next to the FLOP
+   model, per (model, GPU) with at least 3 micro-batch sizes at tensor-parallel degree 1:
+   leave one size out (each size in turn), build the profile's measured times from the other
+   sizes (hetrain.converters.sailor_measured_times) and predict the 4 FLOP-balanced stages and
+   the whole chain at the held-out size through hetrain.costmodel.stage_compute_s
+   (interpolated inside, extrapolated at the ends); the FLOP model fits s and κ on the same
+   sizes. Targets of the measured-times model: median ≤ 3 %, max ≤ 15 %.
 
 It is *not* a comparison with measured end-to-end iteration times: the shared data has none
 for these models. Run: ``PYTHONPATH=src python bench/published_prediction.py``; last line JSON.
@@ -29,12 +36,16 @@ import numpy as np
 
 from hetrain.calibration import fit_speed_kappa
 from hetrain.catalog import DEFAULT_DATA_DIR
+from hetrain.cluster import cluster_from_dict
 from hetrain.converters import (
     load_json,
     pipedream_chain,
     sailor_layer_times,
+    sailor_measured_times,
     sailor_model_profile,
 )
+from hetrain.costmodel import profile_prefix, stage_compute_s
+from hetrain.profile import ModelProfile
 
 
 def balanced_stages(flops: np.ndarray, k: int) -> list[tuple[int, int]]:
@@ -81,6 +92,46 @@ def sailor_rows(data: Path):
                 p = mu * flops[s0:s1].sum() / fit.speed_flops + fit.kappa_s
                 rows_stage.append((model, gpu, mu, (s0, s1), p, float(lt[s0:s1].sum())))
     return rows_a, rows_stage, fits
+
+
+def held_out_rows(data: Path) -> list[tuple]:
+    """Section D: ``(model, gpu, held-out μ, what, FLOP-model s, measured-times s, measured
+    s)`` per stage (``what`` = ``(start, end)``) and per chain (``what`` = ``"chain"``)."""
+    llm = load_json(data / "sailor" / "llm_info.json")
+    out = []
+    for path in sorted(glob.glob(str(data / "sailor" / "profiles" / "*" / "*" / "profile.json"))):
+        model, gpu = Path(path).parts[-3], Path(path).parts[-2]
+        prof = sailor_model_profile(llm, model)
+        pj = load_json(path)
+        full = sailor_measured_times(pj, prof.num_layers)
+        if full is None or len(full["microbatch_sizes"]) < 3:
+            continue
+        flops = prof.arrays().train_flops
+        stages = balanced_stages(flops, 4) + [(0, prof.num_layers)]
+        state = cluster_from_dict(
+            {"devices": [{"id": "gpu", "kind": gpu, "tflops": 1, "memory_gib": 80,
+                          "nic_gbps": 100}]}
+        ).state()  # fmt: skip
+        for i, held in enumerate(full["microbatch_sizes"]):
+            table = sailor_measured_times(pj, prof.num_layers, exclude_microbatch_sizes=(held,))
+            measured = ModelProfile.model_validate(
+                {**prof.to_json_dict(), "measured_times": {gpu: table}}
+            )
+            prefix = profile_prefix(measured.arrays())
+            starts = np.array([a for a, _ in stages])
+            ends = np.array([b for _, b in stages])
+            pred = stage_compute_s(state, prefix, np.zeros(len(stages), dtype=int), starts,
+                                   ends, held)  # fmt: skip
+            rest = [m for m in full["microbatch_sizes"] if m != held]
+            chain = [float(np.sum(np.add(full["fwd_s"][j], full["bwd_s"][j])))
+                     for j, m in enumerate(full["microbatch_sizes"]) if m != held]  # fmt: skip
+            fit = fit_speed_kappa(rest, flops.sum(), chain)
+            layer_t = np.add(full["fwd_s"][i], full["bwd_s"][i])
+            for (a, b), p in zip(stages, pred, strict=True):
+                flop = held * flops[a:b].sum() / fit.speed_flops + fit.kappa_s
+                what = "chain" if (a, b) == (0, prof.num_layers) else (a, b)
+                out.append((model, gpu, held, what, flop, float(p), float(layer_t[a:b].sum())))
+    return out
 
 
 def main() -> None:
@@ -147,7 +198,37 @@ def main() -> None:
             f"|err| {np.median(se):6.1%} max "
             f"{max(se):6.1%}"
         )
+    print("D. sailor, leave one micro-batch size out: FLOP model (s, kappa fitted on the other")
+    print("   sizes) vs measured-times model (interpolated/extrapolated per layer), |error|")
+    rows_d = held_out_rows(data)
+    print(f"{'model':<12}{'GPU':<11}{'mu':>4}{'stages FLOP':>13}{'stages meas':>13}"
+          f"{'chain FLOP':>12}{'chain meas':>12}")  # fmt: skip
+    keys = sorted({(r[0], r[1], r[2]) for r in rows_d}, key=lambda k: (k[0], k[1], k[2]))
+    for key in keys:
+        st = [r for r in rows_d if r[:3] == key and r[3] != "chain"]
+        (ch,) = [r for r in rows_d if r[:3] == key and r[3] == "chain"]
+        print(
+            f"{key[0]:<12}{key[1]:<11}{key[2]:>4}"
+            f"{max(abs(rel(r[4], r[6])) for r in st):>13.1%}"
+            f"{max(abs(rel(r[5], r[6])) for r in st):>13.1%}"
+            f"{abs(rel(ch[4], ch[6])):>12.1%}{abs(rel(ch[5], ch[6])):>12.1%}"
+        )
+    d = {}
+    for part in ("stage", "chain"):
+        sel = [r for r in rows_d if (r[3] == "chain") == (part == "chain")]
+        for name, col in (("flop", 4), ("measured", 5)):
+            errs = [abs(rel(r[col], r[6])) for r in sel]
+            d[f"sailor_heldout_{part}_{name}_median_abs_rel_error"] = float(np.median(errs))
+            d[f"sailor_heldout_{part}_{name}_max_abs_rel_error"] = float(max(errs))
+        print(
+            f"   {part}s ({len(sel)}): FLOP model median "
+            f"{d[f'sailor_heldout_{part}_flop_median_abs_rel_error']:.1%} max "
+            f"{d[f'sailor_heldout_{part}_flop_max_abs_rel_error']:.1%} | measured times median "
+            f"{d[f'sailor_heldout_{part}_measured_median_abs_rel_error']:.1%} max "
+            f"{d[f'sailor_heldout_{part}_measured_max_abs_rel_error']:.1%} (target <= 3 %, <= 15 %)"
+        )
     summary = {
+        **d,
         "sailor_chain_heldout_median_abs_rel_error": float(np.median(errs_a)),
         "sailor_chain_heldout_max_abs_rel_error": float(max(errs_a)),
         "sailor_stage_median_abs_rel_error": float(np.median(stage_errs)),

@@ -506,8 +506,17 @@ def profile(
     model: Annotated[
         str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
     ] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(
+            "--kind",
+            help="with --measure: device kind the layer times are written under (default: "
+            "this CPU's model name and threads)",
+        ),
+    ] = None,
 ) -> None:
-    """Build a model profile (docs/model.md §7) of an example: FLOPs, activation and param bytes."""
+    """Build a model profile (docs/model.md §7) of an example: FLOPs, activation and param bytes.
+    ``hetrain profile merge A.json B.json --out C.json`` joins measured times (merge-profiles)."""
     from hetrain.commands.profile import run_profile
 
     raise typer.Exit(
@@ -529,8 +538,24 @@ def profile(
             seed=seed,
             seq_len=seq_len,
             stage_lengths=stage_lengths,
+            kind=kind,
         )
     )
+
+
+@app.command("merge-profiles")
+def merge_profiles(
+    inputs: Annotated[
+        list[Path], typer.Argument(help="profiles of one model (JSON), e.g. from several machines")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="write the merged profile JSON here")],
+) -> None:
+    """Merge profiles of one model measured on several machines into one (docs/profiling.md):
+    the layers must agree; the measured times of every device kind are joined. Also spelled
+    ``hetrain profile merge A.json B.json --out C.json``."""
+    from hetrain.commands.merge import run_merge
+
+    raise typer.Exit(run_merge(inputs, out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit status (also used by tests that call the CLI in-process).
     """
     args = sys.argv[1:] if argv is None else argv
+    if list(args[:2]) == ["profile", "merge"]:  # `hetrain profile merge ...` = merge-profiles
+        args = ["merge-profiles", *args[2:]]
     try:
         rv = app(args=args, prog_name="hetrain", standalone_mode=False)
     except InputError as exc:

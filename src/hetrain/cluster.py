@@ -9,6 +9,7 @@ slot by slot.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,10 +44,22 @@ class LinksSpec(BaseModel):
     latency_us: float = Field(20.0, ge=0, le=MAX_NUMBER)
 
 
+_KIND_SUFFIX = re.compile(r"^(.+)-\d+$")
+
+
+def default_kind(device_id: str) -> str:
+    """The device kind of a device without an explicit ``kind`` (docs/model.md §7): its id
+    without a trailing ``-<digits>`` (``v100-0`` -> ``v100``, ``A100-40-3`` -> ``A100-40``),
+    else the whole id (``w0`` -> ``w0``)."""
+    m = _KIND_SUFFIX.match(device_id)
+    return m.group(1) if m else device_id
+
+
 class DeviceSpec(BaseModel):
     """One device of a cluster file (docs/model.md §7). ``node`` defaults to the device's own id;
     ``microbatch_overhead_ms`` (κ, per micro-batch and stage) and ``layer_overhead_ms`` (λ, per
-    micro-batch and layer of the stage, docs/model.md (v3)) default to 0."""
+    micro-batch and layer of the stage, docs/model.md (v3)) default to 0; ``kind`` (the device
+    kind a profile's measured times are keyed by) defaults to :func:`default_kind` of the id."""
 
     model_config = _STRICT
     id: str = Field(min_length=1)
@@ -58,10 +71,16 @@ class DeviceSpec(BaseModel):
     price_per_hour: float = Field(0.0, ge=0, le=MAX_NUMBER)
     microbatch_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)
     layer_overhead_ms: float = Field(0.0, ge=0, le=MAX_NUMBER)
+    kind: str | None = Field(None, min_length=1)
 
     @property
     def node_id(self) -> str:
         return self.node if self.node is not None else self.id
+
+    @property
+    def kind_name(self) -> str:
+        """``kind``, or :func:`default_kind` of the id when not given."""
+        return self.kind if self.kind is not None else default_kind(self.id)
 
 
 class ClusterSpec(BaseModel):
@@ -96,10 +115,11 @@ class ClusterSpec(BaseModel):
         nodes: dict[str, int] = {}
         node_idx = [nodes.setdefault(d.node_id, len(nodes)) for d in self.devices]
         n = len(self.devices)
+        speed = np.array([d.tflops * 1e12 for d in self.devices])
         return ClusterState(
             ids=tuple(self.ids),
             node=np.asarray(node_idx, dtype=np.int64),
-            speed_flops=np.array([d.tflops * 1e12 for d in self.devices]),
+            speed_flops=speed,
             memory_bytes=np.array([d.memory_gib * GIB for d in self.devices]),
             nic_bytes_per_s=np.array([d.nic_gbps * GBPS_TO_BYTES_PER_S for d in self.devices]),
             power_w=np.array([d.power_w for d in self.devices]),
@@ -109,6 +129,8 @@ class ClusterSpec(BaseModel):
             available=np.ones(n, dtype=bool),
             intra_node_bytes_per_s=self.links.intra_node_gbps * GBPS_TO_BYTES_PER_S,
             latency_s=self.links.latency_us * 1e-6,
+            kinds=tuple(d.kind_name for d in self.devices),
+            nominal_speed_flops=speed.copy(),
         )
 
 
@@ -130,6 +152,12 @@ class ClusterState:
         latency_s: latency ``lat`` of every link, seconds.
         layer_overhead_s: fixed cost ``λ_d`` per micro-batch and layer of the stage, seconds
             (docs/model.md §2; default zeros).
+        kinds: device kind per device (the key of a profile's measured times, docs/model.md
+            §7); default :func:`default_kind` of each id.
+        nominal_speed_flops: the cluster file's speed per device (FLOP/s); a device whose
+            kind has measured times runs them scaled by ``nominal / speed_flops`` (a trace's
+            speed factor slows measured times as it slows the FLOP model's; docs/model.md
+            §3). Default: ``speed_flops`` (scale 1).
     """
 
     ids: tuple[str, ...]
@@ -144,10 +172,23 @@ class ClusterState:
     intra_node_bytes_per_s: float
     latency_s: float
     layer_overhead_s: np.ndarray | None = None
+    kinds: tuple[str, ...] | None = None
+    nominal_speed_flops: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.layer_overhead_s is None:
             object.__setattr__(self, "layer_overhead_s", np.zeros(len(self.ids)))
+        if self.kinds is None:
+            object.__setattr__(self, "kinds", tuple(default_kind(d) for d in self.ids))
+        if self.nominal_speed_flops is None:
+            object.__setattr__(self, "nominal_speed_flops", self.speed_flops)
+
+    def measured_time_scale(self) -> np.ndarray:
+        """``nominal_speed_flops / speed_flops`` per device, shape ``(D,)``: the factor a
+        device's measured times are multiplied by in this state (docs/model.md §3)."""
+        return np.asarray(self.nominal_speed_flops, dtype=float) / np.asarray(
+            self.speed_flops, dtype=float
+        )
 
     @property
     def num_devices(self) -> int:

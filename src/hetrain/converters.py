@@ -15,6 +15,10 @@ Pure Python + numpy (no torch). Two sources:
   measured forward/backward milliseconds per minibatch, output activation bytes per minibatch
   and parameter bytes. It is made a chain by cutting only where exactly one tensor crosses
   (PipeDream does the same for its partitioner); FLOPs come from each operator's shapes.
+
+Both fill a profile's measured per-layer times per device kind (docs/model.md §3, §7):
+:func:`sailor_profile_with_measured_times` (every GPU kind sailor profiled without tensor
+parallelism) and :func:`pipedream_profile_with_measured_times` (one kind named by the caller).
 """
 
 from __future__ import annotations
@@ -121,6 +125,57 @@ def sailor_layer_times(
     fwd = np.array([float(layers[str(i)][0]) for i in range(n)])
     bwd = np.array([float(layers[str(i)][1]) for i in range(n)])
     return fwd, bwd
+
+
+def sailor_measured_times(
+    profile_json: dict[str, Any],
+    num_layers: int,
+    tp: int = 1,
+    exclude_microbatch_sizes: tuple[int, ...] = (),
+) -> dict[str, Any] | None:
+    """The docs/model.md §7 ``measured_times`` entry of one GPU kind from a parsed sailor
+    ``profile.json``: every micro-batch size profiled at tensor-parallel degree ``tp`` for all
+    ``num_layers`` layers (sizes in ``exclude_microbatch_sizes`` left out), with the per-layer
+    forward and backward seconds per micro-batch (:func:`sailor_layer_times`). None when no
+    size qualifies (e.g. the GPU was profiled only with tensor parallelism, or for another
+    layer count)."""
+    sizes, fwd, bwd = [], [], []
+    for mb in sorted(profile_json, key=int):
+        if int(mb) in exclude_microbatch_sizes:
+            continue
+        layers = profile_json[mb].get(str(tp))
+        if layers is None or len(layers) != num_layers:
+            continue
+        f, b = sailor_layer_times(profile_json, int(mb), tp)
+        sizes.append(int(mb))
+        fwd.append([float(x) for x in f])
+        bwd.append([float(x) for x in b])
+    if not sizes:
+        return None
+    return {"microbatch_sizes": sizes, "fwd_s": fwd, "bwd_s": bwd}
+
+
+def sailor_profile_with_measured_times(
+    data_dir: str | Path, model: str, kinds: tuple[str, ...] | None = None
+) -> ModelProfile:
+    """:func:`sailor_model_profile` of ``model`` with the ``measured_times`` of every GPU kind
+    in ``<data_dir>/sailor/profiles/<model>/`` (or only ``kinds``) that
+    :func:`sailor_measured_times` accepts, keyed by the sailor GPU name (``A100-40``,
+    ``V100-16``, ...): a cluster names its devices ``A100-40-0``, ... (docs/model.md §7 kinds).
+
+    Raises:
+        InputError: unreadable files or an unknown model.
+    """
+    root = Path(data_dir) / "sailor"
+    prof = sailor_model_profile(load_json(root / "llm_info.json"), model)
+    measured = {}
+    folder = root / "profiles" / model
+    names = kinds if kinds is not None else sorted(p.name for p in folder.iterdir() if p.is_dir())
+    for kind in names:
+        table = sailor_measured_times(load_json(folder / kind / "profile.json"), prof.num_layers)
+        if table is not None:
+            measured[kind] = table
+    return ModelProfile.model_validate({**prof.to_json_dict(), "measured_times": measured})
 
 
 def load_json(path: str | Path) -> Any:
@@ -345,6 +400,22 @@ def pipedream_chain(
         bwd_ms=np.array(bwd_ms),
         batch_size=batch,
         ops_per_layer=tuple(counts),
+    )
+
+
+def pipedream_profile_with_measured_times(chain: PipedreamChain, kind: str) -> ModelProfile:
+    """``chain.profile`` with the published per-layer times as docs/model.md §7
+    ``measured_times`` of device kind ``kind`` at one micro-batch size (the minibatch the
+    graph was profiled with, ``chain.batch_size``): forward and backward seconds per layer.
+    pipedream does not record the GPU, so the caller names the kind (docs/model.md §3: with
+    one measured size, times scale in proportion to the micro-batch size)."""
+    table = {
+        "microbatch_sizes": [int(chain.batch_size)],
+        "fwd_s": [[float(x) / 1e3 for x in chain.fwd_ms]],
+        "bwd_s": [[float(x) / 1e3 for x in chain.bwd_ms]],
+    }
+    return ModelProfile.model_validate(
+        {**chain.profile.to_json_dict(), "measured_times": {kind: table}}
     )
 
 

@@ -56,7 +56,7 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.errors import InputError
 from hetrain.plan import Plan
-from hetrain.profile import ProfileArrays
+from hetrain.profile import MeasuredTimes, ProfileArrays
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -174,6 +174,9 @@ class ProfilePrefix:
     shared_frozen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     shared_uses: np.ndarray | None = None
     layer_units: np.ndarray | None = None
+    measured: tuple[MeasuredTimes, ...] = ()
+    bwd_flops: np.ndarray | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.frozen_bytes is None:
@@ -182,6 +185,66 @@ class ProfilePrefix:
             object.__setattr__(self, "layer_units", np.arange(len(self.param_bytes), dtype=float))
         if self.shared_uses is None:
             object.__setattr__(self, "shared_uses", np.zeros((0, len(self.param_bytes))))
+        if self.bwd_flops is None:
+            object.__setattr__(self, "bwd_flops", self.train_flops * (2.0 / 3.0))
+
+    # --- measured times (docs/model.md §3 "Measured times") ---------------------------------
+
+    def kind_index(self, state: ClusterState) -> np.ndarray:
+        """Per device of ``state``, the index of its kind in :attr:`measured` (kinds compared
+        without regard to case), or -1 when the profile has no measured times for it (the
+        FLOP model); shape ``(D,)``, int64."""
+        if not self.measured:
+            return np.full(state.num_devices, -1, dtype=np.int64)
+        last = self._cache.get("kind-index-last")
+        if last is not None and last[0] is state:  # the same state object: no hashing
+            return last[1]
+        out = self._kind_index_of(state.kinds)
+        self._cache["kind-index-last"] = (state, out, state.measured_time_scale())
+        return out
+
+    def time_scale(self, state: ClusterState) -> np.ndarray:
+        """:meth:`ClusterState.measured_time_scale` of ``state``, shape ``(D,)``, cached for the
+        last state asked (the planner asks thousands of times for one state)."""
+        if not self.measured:
+            return state.measured_time_scale()
+        last = self._cache.get("kind-index-last")
+        if last is None or last[0] is not state:
+            self.kind_index(state)
+            last = self._cache["kind-index-last"]
+        return last[2]
+
+    def _kind_index_of(self, kinds: tuple[str, ...]) -> np.ndarray:
+        key = ("kind-index", kinds)
+        out = self._cache.get(key)
+        if out is None:
+            names = {m.kind.casefold(): i for i, m in enumerate(self.measured)}
+            out = np.array([names.get(k.casefold(), -1) for k in kinds], dtype=np.int64)
+            self._cache[key] = out
+        return out
+
+    def measured_prefix_s(self, microbatch_sizes: np.ndarray, part: str = "train") -> np.ndarray:
+        """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.prefix_s`) of
+        every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
+        ``(N_kinds, U, L + 1)``, seconds per micro-batch; so that stage ``[i, j)`` of kind
+        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per sizes and part."""
+        sizes = tuple(float(x) for x in np.asarray(microbatch_sizes, dtype=float).ravel())
+        key = ("measured-prefix", part, sizes)
+        out = self._cache.get(key)
+        if out is None:
+            out = np.array(
+                [[table.prefix_s(mu, part) for mu in sizes] for table in self.measured]
+            ).reshape(len(self.measured), len(sizes), self.num_layers + 1)
+            self._cache[key] = out
+        return out
+
+    def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
+        """Per kind, :meth:`MeasuredTimes.rate_prefix_s`: prefix sums over layers of a lower
+        bound on each layer's seconds per sample at every micro-batch size ``1..max``, shape
+        ``(N_kinds, L + 1)``."""
+        return np.array(
+            [table.rate_prefix_s(max_microbatch_size) for table in self.measured]
+        ).reshape(len(self.measured), self.num_layers + 1)
 
     @property
     def num_layers(self) -> int:
@@ -241,6 +304,8 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
     frozen = getattr(profile, "frozen_param_bytes", None)
     weights = getattr(profile, "overhead_weights", None)
     return ProfilePrefix(
+        measured=tuple(getattr(profile, "measured", ()) or ()),
+        bwd_flops=cum(profile.bwd_flops),
         layer_units=cum(weights if weights is not None else np.ones(num_layers)),
         train_flops=cum(profile.train_flops),
         act_mem_bytes=cum(profile.activation_memory_bytes),
@@ -256,6 +321,130 @@ def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
 # ---------------------------------------------------------------------------------------------
 # Per-group primitives
 # ---------------------------------------------------------------------------------------------
+
+
+def stage_compute_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    microbatch_size: int | np.ndarray,
+    part: str = "train",
+) -> np.ndarray:
+    """Seconds per micro-batch of a stage: layers ``[start, end)`` on ``device`` with
+    micro-batches of ``microbatch_size`` samples (docs/model.md §3). The one place the cost
+    model, the partitioner and the search compute a stage's compute time.
+
+    All four inputs are integer (``microbatch_size`` also float) arrays broadcast together; the
+    result has the broadcast shape. A device whose kind (``state.kinds``) has measured times in
+    the profile takes ``(P_q(μ)[end] − P_q(μ)[start]) · nominal_d / s_d``
+    (:meth:`ProfilePrefix.measured_prefix_s`, :meth:`ClusterState.measured_time_scale`; κ and
+    λ are not charged: the measured times include them); any other device takes the FLOP
+    model ``μ Σ(f_l + w_l)/s_d + κ_d + λ_d Σ ν_l``. ``part="bwd"`` gives the backward pass
+    only (``μ Σ w_l / s_d`` without κ and λ, or the measured backward times).
+
+    Raises:
+        ValueError: unknown ``part``.
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if part not in ("train", "bwd"):
+        raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
+    kind = prefix.kind_index(state)[devices] if prefix.measured else None
+    some = kind is not None and bool(np.any(kind >= 0))
+    if some and bool(np.all(kind >= 0)):
+        return _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
+    if part == "train":
+        flops = prefix.train_flops[ends] - prefix.train_flops[starts]
+        out = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
+        lam = state.layer_overhead_s[devices]
+        if np.any(lam):
+            out = out + lam * (prefix.layer_units[ends] - prefix.layer_units[starts])
+    else:
+        flops = prefix.bwd_flops[ends] - prefix.bwd_flops[starts]
+        out = microbatch_size * flops / state.speed_flops[devices]
+    if not some:
+        return out
+    measured = _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
+    return np.where(kind >= 0, measured, out)
+
+
+def _measured_stage_s(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    kind: np.ndarray,
+    devices: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    microbatch_size: int | np.ndarray,
+    part: str,
+) -> np.ndarray:
+    """:func:`stage_compute_s` of measured-time devices (``kind`` >= 0: the index of the
+    device's kind in ``prefix.measured``; entries with -1 are computed as kind 0 and must be
+    replaced by the caller). Broadcast shape of the inputs, seconds."""
+    mu = np.asarray(microbatch_size, dtype=float)
+    q = np.maximum(kind, 0)
+    scale = prefix.time_scale(state)[devices]
+    # (the scale multiplies the gathered prefix sums before the difference: the gathers
+    # are smaller than the result when starts and ends broadcast against each other)
+    if mu.size == 1:  # one size (the common case): no per-element size index
+        table = prefix.measured_prefix_s(mu.reshape(1), part)[:, 0]  # (N_kinds, L + 1)
+        measured = table[q, ends] * scale - table[q, starts] * scale
+    else:
+        sizes, which = np.unique(mu, return_inverse=True)
+        which = which.reshape(mu.shape)
+        table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
+        measured = table[q, which, ends] * scale - table[q, which, starts] * scale
+    shape = np.broadcast_shapes(measured.shape, mu.shape)
+    return measured if measured.shape == shape else np.broadcast_to(measured, shape).copy()
+
+
+def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
+    """Per device, a speed ``ŝ_d`` (FLOP/s, shape ``(D,)``) with ``C ≥ μ Σ_{l∈S}(f_l+w_l)/ŝ_d``
+    for every stage ``S`` and ``μ ≤ batch``: ``s_d`` under the FLOP model; for a device with
+    measured times ``max_l (f_l + w_l) / r_l`` (``r_l`` the per-sample lower bound of
+    :meth:`ProfilePrefix.measured_rate_prefix_s`, times the state's scale), inf where some
+    layer with FLOPs takes no time. So ``B Σ(f+w) / Σ_d ŝ_d`` stays a lower bound on the
+    iteration time of any plan of those devices (docs/model.md §3 ``T_LB``; the search prunes
+    with it)."""
+    speed = np.asarray(state.speed_flops, dtype=float).copy()
+    kind = prefix.kind_index(state)
+    if not np.any(kind >= 0):
+        return speed
+    flops = np.diff(prefix.train_flops)
+    rates = np.diff(prefix.measured_rate_prefix_s(batch), axis=1)  # (N_kinds, L)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(flops > 0, flops / rates, 0.0)
+    per_kind = np.max(ratio, axis=1) if ratio.shape[1] else np.zeros(len(rates))
+    # no layer with FLOPs: any speed satisfies the inequality (inf: T_LB's term is 0)
+    per_kind = np.where(per_kind > 0, per_kind, np.inf)
+    mine = kind >= 0
+    speed[mine] = per_kind[kind[mine]] / state.measured_time_scale()[mine]
+    return speed
+
+
+def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
+    """Per device, the FLOP/s it reaches on the whole chain (shape ``(D,)``): ``s_d`` under the
+    FLOP model; for a device with measured times ``μ Σ(f+w) / C_chain(μ)`` at ``μ`` = the
+    smaller of ``batch`` and the kind's largest measured size. For orderings and proportional
+    shares (heuristics and baselines), never for times."""
+    speed = np.asarray(state.speed_flops, dtype=float).copy()
+    kind = prefix.kind_index(state)
+    if not np.any(kind >= 0):
+        return speed
+    # (a profile without FLOPs: 1 "FLOP" per sample, so the measured kinds still rank by
+    # samples per second; devices of the FLOP model then take no time at all)
+    total = float(prefix.train_flops[-1]) or 1.0
+    per_kind = np.empty(len(prefix.measured))
+    for q, table in enumerate(prefix.measured):
+        mu = float(min(batch, table.microbatch_sizes[-1]))
+        t = float(table.prefix_s(mu)[-1])
+        per_kind[q] = mu * total / t if t > 0 else np.inf
+    mine = kind >= 0
+    speed[mine] = per_kind[kind[mine]] / state.measured_time_scale()[mine]
+    return speed
 
 
 def link_bandwidths_bytes_per_s(state: ClusterState, devices: np.ndarray) -> np.ndarray:
@@ -283,18 +472,14 @@ def stage_times_s(
             is layers ``[x_k, x_{k+1})``.
         microbatch_size: ``μ_g`` samples.
 
-    Formulas: ``C_k = μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k} + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l``
-    (docs/model.md (v3), with the per-layer overhead weights ν_l of §3: ``|S_k|`` when all are 1);
+    Formulas: ``C_k`` of :func:`stage_compute_s` (the FLOP model ``μ Σ_{l∈S_k}(f_l+w_l)/s_{d_k}
+    + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l``, docs/model.md (v3), with the per-layer overhead weights
+    ν_l of §3: ``|S_k|`` when all are 1; or the kind's measured times);
     ``E_k = μ · 2 a_{last(S_k)} / bw(d_k, d_{k+1}) + 2 lat``.
     """
     devices = np.asarray(devices, dtype=np.int64)
     bounds = np.asarray(bounds, dtype=np.int64)
-    flops = prefix.train_flops[bounds[1:]] - prefix.train_flops[bounds[:-1]]
-    compute_s = (
-        microbatch_size * flops / state.speed_flops[devices]
-        + state.kappa_s[devices]
-        + state.layer_overhead_s[devices] * np.diff(prefix.layer_units[bounds])
-    )
+    compute_s = stage_compute_s(state, prefix, devices, bounds[:-1], bounds[1:], microbatch_size)
     if len(devices) == 1:
         return compute_s, np.zeros(0)
     last = bounds[1:-1] - 1
@@ -562,7 +747,6 @@ class SyncGroup:
 def overlapped_sync_s(
     state: ClusterState,
     prefix: ProfilePrefix,
-    bwd_flops_prefix: np.ndarray,
     groups: Sequence[SyncGroup],
     bucket_edges: np.ndarray,
 ) -> float:
@@ -579,7 +763,8 @@ def overlapped_sync_s(
 
     All groups start the iteration at time 0. In active group g (``G'`` active groups), the
     last micro-batch's backward leaves stage k at ``end_k = T_g − Σ_{j<k} (W_j + E_j)`` with
-    ``W_j = μ_g Σ_{l∈S_j} w_l / s_{d_j}`` (the backward pass drains toward stage 1). Bucket
+    ``W_j = μ_g Σ_{l∈S_j} w_l / s_{d_j}`` (or the kind's measured backward times:
+    :func:`stage_compute_s` with ``part="bwd"``; the backward pass drains toward stage 1). Bucket
     ``b = [y_b, y_{b+1})`` (:func:`sync_bucket_edges`; inside one stage k of every group) is
     ready in g at ``r_{b,g} = end_k − μ_g Σ_{l∈S_k, l<y_b} w_l / s_{d_k}`` and needs
     ``dur_{b,g} = 2 (G'−1) lat + 2 (G'−1)/G' · θ_b / β_{d_k}`` (``θ_b`` its parameter bytes,
@@ -613,13 +798,12 @@ def overlapped_sync_s(
     for gr in groups:
         devs = np.asarray(gr.devices, dtype=np.int64)
         bounds = np.asarray(gr.bounds, dtype=np.int64)
-        speed = state.speed_flops[devs]
         mu = gr.microbatch_size
-        bwd_s = mu * (bwd_flops_prefix[bounds[1:]] - bwd_flops_prefix[bounds[:-1]]) / speed
+        bwd_s = stage_compute_s(state, prefix, devs, bounds[:-1], bounds[1:], mu, "bwd")
         drain_s = np.concatenate(([0.0], np.cumsum(bwd_s[:-1] + np.asarray(gr.transfer_s))))
         stage = np.searchsorted(bounds, lo, side="right") - 1
         end_s = gr.group_time_s - drain_s[stage]
-        r = end_s - mu * (bwd_flops_prefix[lo] - bwd_flops_prefix[bounds[stage]]) / speed[stage]
+        r = end_s - stage_compute_s(state, prefix, devs[stage], bounds[stage], lo, mu, "bwd")
         ready = np.maximum(ready, r)
         beta = beta_all[offset + stage]
         dur = np.maximum(dur, latency_s + scale * theta / beta)
@@ -737,10 +921,15 @@ def lower_bound_s(state: ClusterState, profile: ProfileArrays, batch: int) -> fl
     balance,
     fractional shares, no communication).
 
+    With measured times the speeds are :func:`bound_speed_flops` (still a lower bound).
+
     Raises:
         ValueError: no device is available.
     """
-    speed = float(np.sum(state.speed_flops[np.asarray(state.available, dtype=bool)]))
+    speeds = state.speed_flops
+    if getattr(profile, "measured", ()):
+        speeds = bound_speed_flops(state, profile_prefix(profile), batch)
+    speed = float(np.sum(speeds[np.asarray(state.available, dtype=bool)]))
     if speed <= 0:
         raise ValueError("lower_bound_s: no device is available")
     return float(batch * np.sum(profile.train_flops) / speed)
@@ -897,9 +1086,8 @@ def evaluate_plan(
     sync_time = max(sync_by_id.values(), default=0.0)
     exposed = None
     if config.sync_overlap:
-        bwd_prefix = np.concatenate(([0.0], np.cumsum(np.asarray(profile.bwd_flops, dtype=float))))
         edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
-        exposed = overlapped_sync_s(state, prefix, bwd_prefix, sync_groups, edges)
+        exposed = overlapped_sync_s(state, prefix, sync_groups, edges)
         # shared tensors (docs/model.md (v3)): their all-reduces are charged in full after the layer
         # buckets (not overlapped; docs/planner.md)
         shared = shared_sync_times_s(state, prefix, active)

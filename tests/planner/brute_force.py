@@ -5,14 +5,17 @@ Enumerates every plan: every non-empty subset of devices, every way to cut it in
 every micro-batch size 1..B per group and every share vector (b_g >= 1; a plan with an idle
 group has the same objective as the plan without it). With a norm block G only multiples of G
 are allowed for shares and micro-batch sizes. It shares no code with hetrain's cost model or
-planner: docs/model.md §3 (v3: per-layer overhead λ, frozen parameters, shared tensors) is
+planner: docs/model.md §3 (v3: per-layer overhead λ, frozen parameters, shared tensors;
+measured per-layer times per device kind) is
 re-implemented here from the text, on plain dicts, floats and Python sets.
 
 The min over shares uses the exact decomposition min_b max_g T_g(b_g) (each T_g depends only
 on its own b_g), computed over all compositions by a min-max convolution.
 
 Two prunings, both exact (they skip only plans that cannot beat the best found so far):
-* a subset of devices is skipped when ``w · B Σ_l (f_l + w_l) / Σ_{d in subset} s_d`` already
+* a subset of devices is skipped when (a device with measured times counts with the speed
+  ``max_l (f_l + w_l) / min_{μ=1..B} t_l(μ)/μ``, so that its stage times are at least
+  ``μ F / s`` too) ``w · B Σ_l (f_l + w_l) / Σ_{d in subset} s_d`` already
   reaches the best objective (``w = V + Σ_j Q_j rate_j``): every group needs at least
   ``n μ max_k c_k ≥ b_g F / Σ_{k in g} s_k`` (``max_k F_k/s_k ≥ Σ F_k / Σ s_k``), so
   ``max_g T_g ≥ B F / Σ s``;
@@ -28,11 +31,36 @@ import math
 import numpy as np
 
 
-def _devices(cluster: dict) -> list[dict]:
+def device_kind(device: dict) -> str:
+    """docs/model.md §7: the explicit ``kind``, else the id without a trailing ``-<digits>``."""
+    if "kind" in device:
+        return device["kind"]
+    head, sep, tail = device["id"].rpartition("-")
+    return head if sep and head and tail.isdigit() else device["id"]
+
+
+def _measured_time(table: dict, layer: int, mu: float) -> float:
+    """docs/model.md §3: a layer's forward + backward seconds per micro-batch of ``mu`` from a
+    profile's measured table: linear between measured sizes, along the line through the two
+    nearest sizes outside them, proportional to ``mu`` with one size; at least 0."""
+    sizes = table["microbatch_sizes"]
+    times = [f[layer] + b[layer] for f, b in zip(table["fwd_s"], table["bwd_s"], strict=True)]
+    if len(sizes) == 1:
+        return max(0.0, times[0] * mu / sizes[0])
+    lo = 0
+    while lo + 2 < len(sizes) and sizes[lo + 1] <= mu:
+        lo += 1
+    x0, x1, y0, y1 = sizes[lo], sizes[lo + 1], times[lo], times[lo + 1]
+    return max(0.0, y0 + (mu - x0) * (y1 - y0) / (x1 - x0))
+
+
+def _devices(cluster: dict, profile: dict | None = None) -> list[dict]:
+    measured = (profile or {}).get("measured_times", {})
     out = []
     for d in cluster["devices"]:
         out.append(
             {
+                "table": measured.get(device_kind(d)),
                 "id": d["id"],
                 "node": d.get("node", d["id"]),
                 "speed": d["tflops"] * 1e12,
@@ -91,6 +119,9 @@ def _group_table(devs, order, cuts, layers, shared, links, batch, o, schedule, b
         c = []
         for k, st in enumerate(stages):
             d = devs[order[k]]
+            if d["table"] is not None:  # measured times: no κ, no λ
+                c.append(sum(_measured_time(d["table"], i, mu) for i in st))
+                continue
             c.append(
                 mu * sum(layers[i]["fw"] for i in st) / d["speed"] + d["kappa"]
                 + d["lam"] * sum(layers[i]["nu"] for i in st)
@@ -196,7 +227,7 @@ def brute_force_objective(
 ) -> float:
     """Least V*T + Q_money * y_money + Q_energy * y_energy over every plan (inf if nothing
     fits)."""
-    devs = _devices(cluster)
+    devs = _devices(cluster, profile)
     layers = _layers(profile)
     shared = _shared(profile)
     num_layers = len(layers)
@@ -206,6 +237,17 @@ def brute_force_objective(
         "lat": cluster.get("links", {}).get("latency_us", 20.0) * 1e-6,
     }
     total_flops = sum(ly["fw"] for ly in layers)
+    for d in devs:
+        if d["table"] is not None:
+            # a speed with mu F_l / speed <= t_l(mu) for every layer and mu = 1..B, so the
+            # subset pruning below stays exact
+            speed = 0.0
+            for i, ly in enumerate(layers):
+                per_sample = min(_measured_time(d["table"], i, mu) / mu
+                                 for mu in range(1, batch + 1))  # fmt: skip
+                if ly["fw"] > 0:
+                    speed = max(speed, ly["fw"] / per_sample if per_sample > 0 else math.inf)
+            d["speed"] = speed
     minmax = _MinMax(batch)
     cands_cache: dict = {}
 

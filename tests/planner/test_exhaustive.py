@@ -12,10 +12,11 @@ checks that the instances and their optimal plans cover these cases and every pl
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
-from brute_force import brute_force_objective
+from brute_force import brute_force_objective, device_kind
 
 from hetrain.cluster import cluster_from_dict
 from hetrain.costmodel import TrainingConfig, evaluate_plan
@@ -204,6 +205,61 @@ def test_planner_matches_brute_force(seed: int) -> None:
 @pytest.mark.parametrize(("num_devices", "seed"), WIDE_SEEDS)
 def test_planner_matches_brute_force_at_5_and_6_devices(num_devices: int, seed: int) -> None:
     _check(wide_instance(num_devices, seed), 1e-3)
+
+
+def with_measured_times(case: dict, seed: int) -> dict:
+    """``case`` with measured per-layer times (docs/model.md §3, §7) for most of its device
+    kinds: 1-3 micro-batch sizes, per layer ``t(μ) = o + μ p`` with ``p`` the FLOP model's
+    per-sample time times 0.3-3 (layers run at their own speed), ``o`` 0-2 ms, and ±30 %
+    noise per measured size (so some layers' times fall between sizes and the
+    extrapolation may reach 0). Devices without an id of the form ``kind-<n>`` get an
+    explicit ``kind`` shared by some of them."""
+    rng = random.Random(7919 * seed + len(case["cluster"]["devices"]))
+    case = copy.deepcopy(case)
+    devices = case["cluster"]["devices"]
+    for d in devices:
+        if device_kind(d) == d["id"]:
+            d["kind"] = rng.choice(["ka", "kb", "kc"])
+    kinds = sorted({device_kind(d) for d in devices})
+    layers = case["profile"]["layers"]
+    tflops = {device_kind(d): d["tflops"] for d in devices}
+    measured = {}
+    for kind in kinds:
+        if rng.random() < 0.25:
+            continue  # this kind keeps the FLOP model
+        sizes = rng.choice([[1], [2], [1, 4], [1, 2, 8], [2, 3, 16]])
+        fwd, bwd = [], []
+        slope = [
+            3 * ly["fwd_flops"] / (tflops[kind] * 1e12) * rng.uniform(0.3, 3.0) for ly in layers
+        ]
+        offset = [rng.uniform(0.0, 2e-3) for _ in layers]
+        for mu in sizes:
+            row = [(o + mu * p) * rng.uniform(0.7, 1.3) for o, p in zip(offset, slope, strict=True)]
+            fwd.append([t / 3 for t in row])
+            bwd.append([2 * t / 3 for t in row])
+        measured[kind] = {"microbatch_sizes": sizes, "fwd_s": fwd, "bwd_s": bwd}
+    if not measured:
+        kind = kinds[0]
+        measured[kind] = {"microbatch_sizes": [1], "fwd_s": [[1e-3] * len(layers)],
+                          "bwd_s": [[2e-3] * len(layers)]}  # fmt: skip
+    case["profile"]["measured_times"] = measured
+    return case
+
+
+MEASURED_SEEDS = list(range(24))
+MEASURED_WIDE_SEEDS = [(5, seed) for seed in range(12)] + [(6, seed) for seed in range(4)]
+
+
+@pytest.mark.parametrize("seed", MEASURED_SEEDS)
+def test_planner_matches_brute_force_with_measured_times(seed: int) -> None:
+    _check(with_measured_times(tiny_case(seed), seed), 1e-9)
+
+
+@pytest.mark.parametrize(("num_devices", "seed"), MEASURED_WIDE_SEEDS)
+def test_planner_matches_brute_force_with_measured_times_at_5_and_6_devices(
+    num_devices: int, seed: int
+) -> None:
+    _check(with_measured_times(wide_instance(num_devices, seed), seed), 1e-3)
 
 
 def _shape(plan) -> str:

@@ -96,6 +96,7 @@ def run_profile(
     model: str | None = None,
     seq_len: int | None = None,
     stage_lengths: str | None = None,
+    kind: str | None = None,
 ) -> int:
     """Profile example ``example`` and write/print the profile; returns the exit status.
 
@@ -108,7 +109,12 @@ def run_profile(
     layers, the least-squares fit of speed, κ and λ, a ping-pong between two local gloo ranks
     (unless ``link`` is off), and a cluster file of ``workers`` identical devices ``w0..``
     on one node (``cluster_out``, default next to ``out``), plus ``<out>.measure.json`` with
-    every median time and fit. Token inputs are timed on windows of ``seq_len`` tokens when
+    every median time and fit. With ``--measure`` the profile also gets the measured
+    per-layer times under device kind ``kind`` (default :func:`default_device_kind`;
+    docs/model.md §3 "Measured times", §7) and the cluster file's devices that kind, so that
+    plans made from the two files use the measured times; not when the timed input shape
+    differs from the profiled one (``--seq-len``: the times are of other samples; said on
+    stderr). Token inputs are timed on windows of ``seq_len`` tokens when
     given (the fit then uses the FLOPs of that shape). A progress bar (stderr) shows the
     remaining time; defaults :data:`LIGHT_MEASURE` for the published shapes,
     :data:`FULL_MEASURE` otherwise.
@@ -182,6 +188,11 @@ def run_profile(
             raise InputError(option, "", f"expected an integer <= {most} ({why}), got {value}")
     if measure and model is not None:
         raise InputError("--measure", "", "timing is available for --example models")
+    if kind is not None and not measure:
+        raise InputError("--kind", "", "only used with --measure")
+    if kind is not None and not kind.strip():
+        raise InputError("--kind", "", "expected a non-empty device kind name")
+    kind = kind if kind is not None else default_device_kind(threads)
     if measure and out is None:
         raise InputError("--out", "", "required with --measure (the cluster file goes next to it)")
     if out is not None:
@@ -235,7 +246,27 @@ def run_profile(
         seq_len,
         lengths,
         large,
+        kind,
     )
+
+
+def default_device_kind(threads: int) -> str:
+    """This machine's device kind for ``--measure`` (docs/model.md §7): the CPU's model name
+    (``/proc/cpuinfo``; else the machine type) in lower case with runs of other characters
+    as ``-``, and the timing threads, e.g. ``intel-r-xeon-r-cpu-e5-2680-v4-2-40ghz-1t``."""
+    import re
+
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1]
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "cpu"
+    slug = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "cpu"
+    return f"{slug}-{threads}t"
 
 
 HF_EXAMPLES = ("gpt2", "bert", "resnet")
@@ -435,6 +466,7 @@ def _measure(
     seq_len: int | None,
     lengths: Sequence[int] | None,
     large: bool,
+    kind: str,
 ) -> int:
     import torch
     import yaml
@@ -534,6 +566,28 @@ def _measure(
                 threads=threads,
                 progress=advance,
             )
+    # the measured per-layer times under this machine's kind (docs/model.md §3, §7), when
+    # they are times of the profiled samples and layers
+    same_shape = tuple(subject.make_input(1).shape[1:]) == timed_shape
+    measured_kind = kind if same_shape and num_layers == full_profile.num_layers else None
+    if measured_kind is not None:
+        table = {
+            "microbatch_sizes": [int(x) for x in times.microbatch_sizes],
+            "fwd_s": times.fwd_s.tolist(),
+            "bwd_s": times.bwd_s.tolist(),
+        }
+        from hetrain.profile import profile_from_dict
+
+        data = full_profile.to_json_dict()
+        data["measured_times"] = {**data.get("measured_times", {}), kind: table}
+        full_profile = profile_from_dict(data, "<measured profile>")
+        _write_profile(full_profile, out)
+    else:
+        print(
+            f"hetrain: note: the timed inputs ({'x'.join(map(str, timed_shape))}) are not the "
+            "profiled ones; the profile gets no measured times (time without --seq-len)",
+            file=sys.stderr,
+        )
     try:
         fit = fit_device(profile, times)
         stage_fit = fit_stages(profile, stage_times, times) if stage_times is not None else None
@@ -558,11 +612,12 @@ def _measure(
             {
                 "id": f"w{r}",
                 "node": "local",
-                "tflops": round(device_fit.speed_flops / 1e12, 6),
+                "tflops": float(f"{device_fit.speed_flops / 1e12:.6g}"),  # 6 significant digits
                 "memory_gib": round(mem_bytes / workers / 2**30, 3),
                 "nic_gbps": round(nic_gbps, 4),
                 "microbatch_overhead_ms": round(device_fit.kappa_s * 1e3, 4),
                 "layer_overhead_ms": round(lam_s * 1e3, 4),
+                **({"kind": measured_kind} if measured_kind is not None else {}),
             }
             for r in range(workers)
         ],
@@ -627,6 +682,8 @@ def _measure(
             f"link: {link_fit.bandwidth_bytes_per_s / 1e9:.4g} GB/s, latency "
             f"{link_fit.latency_s * 1e6:.4g} us (fit rms {link_fit.rms_rel_error:.3f})"
         )
+    if measured_kind is not None:
+        print(f"wrote measured layer times of kind {measured_kind!r} into {out}")
     print(f"wrote {cpath} and {mpath} ({details['wall_s']:.0f} s)")
     return 0
 

@@ -56,6 +56,9 @@ def state_to_dict(state: ClusterState) -> dict[str, Any]:
         out["layer_overhead_s"] = np.asarray(lam, dtype=float).tolist()
     out["intra_node_bytes_per_s"] = float(state.intra_node_bytes_per_s)
     out["latency_s"] = float(state.latency_s)
+    # device kinds and nominal speeds (measured per-layer times, docs/model.md §3)
+    out["kinds"] = list(state.kinds)
+    out["nominal_speed_flops"] = np.asarray(state.nominal_speed_flops, dtype=float).tolist()
     return out
 
 
@@ -75,6 +78,10 @@ def state_from_dict(data: dict[str, Any]) -> ClusterState:
     kwargs["latency_s"] = float(data["latency_s"])
     if "layer_overhead_s" in data and "layer_overhead_s" in ClusterState.__dataclass_fields__:
         kwargs["layer_overhead_s"] = np.asarray(data["layer_overhead_s"], dtype=float)
+    if "kinds" in data:
+        kwargs["kinds"] = tuple(str(k) for k in data["kinds"])
+    if "nominal_speed_flops" in data:
+        kwargs["nominal_speed_flops"] = np.asarray(data["nominal_speed_flops"], dtype=float)
     return ClusterState(**kwargs)
 
 

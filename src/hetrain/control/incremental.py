@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.costmodel import ProfilePrefix, flat_sync_times_s, profile_prefix
+from hetrain.costmodel import ProfilePrefix, flat_sync_times_s, profile_prefix, stage_compute_s
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
 
@@ -138,17 +138,14 @@ class StructureArrays:
         ``(G,)``.
 
         ``A_g = Σ_k C_k + Σ_{k<K} E_k`` and ``M_g = max(max_k C_k, max_{k<K} E_k)`` with
-        ``C_k = μ_g c_k + κ_{d_k} + λ_{d_k} Σ_{l∈S_k} ν_l`` and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
+        ``C_k`` of :func:`hetrain.costmodel.stage_compute_s` (``μ_g c_k + κ_{d_k} + λ_{d_k}
+        Σ_{l∈S_k} ν_l``, or the kind's measured times) and ``E_k = μ_g 2 a / bw(d_k, d_{k+1}) +
         2 lat`` (as :func:`hetrain.costmodel.stage_times_s`).
         """
         g_count = len(self.group_index)
         mu = self.microbatch[self.stage_group].astype(float)
         dev = self.stage_device
-        compute = (
-            mu * self.stage_train_flops / state.speed_flops[dev]
-            + state.kappa_s[dev]
-            + state.layer_overhead_s[dev] * self.stage_layer_units
-        )
+        compute = stage_compute_s(state, self.prefix, dev, self.stage_start, self.stage_end, mu)
         has_next = self.next_device >= 0
         nxt = np.where(has_next, self.next_device, dev)
         same_node = state.node[dev] == state.node[nxt]

@@ -17,7 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.costmodel import TrainingConfig, profile_prefix, stage_memory_bytes
+from hetrain.costmodel import (
+    TrainingConfig,
+    effective_speed_flops,
+    profile_prefix,
+    stage_memory_bytes,
+)
 from hetrain.plan import GroupPlan, Plan
 from hetrain.planner.norm_block import per_norm_block
 from hetrain.planner.search import (
@@ -89,8 +94,9 @@ def _dp_plan(
     devs = avail[fits >= 1]
     if not len(devs):
         return None
+    speed = effective_speed_flops(state, profile_prefix(profile), config.batch)
     while True:
-        w = np.ones(len(devs)) if weights_of == "even" else state.speed_flops[devs].astype(float)
+        w = np.ones(len(devs)) if weights_of == "even" else speed[devs].astype(float)
         shares = _largest_remainder(w, config.batch)
         mus = _fitting_mu(state, profile, config, devs, shares)
         # (GPipe: a share's activations may not fit even when one sample does; drop those)

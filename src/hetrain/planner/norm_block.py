@@ -4,7 +4,8 @@
 Planning in *blocks* of ``G`` samples is exact: with per-block FLOPs and activation bytes
 (``G`` times the per-sample ones) and the batch ``B / G`` blocks, docs/model.md §3 gives every plan
 the
-same stage times (``μ c = (μ/G)(G c)``), boundary times, micro-batch counts
+same stage times (``μ c = (μ/G)(G c)``; measured times are looked up at ``(μ/G) G``),
+boundary times, micro-batch counts
 (``ceil(b/μ) = ceil((b/G)/(μ/G))``), memory, sync, costs and lower bound as the plan in
 samples with ``b`` and ``μ`` multiplied by ``G``. So the planner and the baselines solve the
 blocked problem and multiply back (docs/planner.md).
@@ -26,10 +27,16 @@ __all__ = ["block_config", "block_plan", "block_profile", "per_norm_block", "unb
 
 def block_profile(profile: ProfileArrays, norm_block: int) -> ProfileArrays:
     """The profile per block of ``norm_block`` samples: per-sample FLOPs and activation bytes
-    times ``G`` (parameters, frozen and shared tensors unchanged)."""
+    times ``G`` (parameters, frozen and shared tensors unchanged); measured times keep their
+    rows with the micro-batch sizes in blocks (``μ / G``, possibly fractional: a block
+    micro-batch of ``u`` runs the measured time of ``u G`` samples)."""
     g = float(norm_block)
     return dataclasses.replace(
         profile,
+        measured=tuple(
+            dataclasses.replace(m, microbatch_sizes=m.microbatch_sizes / g)
+            for m in profile.measured
+        ),
         fwd_flops=profile.fwd_flops * g,
         bwd_flops=profile.bwd_flops * g,
         activation_bytes=profile.activation_bytes * g,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.costmodel import ProfilePrefix, link_bandwidths_bytes_per_s
+from hetrain.costmodel import ProfilePrefix, link_bandwidths_bytes_per_s, stage_compute_s
 
 NO_LIMIT = np.iinfo(np.int64).max // 4
 
@@ -120,11 +120,7 @@ def split_rows(
     mu = microbatch_sizes
     if not isinstance(mu, int):
         mu = np.asarray(mu, dtype=np.int64)[:, None]
-    flops = prefix.train_flops[bounds[:, 1:]] - prefix.train_flops[bounds[:, :-1]]
-    compute = mu * flops / state.speed_flops[devices] + state.kappa_s[devices]
-    lam = state.layer_overhead_s[devices]
-    if np.any(lam):
-        compute = compute + lam * np.diff(prefix.layer_units[bounds], axis=1)
+    compute = stage_compute_s(state, prefix, devices, bounds[:, :-1], bounds[:, 1:], mu)
     fill = compute.sum(axis=1)
     bottleneck = compute.max(axis=1)
     if len(devices) > 1:
@@ -259,25 +255,22 @@ def _stage_matrices(
     base = None if cache is None else cache.get(key)
     if base is None:
         idx = np.arange(num_layers + 1)
-        flops = (prefix.train_flops[None, :] - prefix.train_flops[:, None])[None]
         fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
         act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
-        units = prefix.layer_units
-        span = units[None, None, :] - units[None, :, None]
-        base = (flops, fixed, act, span)
+        base = (fixed, act)
         if cache is not None:
             cache[key] = base
-    flops, fixed, act, span = base
+    fixed, act = base
     idx = np.arange(num_layers + 1)
     # (U, 1, 1, 1); integers as floats: exact, and no casting in the products
     mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
-    speed = state.speed_flops[devices][:, None, None]
-    kappa = state.kappa_s[devices][:, None, None]
-    compute = mu * flops / speed  # (U, K, L + 1, L + 1)
-    compute += kappa
-    lam = state.layer_overhead_s[devices]
-    if np.any(lam):
-        compute += lam[:, None, None] * span
+    # (U, K, L + 1, L + 1): stage [i, j) on device k (entries with j <= i are masked later)
+    compute = stage_compute_s(
+        state, prefix, np.asarray(devices)[:, None, None], idx[:, None], idx[None, :], mu
+    )
+    full = (len(mu), len(devices), num_layers + 1, num_layers + 1)
+    if compute.shape != full or not compute.flags.writeable:
+        compute = np.broadcast_to(compute, full).astype(float, copy=True)
     if k_stages > 1:
         bw = np.concatenate((link_bandwidths_bytes_per_s(state, devices), [np.inf]))
         last = np.clip(idx - 1, 0, num_layers - 1)

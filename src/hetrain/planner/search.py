@@ -49,10 +49,13 @@ from hetrain.cluster import ClusterState
 from hetrain.costmodel import (
     ProfilePrefix,
     TrainingConfig,
+    bound_speed_flops,
+    effective_speed_flops,
     evaluate_plan,
     flat_sync_times_s,
     link_bandwidths_bytes_per_s,
     profile_prefix,
+    stage_compute_s,
 )
 from hetrain.plan import GroupPlan, Plan
 from hetrain.planner.partition import (
@@ -110,9 +113,21 @@ class SearchContext:
     weight_per_device: np.ndarray = field(init=False)
     available: np.ndarray = field(init=False)
     option_cache: dict = field(default_factory=dict)
+    speed: np.ndarray = field(init=False)
+    bound_speed: np.ndarray = field(init=False)
+    kind_index: np.ndarray = field(init=False)
+    time_scale: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.prefix = profile_prefix(self.profile)
+        # per device (D,): the FLOP/s for orderings (costmodel.effective_speed_flops), the
+        # FLOP/s of the lower bounds that prune (costmodel.bound_speed_flops), and the index
+        # of its kind's measured times (-1: the FLOP model); all = speed_flops, -1 without
+        # measured times
+        self.speed = effective_speed_flops(self.state, self.prefix, self.config.batch)
+        self.bound_speed = bound_speed_flops(self.state, self.prefix, self.config.batch)
+        self.kind_index = self.prefix.kind_index(self.state)
+        self.time_scale = self.state.measured_time_scale()
         q = dict(self.queues or {})
         self.weight_per_device = q.get("money", 0.0) * self.state.price_per_s + q.get(
             "energy", 0.0
@@ -172,16 +187,22 @@ class SearchContext:
         out = self.option_cache.get(key)
         if out is None:
             s = self.state
+            # a device with measured times: its kind and time scale (speed / nominal speed)
+            # stand for its speed, κ and λ (docs/model.md §3)
+            kind = int(self.kind_index[d])
+            scale = float(self.time_scale[d]) if kind >= 0 else 1.0
             if approx:
                 out = (
                     int(round(math.log(float(s.speed_flops[d])) / math.log(1.1))),
                     float(f"{s.kappa_s[d]:.3g}"),
                     float(f"{s.memory_bytes[d]:.3g}"),
                     float(f"{s.layer_overhead_s[d]:.3g}"),
+                    kind,
+                    float(f"{scale:.3g}"),
                 )
             else:
                 out = (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
-                       float(s.layer_overhead_s[d]))  # fmt: skip
+                       float(s.layer_overhead_s[d]), kind, scale)  # fmt: skip
             self.option_cache[key] = out
         return out
 
@@ -213,11 +234,18 @@ class SearchContext:
         best[0] = 0.0
         for k, d in enumerate(devs):
             # per-sample stage times where the stage's parameters fit d (per speed/memory)
-            dkey = ("rate-device", float(st.speed_flops[d]), float(st.memory_bytes[d]))
+            kind = int(self.kind_index[d])
+            dkey = ("rate-device", float(st.speed_flops[d]), float(st.memory_bytes[d]), kind,
+                    float(self.time_scale[d]) if kind >= 0 else 1.0)  # fmt: skip
             worst = self.option_cache.get(dkey)
             if worst is None:
-                worst = np.where(valid & (theta <= st.memory_bytes[d]),
-                                 flops / st.speed_flops[d], np.inf)  # fmt: skip
+                if kind >= 0:
+                    # measured times: a lower bound on the seconds per sample over μ <= B
+                    rate = self.prefix.measured_rate_prefix_s(self.batch)[kind]
+                    per_sample = (rate[None, :] - rate[:, None]) * float(self.time_scale[d])
+                else:
+                    per_sample = flops / st.speed_flops[d]
+                worst = np.where(valid & (theta <= st.memory_bytes[d]), per_sample, np.inf)
                 self.option_cache[dkey] = worst
             if k < len(devs) - 1:
                 worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
@@ -460,7 +488,7 @@ def exhaustive_search(
     avail = [int(d) for d in ctx.available]
     batch = ctx.batch
     num_layers = ctx.prefix.num_layers
-    speeds = ctx.state.speed_flops
+    speeds = ctx.bound_speed
     subsets = []
     for size in range(len(avail), 0, -1):
         for subset in itertools.combinations(avail, size):
@@ -533,7 +561,7 @@ def structure_search(
     best = incumbent
     avail = [int(d) for d in ctx.available]
     num_layers = ctx.prefix.num_layers
-    speeds = ctx.state.speed_flops
+    speeds = ctx.bound_speed
     subsets = []
     for size in range(len(avail), 0, -1):
         for subset in itertools.combinations(avail, size):
@@ -755,7 +783,7 @@ def _order_in_node(ctx: SearchContext, devices: Sequence[int]) -> list[int]:
     """Pipeline order inside a node: memory, then speed, descending (first stages stash the
     most micro-batches under 1F1B), ties by cluster-file position."""
     s = ctx.state
-    return sorted(devices, key=lambda d: (-s.memory_bytes[d], -s.speed_flops[d], d))
+    return sorted(devices, key=lambda d: (-s.memory_bytes[d], -ctx.speed[d], d))
 
 
 def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -790,7 +818,7 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
     # first); groups of equal make-up get equal splits, so a layer's owners sit on one node
     # per chunk and the all-reduce stays inside it when there is one chunk
     kind = {d: ctx.signature(np.array([d]))[0] for d in avail}
-    ranked = sorted(nodes, key=lambda n: (-len(n), [-s.speed_flops[d] for d in n], n[0]))
+    ranked = sorted(nodes, key=lambda n: (-len(n), [-ctx.speed[d] for d in n], n[0]))
     for k in depths(len(ranked)):
         groups = []
         for start in range(0, len(ranked), k):
@@ -811,11 +839,11 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
     # with optimised stages, μ and share), and the fastest L devices
     if len(avail) > 1:
         out.append(("pipeline-file-order", [tuple(avail[:num_layers])]))
-        fastest = sorted(avail, key=lambda d: (-s.speed_flops[d], d))[:num_layers]
+        fastest = sorted(avail, key=lambda d: (-ctx.speed[d], d))[:num_layers]
         out.append(("pipeline-fastest", [tuple(fastest)]))
         # whole-cluster pipelines in more orders: memory first (1F1B stashes most at the
         # front), slowest first, and node by node (ranked nodes, each ordered as above)
-        by_memory = sorted(avail, key=lambda d: (-s.memory_bytes[d], -s.speed_flops[d], d))
+        by_memory = sorted(avail, key=lambda d: (-s.memory_bytes[d], -ctx.speed[d], d))
         out.append(("pipeline-memory", [tuple(by_memory[:num_layers])]))
         out.append(("pipeline-slowest", [tuple(fastest[::-1])]))
         by_node_order = [d for n in ranked for d in n]
@@ -959,12 +987,9 @@ def fixed_split_options(
         width = max(len(mus[i]) for i in idx)
         mu = np.array([list(mus[i]) + [mus[i][0]] * (width - len(mus[i])) for i in idx])
         mu3 = mu[:, :, None].astype(float)  # (G, U, 1)
-        flops = pre.train_flops[bnd[:, 1:]] - pre.train_flops[bnd[:, :-1]]
-        compute = mu3 * flops[:, None, :] / st.speed_flops[devs][:, None, :]
-        compute = compute + st.kappa_s[devs][:, None, :]
-        if np.any(st.layer_overhead_s[devs]):
-            units = np.diff(pre.layer_units[bnd], axis=1)
-            compute = compute + (st.layer_overhead_s[devs] * units)[:, None, :]
+        compute = stage_compute_s(
+            st, pre, devs[:, None, :], bnd[:, None, :-1], bnd[:, None, 1:], mu3
+        )  # (G, U, K)
         fill = compute.sum(axis=2)
         worst = compute.max(axis=2)
         if k > 1:
@@ -1034,7 +1059,7 @@ def _solve_entries(
         small = () if quick else (1, 2, 4, 8)
         sizes = sorted({total, *[max(1, int(round(total * f))) for f in fractions], *small},
                        reverse=True)  # fmt: skip
-    speeds = ctx.state.speed_flops
+    speeds = ctx.bound_speed
     stacks: dict[int, np.ndarray] = {}
     for size in sizes:
         # the first `size` members in ranked order
