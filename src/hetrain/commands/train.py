@@ -80,6 +80,9 @@ def run_train(
     metrics_out: Path | None = None,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int = 0,
+    checkpoint_keep: int = 3,
+    on_nonfinite: str = "stop",
+    rdzv_timeout_s: float = 60.0,
     max_restarts: int = 0,
     hang_timeout_s: float | None = None,
     norm_block: int | None = None,
@@ -156,6 +159,8 @@ def run_train(
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
+        checkpoint_keep=checkpoint_keep,
+        on_nonfinite=on_nonfinite,
         out=out,
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
@@ -248,6 +253,7 @@ def run_train(
             rdzv_endpoint=rdzv_endpoint,
             run_id=rdzv_id,
             max_restarts=max_restarts,
+            rdzv_timeout_s=rdzv_timeout_s,
         )
     except LaunchError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)

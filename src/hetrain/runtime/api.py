@@ -479,6 +479,8 @@ def build_job(
     run_dir: str | Path | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
+    checkpoint_keep: int = 3,
+    on_nonfinite: str = "stop",
     out: str | Path | None = None,
     progress: bool = False,
     devices: Sequence[str] | None = None,
@@ -529,6 +531,9 @@ def build_job(
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
+    checkpoint_keep = _positive_int("--checkpoint-keep", checkpoint_keep, maximum=MAX_BATCH)
+    if on_nonfinite not in ("stop", "skip"):
+        raise InputError("--on-nonfinite", "", f"expected stop or skip, got {on_nonfinite!r}")
     if hang_timeout_s is not None:
         hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
         if hang_timeout_s > MAX_HANG_TIMEOUT_S:  # 1e300 overflowed timedelta in every rank
@@ -724,6 +729,8 @@ def build_job(
         run_dir=str(run_dir) if run_dir is not None else None,
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir is not None else None,
         checkpoint_every=checkpoint_every,
+        checkpoint_keep=checkpoint_keep,
+        on_nonfinite=on_nonfinite,
         out=str(out) if out is not None else None,
         progress=progress,
         example=task.name,
@@ -856,15 +863,18 @@ def run_job(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
+    rdzv_timeout_s: float = 60.0,
 ) -> dict[str, Any]:
     """Launch ``job`` (``len(job.devices) / nnodes`` ranks on this node) and return rank 0's
-    summary (with ``metrics_path``); ``{}`` on a node without rank 0.
+    summary (with ``metrics_path``); ``{}`` on a node without rank 0. ``rdzv_timeout_s``:
+    seconds to join the rendezvous (:func:`hetrain.runtime.launch.launch`).
 
     Raises:
-        InputError: ``max_restarts`` < 0.
+        InputError: ``max_restarts`` < 0, ``rdzv_timeout_s`` not a finite number > 0.
     """
     if max_restarts < 0:
         raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
+    rdzv_timeout_s = _finite("--rdzv-timeout", rdzv_timeout_s, maximum=MAX_HANG_TIMEOUT_S)
     if job.run_dir is not None:
         make_run_dir(job.run_dir)
     nproc = len(job.devices) // nnodes
@@ -875,6 +885,7 @@ def run_job(
         rdzv_endpoint=rdzv_endpoint,
         run_id=run_id,
         max_restarts=max_restarts,
+        rdzv_timeout_s=rdzv_timeout_s,
     )
     summary = dict(summary or {})
     if summary:

@@ -353,20 +353,39 @@ def _layer_of(key: str) -> int | None:
     return None
 
 
-def restore(checkpoint: Checkpoint, owned_layers: set[int] | list[int]) -> dict[str, Any]:
-    """Read the keys of ``owned_layers`` (this rank's layers under its current plan) from
-    ``checkpoint``; collective when a process group is up. Returns a state dict for
-    ``Worker.load_layer_state_dict``.
+def _shared_of(key: str, shared: set[str]) -> str | None:
+    """The shared tensor a ``shared.{name}`` or ``optim.shared.{name}.{state}`` key belongs
+    to (None for other keys or names not in ``shared``)."""
+    if key.startswith("shared."):
+        name = key[len("shared.") :]
+        return name if name in shared else None
+    if key.startswith("optim.shared."):
+        name = key[len("optim.shared.") :].rsplit(".", 1)[0]
+        return name if name in shared else None
+    return None
 
-    Layers without state (no parameters or buffers) have no keys; a layer whose state is
-    missing is reported by ``Worker.load_layer_state_dict`` (``KeyError``).
+
+def restore(
+    checkpoint: Checkpoint,
+    owned_layers: set[int] | list[int],
+    shared: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Read this rank's keys from ``checkpoint``: those of ``owned_layers`` (its layers under
+    its current plan) and of the ``shared`` tensors it holds (tied weights, e.g. GPT-2's
+    ``transformer.wte.weight``, stored once as ``shared.{name}`` by whichever rank owned it
+    when the checkpoint was written), with their optimizer state. Collective when a process
+    group is up. Returns a state dict for ``Worker.load_layer_state_dict``.
+
+    Layers without state (no parameters or buffers) have no keys; a layer or shared tensor
+    whose state is missing is reported by ``Worker.load_layer_state_dict`` (``KeyError``).
     """
     reader = dcp.FileSystemReader(str(checkpoint.path))
     meta = reader.read_metadata().state_dict_metadata
     owned = set(owned_layers)
+    held_shared = set(shared)
     state: dict[str, Any] = {}
     for key, md in meta.items():
-        if _layer_of(key) not in owned:
+        if _layer_of(key) not in owned and _shared_of(key, held_shared) is None:
             continue
         if hasattr(md, "size"):
             state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -121,6 +121,10 @@ class TrainJob:
         trace_rows: docs/model.md §7 trace rows (slot = step) or None.
         metrics_out: JSONL metrics file; run_dir: folder for the report and export.
         checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
+        checkpoint_keep: complete checkpoints kept (older ones are deleted once a new one is
+            complete); None keeps all.
+        on_nonfinite: a non-finite loss or gradient norm ``"stop"``s the run at that step
+            (:class:`NonFiniteError`) or the update is ``"skip"``ped on every rank.
         out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
         progress: show a rich progress bar on rank 0.
         norm_block: BatchNorm norm block ``G`` (ghost batch norm) or None (per micro-batch);
@@ -160,6 +164,8 @@ class TrainJob:
     run_dir: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int | None = 3
+    on_nonfinite: str = "stop"
     out: str | None = None
     progress: bool = False
     timeline_steps: int = 1
@@ -640,7 +646,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     )
     resumed: dict[str, Any] | None = None
     if resume is not None:
-        state = ckpt.restore(resume, set(worker.owned_layers))
+        owned = set(worker.owned_layers)
+        held_shared = [n for n, ls in worker.shared.items() if owned.intersection(ls)]
+        state = ckpt.restore(resume, owned, held_shared)
         worker.load_layer_state_dict(state)
         before = [str(d) for d in resume.manifest.get("devices") or []]
         resumed = {
@@ -845,6 +853,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                             "batch": job.batch,
                             "example": job.example,
                         },
+                        keep=job.checkpoint_keep,
                     )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
