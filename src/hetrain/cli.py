@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(130, argv)
     except SystemExit as exc:
         return _exit(exc.code if isinstance(exc.code, int) else 1, argv)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops cleanly itself)
+        print("hetrain: interrupted", file=sys.stderr)
+        return _exit(130, argv)
     except BrokenPipeError:  # `hetrain plan --json | head`: the reader left, nothing to say
         return _exit(1, argv)
     except OSError as exc:  # e.g. stdout on a full disk (/dev/full): one line, not a traceback

@@ -112,7 +112,7 @@ def run_train(
     raised as :class:`InputError`)."""
     from hetrain._io import check_seed
     from hetrain.runtime.api import build_job, run_job
-    from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
+    from hetrain.runtime.launch import LaunchError, RunStopped, torchrun_world, under_torchrun
 
     check_seed("--seed", seed)  # before a --model factory is seeded with it
     task = _task(example, model, data, size, seed)
@@ -255,6 +255,10 @@ def run_train(
             max_restarts=max_restarts,
             rdzv_timeout_s=rdzv_timeout_s,
         )
+    except RunStopped as exc:
+        # SIGTERM / Ctrl-C: one line (step, checkpoint), 0 when the stop checkpoint was written
+        print(f"hetrain: {exc}", file=sys.stderr)
+        return exc.exit_code
     except LaunchError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
         # bad input found by the ranks (e.g. --exact refusing a random op): exit 2

@@ -28,11 +28,80 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hetrain.runtime.worker_main import TrainJob, run_worker
+from hetrain.runtime.worker_main import TrainingStopped, TrainJob, run_worker
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message is one line naming the rank and the root cause."""
+
+
+class RunStopped(Exception):
+    """The run was stopped by a signal (SIGTERM, or SIGINT: Ctrl-C) to the launching process
+    or its whole process group; the ranks finished the current step, wrote the stop
+    checkpoint when there is a checkpoint folder, and exited.
+
+    Attributes:
+        signal_name: ``"SIGTERM"``, ``"SIGINT"``, ...
+        step: steps done at the stop (None when unknown: no stop checkpoint was written).
+        path: the stop checkpoint's folder, or None.
+        exit_code: 0 when the stop checkpoint was written, else ``128 + signal``.
+    """
+
+    def __init__(self, signal_name: str, step: int | None, path: str | None) -> None:
+        import signal
+
+        self.signal_name = signal_name
+        self.step = step
+        self.path = path
+        signum = int(getattr(signal, signal_name, signal.SIGTERM))
+        self.exit_code = 0 if path is not None else 128 + signum
+        if path is not None:
+            line = (
+                f"stopped at step {step} ({signal_name}); checkpoint {path}; the same command "
+                f"resumes from it"
+            )
+        elif step is not None:
+            line = f"stopped at step {step} ({signal_name}); no checkpoint (no --checkpoint-dir)"
+        else:
+            line = f"stopped ({signal_name}) before a stop checkpoint was written"
+        super().__init__(line)
+
+
+def _checkpoint_stamp(job: TrainJob) -> tuple[str, int] | None:
+    """(folder, manifest mtime in ns) of the newest complete checkpoint, or None."""
+    from hetrain.runtime import checkpoint as ckpt
+
+    if not job.checkpoint_dir:
+        return None
+    found = ckpt.list_checkpoints(job.checkpoint_dir)
+    if not found:
+        return None
+    try:
+        return str(found[-1]), (found[-1] / ckpt.MANIFEST).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _stopped(job: TrainJob, signum: int, before: tuple[str, int] | None) -> RunStopped:
+    """The :class:`RunStopped` of a launch ended by ``signum``: the stop checkpoint is the
+    newest checkpoint when it is new since ``before`` and its manifest records the stop."""
+    import signal
+
+    from hetrain.runtime import checkpoint as ckpt
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    now = _checkpoint_stamp(job)
+    if now is not None and now != before:
+        try:
+            found = ckpt.read_checkpoint(now[0])
+        except ckpt.CheckpointError:
+            found = None
+        if found is not None and found.manifest.get("stop"):
+            return RunStopped(str(found.manifest["stop"]), found.step, str(found.path))
+    return RunStopped(name, None, None)
 
 
 def free_port() -> int:
@@ -163,6 +232,7 @@ def launch(
 
 
 def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -188,9 +258,15 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     import logging
 
     started = time.time()
+    before = _checkpoint_stamp(job)
     # the elastic agent logs a multi-line report of every failed child; the root cause is
     # reported below in one line (rank_errors.jsonl keeps every traceback)
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed")]
+    # (torch's elastic loggers have their own levels: each is set, not only the parents)
+    quiet = [
+        logging.getLogger(n)
+        for n in sorted(logging.root.manager.loggerDict)
+        if n == "torch.distributed" or n.startswith("torch.distributed.")
+    ]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
@@ -198,6 +274,10 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
         raise LaunchError(_failure_line(job, started) or _root_cause(exc)) from None
+    except SignalException as exc:
+        # SIGTERM/SIGINT to this process (or Ctrl-C to the whole group): the agent forwarded it
+        # to the ranks, which wrote the stop checkpoint and exited; one line, no traceback
+        raise _stopped(job, int(exc.sigval), before) from None
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)
@@ -244,6 +324,8 @@ def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             return run_worker(job)
+        except TrainingStopped as stop:
+            raise RunStopped(stop.signal_name, stop.step, stop.path) from None
         except (InputError, SystemExit, KeyboardInterrupt):
             raise
         except Exception as exc:

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -53,7 +54,7 @@ EXIT_STOPPED_BY_PEER = 75
 """Exit status of a rank that stopped because another rank was asked to stop (EX_TEMPFAIL): its
 agent restarts it into the next round."""
 EXIT_STOPPED = 143
-"""Exit status of a rank that stopped after its own SIGTERM (128 + 15)."""
+"""Exit status of a rank that stopped after its own SIGTERM (128 + 15; 130 after SIGINT)."""
 STOP_GRACE_S = 20.0
 """Seconds a rank asked to stop (SIGTERM) waits for the ranks to agree on a stop step (the end of
 the current step) before it just exits; below the 30 s torch's elastic agent waits before its
@@ -62,33 +63,69 @@ and cut the stop checkpoint of a join on a loaded machine: the next round redid 
 
 
 class StopRequest:
-    """A SIGTERM received by this rank (a spot instance's warning, a scale-down, or the elastic
-    agent restarting the group because a device joins): the loop stops after the current step
-    with a checkpoint at a step every rank agrees on. When the step cannot finish (a peer is
-    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds, unless the ranks agreed on
-    the stop step first (:meth:`agree`): then the stop checkpoint is written whatever it takes
-    (its collectives fail by themselves if a peer dies, and the agent's SIGKILL bounds it)."""
+    """A SIGTERM or SIGINT received by this rank (a spot instance's warning, a scale-down,
+    Ctrl-C, or the elastic agent restarting the group because a device joins): the loop stops
+    after the current step with a checkpoint at a step every rank agrees on. When the step
+    cannot finish (a peer is gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds
+    (``grace=True``, several ranks), unless the ranks agreed on the stop step first
+    (:meth:`agree`): then the stop checkpoint is written whatever it takes (its collectives
+    fail by themselves if a peer dies, and the agent's SIGKILL bounds it).
 
-    def __init__(self) -> None:
+    Attributes:
+        requested: a signal arrived.
+        signum: the first signal received (``signal.SIGTERM`` or ``signal.SIGINT``), or None.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self, *, grace: bool = True) -> None:
         self.requested = False
         self.agreed = False
+        self.signum: int | None = None
+        self._grace = grace
         self._timer: Any = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def signal_name(self) -> str:
+        """``"SIGTERM"``/``"SIGINT"`` of the first signal received (``"SIGTERM"`` if none)."""
+        return signal.Signals(self.signum).name if self.signum else "SIGTERM"
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal`` of the first signal received (143 for SIGTERM, 130 for SIGINT)."""
+        return 128 + (self.signum or 15)
 
     def install(self) -> StopRequest:
-        import signal
-
-        signal.signal(signal.SIGTERM, self._on_term)
+        """Handle SIGTERM and SIGINT in this process (the main thread only) until
+        :meth:`restore`."""
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def _on_term(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced (idempotent)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         import threading
 
+        if self.signum is None:
+            self.signum = int(signum)
         self.requested = True
-        if self.agreed or self._timer is not None:  # one grace period, none after agreement
-            return
-        self._timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
+        if not self._grace or self.agreed or self._timer is not None:
+            return  # one grace period, none after agreement
+        self._timer = threading.Timer(STOP_GRACE_S, os._exit, (self.exit_code,))
         self._timer.daemon = True
         self._timer.start()
+
+    # the handler's former name (SIGTERM only)
+    _on_term = _on_signal
 
     def agree(self) -> None:
         """Every rank knows the stop step (this step's all-gather carried the request): the
@@ -96,6 +133,24 @@ class StopRequest:
         self.agreed = True
         if self._timer is not None:
             self._timer.cancel()
+
+
+class TrainingStopped(SystemExit):
+    """The run stopped on a signal (SIGTERM, SIGINT) after an agreed step; ``code`` is the
+    rank's exit status (``128 + signal``, or :data:`EXIT_STOPPED_BY_PEER` for a rank whose
+    peer got the signal).
+
+    Attributes:
+        step: steps done (the stop step; a rerun resumes here).
+        path: the stop checkpoint's folder, or None (no ``--checkpoint-dir``).
+        signal_name: ``"SIGTERM"`` or ``"SIGINT"``.
+    """
+
+    def __init__(self, code: int, *, step: int, path: str | None, signal_name: str) -> None:
+        super().__init__(code)
+        self.step = step
+        self.path = path
+        self.signal_name = signal_name
 
 
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
@@ -724,10 +779,16 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     last_loss = float("nan")
     step_times: list[float] = []
     watchdog = Watchdog(job.hang_timeout_s, rank=rank) if job.hang_timeout_s else None
-    # under an elastic agent (torchrun, --max-restarts) SIGTERM asks for a graceful stop; until
-    # here it killed at once (nothing to save yet)
-    stop = StopRequest().install() if "TORCHELASTIC_RUN_ID" in os.environ else StopRequest()
-    stopped_code: int | None = None
+    # SIGTERM and SIGINT (Ctrl-C: the whole process group) ask for a graceful stop after the
+    # current step, with a checkpoint; until here they ended the rank at once (nothing to save
+    # yet). Signals can be handled in the main thread only (a rank run from another thread
+    # keeps the process's handlers).
+    import threading
+
+    stop = StopRequest(grace=world > 1)
+    if threading.current_thread() is threading.main_thread():
+        stop.install()
+    stopped: TrainingStopped | None = None
     if watchdog is not None:
         watchdog.start()
     try:
@@ -754,7 +815,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     result.iteration_time_s,
                     result.send_recv_time_s,
                     result.sync_time_s,
-                    1.0 if stop.requested else 0.0,
+                    float(stop.signum or 15) if stop.requested else 0.0,
                     1.0 if decision is not None else 0.0,
                 ],
                 dtype=torch.float64,
@@ -769,9 +830,12 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 rows = [torch.zeros(6, dtype=torch.float64, device=coll) for _ in range(world)]
                 dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
-            stopping = any(r[4] > 0 for r in table)
+            # a stop during the last step is no stop: the run ends normally
+            stopping = any(r[4] > 0 for r in table) and step + 1 < job.steps
             if stopping:
                 stop.agree()
+                # the signal of the lowest rank that got one (the same name on every rank)
+                stop_signal = signal.Signals(int(next(r[4] for r in table if r[4] > 0))).name
             new_plan_follows = table[0][5] > 0 and not stopping
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
@@ -835,6 +899,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                         )
                     plan = new_plan
                     replans += 1
+            path = None
             if job.checkpoint_dir and (
                 stopping or (job.checkpoint_every > 0 and (step + 1) % job.checkpoint_every == 0)
             ):
@@ -852,6 +917,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                             "seed": job.seed,
                             "batch": job.batch,
                             "example": job.example,
+                            **({"stop": stop_signal} if stopping else {}),
                         },
                         keep=job.checkpoint_keep,
                     )
@@ -862,10 +928,16 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 # device that joins): every rank checkpointed this same step; the next round
                 # resumes here without redoing a step
                 if lead:
-                    metrics.write("stop", step + 1, reason="SIGTERM", world_size=world)
-                stopped_code = EXIT_STOPPED if stop.requested else EXIT_STOPPED_BY_PEER
+                    metrics.write("stop", step + 1, reason=stop_signal, world_size=world)
+                stopped = TrainingStopped(
+                    stop.exit_code if stop.requested else EXIT_STOPPED_BY_PEER,
+                    step=step + 1,
+                    path=str(path) if path is not None else None,
+                    signal_name=stop_signal,
+                )
                 break
     finally:
+        stop.restore()
         if watchdog is not None:
             watchdog.stop()
         if progress is not None:
@@ -877,9 +949,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                 controller_proc.wait(timeout=10)
             except Exception:
                 controller_proc.kill()
-    if stopped_code is not None:
+    if stopped is not None:
         metrics.close()
-        raise SystemExit(stopped_code)
+        raise stopped
 
     # ---- end: gather, evaluate, export ---------------------------------------------------------
     full = worker.full_state_dict()
