@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
@@ -179,16 +180,6 @@ def publish_checkpoint(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> N
     _fsync_dir(root)
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Silence DCP's "assuming the intent is to save in a single process" warning (intended)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        yield
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """A complete checkpoint: its folder and validated manifest fields."""
@@ -208,6 +199,74 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (full disk, read-only or missing folder, I/O error):
+    one line naming the checkpoint folder and the OS error (``No space left on device``). The
+    partial folder has been removed; every earlier checkpoint is intact. Raised on every rank
+    alike (the ranks agree on the outcome of each phase)."""
+
+
+def _os_error_line(exc: BaseException) -> str | None:
+    """``strerror`` of the first ``OSError`` in ``exc``'s chain, DCP's per-rank failures
+    included (``CheckpointException.failures``), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and (e.strerror or e.errno):
+            return e.strerror or os.strerror(e.errno)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
+                inner = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def _probe_error(folder: Path) -> str | None:
+    """``strerror`` of writing 1 MiB into ``folder`` (None if that works): tells a full disk
+    from other failures when a writer reported no ``OSError`` (torch's zip writer says only
+    ``unexpected pos ...``)."""
+    probe = folder / f".probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def _failure_text(exc: BaseException, folder: Path) -> str:
+    """One line for a failed write: the OS error, else a probe of the folder, else the
+    exception's type and first line (clipped)."""
+    line = _os_error_line(exc) or _probe_error(folder)
+    if line:
+        return line
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first}"
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error of a phase (collective when a process group is up): every rank
+    gets the same answer, so that all stop or all go on."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return error
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    return next((g for g in gathered if g), None)
 
 
 def save(
@@ -231,36 +290,65 @@ def save(
 
     Raises:
         ValueError: ``keep < 1``.
-        OSError: the filesystem failed (the previous checkpoints are intact).
+        CheckpointWriteError: the filesystem failed in any phase, on any rank (every rank
+            raises it; the partial folder is removed, the previous checkpoints are intact).
     """
     if keep is not None and int(keep) < 1:
         raise ValueError(f"keep: expected an integer >= 1, got {keep}")
     root = Path(directory)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
+    lead = _rank() == 0
+
+    def fail(error: str) -> CheckpointWriteError:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        return CheckpointWriteError(f"checkpoint {final}: cannot write: {error}")
+
+    error = None
+    if lead:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+    error = _agree(error)
+    if error:
+        raise fail(error)
     tensors = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in layer_state.items()}
     single = not (dist.is_available() and dist.is_initialized())
-    with _quiet_single_process():
-        dcp.save(
-            tensors,
-            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-            no_dist=single,
-        )
-    _barrier()
-    if _rank() == 0:
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                no_dist=single,
+            )
+    except (Exception, CheckpointException) as exc:
+        # any rank's write failure: DCP raises CheckpointException (a BaseException) on every
+        # rank
+        error = _failure_text(exc, root)
+    error = _agree(error)
+    if error:
+        raise fail(error)
+    if lead:
         # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
         # load; the manifest is written last (fsync + rename), then the folder is published
-        data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
-        publish_checkpoint(tmp, final, data)
-        if keep is not None:
-            for stale in list_checkpoints(root)[: -int(keep)]:
-                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
+            publish_checkpoint(tmp, final, data)
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+    error = _agree(error)
+    if error:
+        raise fail(error)
+    if lead and keep is not None:
+        # older checkpoints go only once this one is complete
+        for stale in list_checkpoints(root)[: -int(keep)]:
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
 
