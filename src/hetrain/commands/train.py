@@ -313,6 +313,11 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
     print(
         f"on {plural(ranks, 'rank')} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
+        + (
+            f"; updates skipped (non-finite loss or gradient norm): {summary['skipped_steps']}"
+            if summary.get("skipped_steps")
+            else ""
+        )
     )
     if summary.get("dp_even"):
         from hetrain.report.run_report import comparison_line

@@ -190,6 +190,8 @@ def first_failure(path: Path, since_s: float = 0.0) -> str | None:
     if not own:  # only consequences recorded (e.g. a rank ended by its watchdog): the agent's
         return None  # own record of the first failure is the better line
     row = own[0]
+    if row["error"].startswith("NonFiniteError: "):  # names its own rank and stage
+        return f"{row['error'].split(': ', 1)[1]} (tracebacks of all ranks: {path})"
     where = f"rank {row['rank']} ({row['device']})"
     if row.get("layer"):
         where += f", layer {row['layer']}"

@@ -153,6 +153,35 @@ class TrainingStopped(SystemExit):
         self.signal_name = signal_name
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or global gradient norm was NaN or infinite and the job says
+    ``on_nonfinite="stop"``: every rank raises it at that step, before any checkpoint of the
+    step and before the export (the last good checkpoint stays the newest). The message is one
+    line naming the step and the rank, group and stage where the value first showed."""
+
+
+def _nonfinite_line(job: TrainJob, step: int, result: Any, table: list[list[float]]) -> str:
+    """The one line of :class:`NonFiniteError` (see there); ``table`` rows are the step's
+    all-gathered measurements (column 6: the rank's own part was not finite; 7, 8: its group
+    and stage index, -1 when unused)."""
+    what = []
+    if not math.isfinite(result.loss):
+        what.append(f"loss {result.loss}")
+    if not math.isfinite(result.grad_norm):
+        what.append(f"gradient norm {result.grad_norm}")
+    seen = sorted((int(row[7]), int(row[8]), r) for r, row in enumerate(table) if row[6] > 0)
+    where = ""
+    if seen:
+        g, k, r = seen[0]
+        where = f" (first on rank {r} ({job.devices[r]}), group {g} stage {k})"
+    latest = ckpt.list_checkpoints(job.checkpoint_dir) if job.checkpoint_dir else []
+    kept = f"last good checkpoint {latest[-1]}" if latest else "no checkpoint written"
+    return (
+        f"non-finite {' and '.join(what) or 'value'} at step {step}{where}; run stopped "
+        f"(--on-nonfinite skip skips such updates), {kept}, no model exported"
+    )
+
+
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
 
 
@@ -789,6 +818,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     if threading.current_thread() is threading.main_thread():
         stop.install()
     stopped: TrainingStopped | None = None
+    skipped_steps = 0  # updates skipped for a non-finite loss or gradient norm
     if watchdog is not None:
         watchdog.start()
     try:
@@ -817,6 +847,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     result.sync_time_s,
                     float(stop.signum or 15) if stop.requested else 0.0,
                     1.0 if decision is not None else 0.0,
+                    1.0 if result.nonfinite_here else 0.0,
+                    -1.0 if result.group_index is None else float(result.group_index),
+                    -1.0 if result.stage_index is None else float(result.stage_index),
                 ],
                 dtype=torch.float64,
                 device=coll,
@@ -827,7 +860,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             # gradient all-reduce the only other collective of a data-parallel step)
             rows = [mine]
             if world > 1:
-                rows = [torch.zeros(6, dtype=torch.float64, device=coll) for _ in range(world)]
+                rows = [torch.zeros(9, dtype=torch.float64, device=coll) for _ in range(world)]
                 dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
             # a stop during the last step is no stop: the run ends normally
@@ -863,6 +896,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                     send_recv_time_s={d: r[2] for d, r in zip(job.devices, table, strict=True)},
                     sync_time_s=max(r[3] for r in table),
                     slowdown=worker.emulation.slowdown if worker.emulation else {},
+                    **({"skipped": True} if result.skipped else {}),
                 )
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
@@ -885,6 +919,15 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                         },
                     )
                     adapt_time_s += time.perf_counter() - t_adapt
+            if result.skipped:
+                # a NaN/inf loss or gradient norm: no rank updated (the engine skips the
+                # update when either all-reduced value is not finite, the same on every rank)
+                if job.on_nonfinite == "stop":
+                    line = _nonfinite_line(job, step, result, table)
+                    if lead:
+                        metrics.write("nonfinite", step, action="stop", message=line)
+                    raise NonFiniteError(line)
+                skipped_steps += 1
             if new_plan_follows:
                 # the plan object only when it changed: every rank switches at the same step
                 box = [decision.plan.to_json_dict() if lead else None]
@@ -982,6 +1025,7 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "quality": job.task.quality_line(quality),
         "quality_reached": job.task.quality_reached(quality),
         "replans": replans,
+        "skipped_steps": skipped_steps,
         "adapt_time_s": adapt_time_s,
         "final_plan": plan.to_json_dict(),
         "wall_time_s": wall,
@@ -989,7 +1033,14 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         "model_path": str(out) if out is not None else None,
         "pretrained_dir": hf_dir,
     }
-    metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
+    metrics.write(
+        "end",
+        job.steps,
+        metrics=quality,
+        wall_time_s=wall,
+        replans=replans,
+        skipped_steps=skipped_steps,
+    )
     metrics.close()
     return summary
 
