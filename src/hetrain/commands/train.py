@@ -214,9 +214,9 @@ def run_train(
 
     job = build_job(task, workers=workers, nnodes=nnodes, progress=progress, **options)
     # the launch options are checked before anything is printed (one line on bad input)
-    if nnodes > 1:
-        if rdzv_endpoint is None:
-            raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if rdzv_endpoint is not None:
         # torch's rendezvous raised a ValueError traceback (exit 1) on a bad port
         host, sep, port = rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import tempfile
@@ -206,13 +207,19 @@ def launch(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
-    rdzv_timeout_s: int = 120,
+    rdzv_timeout_s: float = 60.0,
 ) -> dict[str, Any] | None:
     """Run ``job`` on ``nnodes * nproc_per_node`` ranks; returns rank 0's summary (None on a
     node that does not hold rank 0).
 
+    Args:
+        rdzv_timeout_s: seconds to reach the rendezvous store at ``rdzv_endpoint`` and to
+            join the rendezvous (torch's c10d ``read_timeout`` and ``join_timeout``).
+
     Raises:
-        LaunchError: a rank failed (message: rank and root-cause exception, one line).
+        LaunchError: a rank failed (message: rank and root-cause exception, one line), or the
+            rendezvous could not be joined within ``rdzv_timeout_s`` (naming the endpoint).
+        RunStopped: SIGTERM or SIGINT stopped the run.
     """
     if nnodes == 1 and nproc_per_node == 1:
         return _run_in_process(job)
@@ -233,12 +240,60 @@ def launch(
             controller.close()
 
 
+def _rendezvous_problem(endpoint: str, timeout_s: float) -> str | None:
+    """Why the c10d rendezvous store at ``endpoint`` (``HOST:PORT``) cannot be used, or None.
+
+    On this machine with the port free, the elastic agent will host the store: None. Else a
+    store must answer there: a ``TCPStore`` client is tried in a daemon thread for at most
+    ``timeout_s`` seconds (torch's own client waits forever on a port held by a program that is
+    not a store, whatever its timeout)."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    host, _, port_text = endpoint.rpartition(":")
+    port = int(port_text)
+    if _matches_machine_hostname(host):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return None  # free: the agent hosts the store here
+            except OSError:
+                pass
+    answer: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            answer.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported as the one line
+            answer.append(" ".join(str(exc).split()).split(" Exception raised from")[0][:200])
+
+    probe = threading.Thread(target=attempt, name="hetrain-rdzv-probe", daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    if not answer:
+        return f"no rendezvous store answered within --rdzv-timeout {timeout_s:g} s"
+    return answer[0]
+
+
 def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    timeout_s = max(1, math.ceil(rdzv_timeout_s))  # torch wants whole seconds
+    if rdzv_endpoint is not None:
+        problem = _rendezvous_problem(endpoint, rdzv_timeout_s)
+        if problem is not None:
+            raise LaunchError(
+                f"rendezvous at {endpoint} cannot be joined: {problem}; is another program "
+                "using that port?"
+            )
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -246,7 +301,7 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
         run_id=run_id or f"hetrain-{uuid.uuid4().hex[:8]}",
         rdzv_endpoint=endpoint,
         rdzv_backend="c10d",
-        rdzv_configs={"join_timeout": rdzv_timeout_s},
+        rdzv_configs={"join_timeout": timeout_s, "read_timeout": timeout_s},
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="fork",
@@ -276,6 +331,16 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
         raise LaunchError(_failure_line(job, started) or _root_cause(exc)) from None
+    except RendezvousError as exc:
+        # the store at the endpoint is not reachable (another program holds the port, a
+        # firewall) or the other nodes did not come: one line naming the endpoint
+        cause = exc.__cause__ or exc.__context__
+        detail = " ".join(str(cause or exc).split())[:200]
+        raise LaunchError(
+            f"rendezvous at {endpoint} could not be joined within --rdzv-timeout "
+            f"{rdzv_timeout_s:g} s ({type(exc).__name__}: {detail}); are the other nodes "
+            "started?"
+        ) from None
     except SignalException as exc:
         # SIGTERM/SIGINT to this process (or Ctrl-C to the whole group): the agent forwarded it
         # to the ranks, which wrote the stop checkpoint and exited; one line, no traceback
