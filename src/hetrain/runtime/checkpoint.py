@@ -50,6 +50,8 @@ from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
 
 MANIFEST = "manifest.json"
+CONTROLLER_FILE = "controller.json"
+"""The controller's state in a checkpoint (``PlanController.state_dict()``, plain JSON)."""
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -276,6 +278,7 @@ def save(
     manifest: Mapping[str, Any],
     *,
     keep: int | None = None,
+    controller_state: str | Path | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` (steps done) collectively; returns its final folder.
 
@@ -287,6 +290,10 @@ def save(
             ``format`` and ``step`` are set here.
         keep: complete checkpoints to keep (>= 1; older ones are deleted once this one is
             complete); None keeps all.
+        controller_state: rank 0: the controller's staged JSON state
+            (:func:`hetrain.runtime.adapt.controller_state_path`), copied into the checkpoint
+            as :data:`CONTROLLER_FILE` (checksummed like every file; manifest
+            ``"controller"``); None: the checkpoint has no controller state.
 
     Raises:
         ValueError: ``keep < 1``.
@@ -338,7 +345,17 @@ def save(
         # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
         # load; the manifest is written last (fsync + rename), then the folder is published
         try:
-            data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
+            extra: dict[str, Any] = {"controller": None}
+            if controller_state is not None:
+                shutil.copyfile(controller_state, tmp / CONTROLLER_FILE)
+                extra["controller"] = CONTROLLER_FILE
+            data = {
+                "format": FORMAT,
+                "step": int(step),
+                **manifest,
+                **extra,
+                "files": file_digests(tmp),
+            }
             publish_checkpoint(tmp, final, data)
         except OSError as exc:
             error = exc.strerror or str(exc)
@@ -346,9 +363,17 @@ def save(
     if error:
         raise fail(error)
     if lead and keep is not None:
-        # older checkpoints go only once this one is complete
+        # older checkpoints go only once this one is complete (their controller state in them)
         for stale in list_checkpoints(root)[: -int(keep)]:
             shutil.rmtree(stale, ignore_errors=True)
+    if lead and controller_state is not None:
+        # the controller's staged states before the one used are superseded (the one used
+        # stays: a stop or the last step, whose measurements are never posted, takes it)
+        used = Path(controller_state)
+        for staged in used.parent.glob("state-*.json"):
+            if staged.name < used.name:
+                with contextlib.suppress(OSError):
+                    staged.unlink()
     _barrier()
     return final
 
@@ -432,6 +457,45 @@ def load_latest(
             if not fallback or exc.field == "model_fingerprint":
                 raise
     return None
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    """The folder of the complete checkpoint of ``step`` in ``directory``."""
+    return Path(directory) / f"step-{int(step):06d}"
+
+
+def read_controller_state(directory: str | Path, step: int) -> dict[str, Any] | None:
+    """The controller's state in the checkpoint of ``step`` (plain JSON, its size and sha256
+    checked against the manifest), or None when that checkpoint has none.
+
+    Raises:
+        CheckpointError: a missing or malformed manifest, or the state file missing, altered
+            or not a JSON object.
+    """
+    path = checkpoint_path(directory, step)
+    source = str(path / MANIFEST)
+    try:
+        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(source, "", f"unreadable manifest ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or data.get("controller") is None:
+        return None
+    files = data.get("files")
+    if data["controller"] != CONTROLLER_FILE or not isinstance(files, dict):
+        raise CheckpointError(source, "controller", f"expected {CONTROLLER_FILE!r} or null")
+    if CONTROLLER_FILE not in files:
+        raise CheckpointError(source, "files", f"expected the checksum of {CONTROLLER_FILE}")
+    verify_files(path, {CONTROLLER_FILE: files[CONTROLLER_FILE]}, source)
+    state_path = path / CONTROLLER_FILE
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(
+            str(state_path), "", f"expected JSON ({type(exc).__name__})"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(str(state_path), "", "expected a JSON object")
+    return state
 
 
 def _layer_of(key: str) -> int | None:

@@ -963,6 +963,11 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
                             **({"stop": stop_signal} if stopping else {}),
                         },
                         keep=job.checkpoint_keep,
+                        controller_state=_staged_controller_state(
+                            job, step + 1, stopping or step + 1 == job.steps
+                        )
+                        if lead and link is not None
+                        else None,
                     )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
@@ -1043,6 +1048,33 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
     )
     metrics.close()
     return summary
+
+
+CONTROLLER_STATE_WAIT_S = 10.0
+"""Seconds rank 0 waits at a periodic checkpoint for the controller to stage its state of that
+step (it usually has within milliseconds: the step's measurements were just posted)."""
+
+
+def _staged_controller_state(job: TrainJob, step: int, no_wait: bool) -> Path | None:
+    """The controller's staged state for the checkpoint of ``step`` (rank 0): that step's,
+    waited for up to :data:`CONTROLLER_STATE_WAIT_S` at a periodic checkpoint; at a stop or
+    the last step (``no_wait``: their last measurements are never posted) or when it does not
+    come, the newest staged state of an earlier step; None when there is none."""
+    from hetrain.runtime.adapt import controller_state_path
+
+    exact = controller_state_path(job.checkpoint_dir, step)
+    if not no_wait:
+        deadline = time.monotonic() + CONTROLLER_STATE_WAIT_S
+        while not exact.is_file() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if exact.is_file():
+        return exact
+    found = []
+    for p in exact.parent.glob("state-*.json"):
+        digits = p.stem.split("-", 1)[1]
+        if digits.isdigit() and int(digits) <= step:
+            found.append((int(digits), p))
+    return max(found)[1] if found else None
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
