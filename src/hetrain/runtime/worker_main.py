@@ -124,9 +124,6 @@ class StopRequest:
         self._timer.daemon = True
         self._timer.start()
 
-    # the handler's former name (SIGTERM only)
-    _on_term = _on_signal
-
     def agree(self) -> None:
         """Every rank knows the stop step (this step's all-gather carried the request): the
         grace timer is cancelled so that it cannot cut the stop checkpoint short."""
