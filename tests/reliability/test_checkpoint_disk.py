@@ -110,3 +110,22 @@ def test_checkpoint_keep_must_be_positive(tmp_path, capsys):
     code = main([*COMMON, "--workers", "1", "--steps", "2", "--checkpoint-keep", "0"])
     assert code == 2
     assert "--checkpoint-keep" in capsys.readouterr().err
+
+
+def test_read_only_folder_is_one_line_and_keeps_earlier_checkpoints(tmp_path, small_fs, capfd):
+    ck = small_fs / "ck"
+    args = [*COMMON, "--workers", "1", "--checkpoint-dir", str(ck), "--checkpoint-every", "2"]
+    assert main([*args, "--steps", "4", "--run-dir", str(tmp_path / "a")]) == 0
+    done = subprocess.run(
+        ["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {done.stderr.strip()}")
+    capfd.readouterr()
+    assert main([*args, "--steps", "8", "--run-dir", str(tmp_path / "b")]) == 1
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("hetrain: error")]
+    assert len(err) == 1
+    assert f"checkpoint {ck / 'step-000006'}: cannot write: Read-only file system" in err[0]
+    assert [p.name for p in ckpt.list_checkpoints(ck)] == ["step-000002", "step-000004"]
+    for path in ckpt.list_checkpoints(ck):
+        ckpt.read_checkpoint(path)
