@@ -504,7 +504,8 @@ def build_job(
             the ``tensorboard`` package; a seed outside ``[0, 2**63-1]``, steps, batch or
             micro-batch size above ``MAX_BATCH`` (1e15), a trace's steps x devices above 1e7,
             ``hang_timeout_s`` above :data:`MAX_HANG_TIMEOUT_S`, ``microbatch_size`` with a
-            fixed plan, output files that coincide with each other or with an input file.
+            fixed plan, output files that coincide with each other or with an input file;
+            ``checkpoint_keep`` < 1, ``on_nonfinite`` other than ``"stop"``/``"skip"``.
     """
     d = task.defaults
     if tensorboard:
@@ -792,7 +793,8 @@ def train(
             default cut.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
+            ``checkpoint_dir``, ``checkpoint_every``, ``checkpoint_keep`` (complete checkpoints
+            kept, default 3), ``on_nonfinite`` (``"stop"``/``"skip"``), ``metrics_out``, ``out``,
             ``norm_block`` (BatchNorm norm block ``G``), ``exact`` (refuse random ops that
             cannot be made plan-invariant), ...), and ``max_restarts`` (restart all ranks
             after a failure, resuming from the latest checkpoint; default 0).
@@ -806,7 +808,9 @@ def train(
         InputError: bad configuration (before any process starts).
         hetrain.runtime.launch.LaunchError: a rank failed (message: the first failing rank's
             own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
-            in ``run_dir/rank_errors.jsonl``).
+            in ``run_dir/rank_errors.jsonl``), or a non-finite loss stopped the run.
+        hetrain.runtime.launch.RunStopped: SIGTERM or SIGINT stopped the run after a step
+            (its ``step`` and stop checkpoint ``path``).
     """
     task = task_from_objects(
         model, dataset, loss_fn, val_dataset=val_dataset, evaluate=evaluate, layers=layers
