@@ -69,6 +69,9 @@ def _run(ctl: PlanController, steps: range, seed: int) -> list:
 def test_restored_controller_takes_the_same_decisions(cut):
     a = _controller()
     _run(a, range(cut), seed=1)
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert isinstance(a, Stateful)  # torch.distributed.checkpoint's protocol
     state = json.loads(json.dumps(a.state_dict()))  # plain JSON, nothing else
     assert state["format"] == "hetrain.controller" and state["version"] == 1
     b = _controller(plan=a.current)
