@@ -302,6 +302,26 @@ def train(
         int,
         typer.Option("--checkpoint-every", help="checkpoint every N steps (0 = never)"),
     ] = 0,
+    checkpoint_keep: Annotated[
+        int,
+        typer.Option(
+            "--checkpoint-keep",
+            help="complete checkpoints kept; older ones are deleted once a new one is complete",
+        ),
+    ] = 3,
+    on_nonfinite: Annotated[
+        str,
+        typer.Option(
+            "--on-nonfinite",
+            help="a NaN/inf loss or gradient norm: stop (default) the run, or skip the update",
+        ),
+    ] = "stop",
+    rdzv_timeout: Annotated[
+        float,
+        typer.Option(
+            "--rdzv-timeout", help="seconds to join the rendezvous before failing (default 60)"
+        ),
+    ] = 60.0,
     max_restarts: Annotated[
         int,
         typer.Option(
@@ -401,6 +421,9 @@ def train(
             metrics_out=metrics_out,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
+            on_nonfinite=on_nonfinite,
+            rdzv_timeout_s=rdzv_timeout,
             max_restarts=max_restarts,
             hang_timeout_s=hang_timeout,
             norm_block=norm_block,
@@ -578,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(130, argv)
     except SystemExit as exc:
         return _exit(exc.code if isinstance(exc.code, int) else 1, argv)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops cleanly itself)
+        print("hetrain: interrupted", file=sys.stderr)
+        return _exit(130, argv)
     except BrokenPipeError:  # `hetrain plan --json | head`: the reader left, nothing to say
         return _exit(1, argv)
     except OSError as exc:  # e.g. stdout on a full disk (/dev/full): one line, not a traceback

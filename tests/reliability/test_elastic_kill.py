@@ -48,6 +48,7 @@ def _args(root: Path, steps: int = STEPS) -> list[str]:
         "--checkpoint-every", str(EVERY), "--metrics-out", str(root / "metrics.jsonl"),
         "--run-dir", str(root / "out"), "--no-report", "--no-progress", "--hang-timeout", "60",
         "--seed", "3", "--dtype", "float64", "--lr-schedule", "constant",
+        "--checkpoint-keep", "1000",  # the reference below starts from an early checkpoint
     ]  # fmt: skip
 
 

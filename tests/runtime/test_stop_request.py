@@ -20,9 +20,10 @@ def exits(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(os, "_exit", calls.append)
     monkeypatch.setattr(worker_main, "STOP_GRACE_S", 0.2)
-    old = signal.getsignal(signal.SIGTERM)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield calls
-    signal.signal(signal.SIGTERM, old)
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
 
 
 def _term_and_wait(seconds: float) -> None:
@@ -59,3 +60,15 @@ def test_repeated_sigterm_keeps_one_grace_period(exits):
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.6)
     assert stop.requested and exits == [worker_main.EXIT_STOPPED]  # one exit, not two
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals")
+def test_sigint_is_a_stop_request_and_handlers_are_restored(exits):
+    before = signal.getsignal(signal.SIGINT)
+    stop = worker_main.StopRequest(grace=False).install()
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt, a stop after the step
+    time.sleep(0.3)
+    assert stop.requested and stop.signal_name == "SIGINT" and stop.exit_code == 130
+    assert exits == []  # one rank (grace=False): no timer, the step always finishes
+    stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before

@@ -149,7 +149,9 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
         while not controller_state_path(tmp_path / "ckpt", 40).is_file():
             assert time.time() < deadline
             time.sleep(0.05)
-        saved = pickle.loads(controller_state_path(tmp_path / "ckpt", 40).read_bytes())
+        state = json.loads(controller_state_path(tmp_path / "ckpt", 40).read_text())
+        saved = _controller(60)  # a fresh controller restored from the plain-JSON state
+        saved.load_state_dict(state)
         # the state at the checkpoint boundary: 40 steps observed, w1's slow-down estimated
         speeds = saved.estimates.speeds_flops()
         assert saved.observed_steps == 40 and speeds["w1"] < 0.5 * speeds["w0"]

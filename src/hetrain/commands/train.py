@@ -80,6 +80,9 @@ def run_train(
     metrics_out: Path | None = None,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int = 0,
+    checkpoint_keep: int = 3,
+    on_nonfinite: str = "stop",
+    rdzv_timeout_s: float = 60.0,
     max_restarts: int = 0,
     hang_timeout_s: float | None = None,
     norm_block: int | None = None,
@@ -109,7 +112,7 @@ def run_train(
     raised as :class:`InputError`)."""
     from hetrain._io import check_seed
     from hetrain.runtime.api import build_job, run_job
-    from hetrain.runtime.launch import LaunchError, torchrun_world, under_torchrun
+    from hetrain.runtime.launch import LaunchError, RunStopped, torchrun_world, under_torchrun
 
     check_seed("--seed", seed)  # before a --model factory is seeded with it
     task = _task(example, model, data, size, seed)
@@ -156,6 +159,8 @@ def run_train(
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
+        checkpoint_keep=checkpoint_keep,
+        on_nonfinite=on_nonfinite,
         out=out,
         hang_timeout_s=hang_timeout_s,
         norm_block=norm_block,
@@ -209,9 +214,9 @@ def run_train(
 
     job = build_job(task, workers=workers, nnodes=nnodes, progress=progress, **options)
     # the launch options are checked before anything is printed (one line on bad input)
-    if nnodes > 1:
-        if rdzv_endpoint is None:
-            raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
+    if rdzv_endpoint is not None:
         # torch's rendezvous raised a ValueError traceback (exit 1) on a bad port
         host, sep, port = rdzv_endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -248,7 +253,12 @@ def run_train(
             rdzv_endpoint=rdzv_endpoint,
             run_id=rdzv_id,
             max_restarts=max_restarts,
+            rdzv_timeout_s=rdzv_timeout_s,
         )
+    except RunStopped as exc:
+        # SIGTERM / Ctrl-C: one line (step, checkpoint), 0 when the stop checkpoint was written
+        print(f"hetrain: {exc}", file=sys.stderr)
+        return exc.exit_code
     except LaunchError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
         # bad input found by the ranks (e.g. --exact refusing a random op): exit 2
@@ -303,6 +313,11 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
     print(
         f"on {plural(ranks, 'rank')} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
+        + (
+            f"; updates skipped (non-finite loss or gradient norm): {summary['skipped_steps']}"
+            if summary.get("skipped_steps")
+            else ""
+        )
     )
     if summary.get("dp_even"):
         from hetrain.report.run_report import comparison_line

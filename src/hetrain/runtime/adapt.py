@@ -29,8 +29,10 @@ gain over the expected persistence ``min(steps left, horizon_steps)`` pays its m
 (docs/model.md §4, v3: idle groups that become active included), and it looked so on
 ``confirm_steps``
 consecutive decisions (noise guard). The controller's state (estimates, policy with its
-queues, plan ids) is saved next to every checkpoint and restored on resume
-(``{checkpoint_dir}/controller/state-{step}.pkl``); the ranks keep their plan meanwhile.
+queues, plan ids) is a versioned JSON :meth:`PlanController.state_dict`, staged by the
+controller (:func:`controller_state_path`) and copied by rank 0 into the checkpoint of that step
+(``controller.json``, checksummed in its manifest); it is restored on resume from the
+checkpoint the ranks resume from; the ranks keep their plan meanwhile.
 
 Imports numpy and the planning modules only; torch only for the store, lazily.
 """
@@ -38,6 +40,7 @@ Imports numpy and the planning modules only; torch only for the store, lazily.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -694,17 +697,124 @@ class PlanController:
         return kind + (f": {', '.join(moved)} than at start" if moved else "")
 
     # ---- checkpoints ----
-    def state_bytes(self) -> bytes:
-        """The controller's state (estimates, policy with its queues, plan ids) as bytes."""
-        return pickle.dumps(self)
+    STATE_FORMAT = "hetrain.controller"
+    STATE_VERSION = 1
 
-    @staticmethod
-    def from_bytes(data: bytes) -> PlanController:
-        """Inverse of :meth:`state_bytes`."""
-        obj = pickle.loads(data)
-        if not isinstance(obj, PlanController):
-            raise ValueError("not a controller state")
-        return obj
+    def state_dict(self) -> dict[str, Any]:
+        """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
+        speed estimates (start-up speeds, ``κ``, ``λ`` and the recent slow-down ratios per
+        device), the plans by id and the next id, the step counters, the learned step overhead
+        residuals, queued measurements and the policy's own ``state_dict`` (queues,
+        candidate pool). Versioned (``format``, ``version``); restored by
+        :meth:`load_state_dict`. The start-up cluster state, profile and configuration are not
+        in it: a resumed round builds its controller from its own."""
+        est = self.estimates
+        policy = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
+        return {
+            "format": self.STATE_FORMAT,
+            "version": self.STATE_VERSION,
+            "devices": list(self.base_state.ids),
+            "estimates": {
+                "window": est.window,
+                "speed_flops": dict(est.speed_flops),
+                "kappa_s": {d: float(v) for d, v in est.kappa_s.items()},
+                "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
+                "samples": {d: list(v) for d, v in est._samples.items()},
+            },
+            "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
+            "current_plan_id": int(self.current.plan_id or 0),
+            "next_plan_id": self.next_plan_id,
+            "observed_steps": self.observed_steps,
+            "decisions": self.decisions,
+            "votes": self._votes,
+            "first_speeds": self._first_speeds,
+            "step_residuals_s": list(self._step_residuals_s),
+            "records": [[k, t] for k, t, _ in self._records],
+            "searched": None
+            if self._searched is None
+            else [int(self._searched[0]), np.asarray(self._searched[1]).tolist()],
+            "policy_answer": None
+            if self._policy_answer is None
+            else self._policy_answer.to_json_dict(),
+            "policy": policy,
+        }
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into this controller (built for the resumed
+        round). The plan in force and the run's steps stay this controller's (the round's plan
+        joins the known plans); the next plan id is the larger of both.
+
+        Raises:
+            ValueError: one line: not a controller state, another version, other devices than
+                this controller's, or a malformed field (nothing is changed then).
+        """
+        from hetrain.plan import plan_from_dict
+
+        if not isinstance(data, Mapping) or data.get("format") != self.STATE_FORMAT:
+            raise ValueError("controller state: not a hetrain controller state")
+        if data.get("version") != self.STATE_VERSION:
+            raise ValueError(
+                f"controller state: expected version {self.STATE_VERSION}, got "
+                f"{data.get('version')!r}"
+            )
+        if list(data.get("devices") or []) != list(self.base_state.ids):
+            raise ValueError(
+                f"controller state: devices {data.get('devices')!r} differ from this round's "
+                f"{list(self.base_state.ids)}"
+            )
+        try:
+            ids = list(self.base_state.ids)
+            est = data["estimates"]
+
+            def per_device(raw: Any) -> dict[str, float]:
+                out = {d: float(raw[d]) for d in ids}
+                if not all(math.isfinite(v) and v >= 0 for v in out.values()):
+                    raise ValueError("expected finite numbers >= 0")
+                return out
+
+            speed, kappa, lam = (
+                per_device(est[k]) for k in ("speed_flops", "kappa_s", "layer_overhead_s")
+            )
+            window = int(est["window"])
+            samples = {d: [float(v) for v in est["samples"][d]][-window:] for d in ids}
+            plans = {
+                int(k): plan_from_dict(v, f"controller state: plans.{k}")
+                for k, v in dict(data["plans"]).items()
+            }
+            counters = [
+                int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions", "votes")
+            ]
+            first = data["first_speeds"]
+            first_speeds = None if first is None else {str(d): float(v) for d, v in first.items()}
+            residuals = [float(v) for v in data["step_residuals_s"]]
+            records = [(int(k), float(t), {}) for k, t in data["records"]]
+            searched = data["searched"]
+            searched_t = (
+                None
+                if searched is None
+                else (int(searched[0]), np.asarray(searched[1], dtype=float))
+            )
+            answer = data["policy_answer"]
+            answer_plan = None if answer is None else plan_from_dict(answer, "controller state")
+            policy = data["policy"]
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+            why = " ".join(str(exc).split())[:200]
+            raise ValueError(f"controller state: malformed ({type(exc).__name__}: {why})") from None
+        if policy is not None and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(policy)
+        self.estimates.window = window
+        self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
+        self.estimates.layer_overhead_s = lam
+        self.estimates._samples = samples
+        plans[int(self.current.plan_id or 0)] = self.current
+        self.plans = plans
+        self.next_plan_id = max(counters[0], self.next_plan_id)
+        self.observed_steps, self.decisions, self._votes = counters[1:]
+        self._first_speeds = first_speeds
+        self._step_residuals_s = residuals
+        self._records = records
+        self._searched = searched_t
+        self._policy_answer = answer_plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -731,8 +841,10 @@ def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
-    """Where the controller's state of checkpoint ``step`` lives."""
-    return Path(checkpoint_dir) / "controller" / f"state-{int(step):08d}.pkl"
+    """Where the controller stages its state (:meth:`PlanController.state_dict`, JSON) for the
+    checkpoint of ``step``: rank 0 copies it into that checkpoint (``controller.json``, listed
+    with its checksum in the manifest, pruned with it; :mod:`hetrain.runtime.checkpoint`)."""
+    return Path(checkpoint_dir) / ".controller" / f"state-{int(step):08d}.json"
 
 
 class ControllerService:
@@ -781,16 +893,25 @@ class ControllerService:
             async_search=True,
         )
         start = int(init["start_step"])
+        if init.get("checkpoint_dir"):
+            # states staged by an earlier round are stale: this round starts from the state in
+            # the checkpoint it resumes from
+            for staged in controller_state_path(init["checkpoint_dir"], 0).parent.glob("*.json"):
+                with contextlib.suppress(OSError):
+                    staged.unlink()
         if init.get("checkpoint_dir") and start > 0:
-            path = controller_state_path(init["checkpoint_dir"], start)
-            if path.is_file():
-                saved = PlanController.from_bytes(path.read_bytes())
-                if saved.base_state.ids == ctl.base_state.ids:
-                    saved.current = ctl.current
-                    saved.plans[int(ctl.current.plan_id or 0)] = ctl.current
-                    saved.next_plan_id = max(saved.next_plan_id, ctl.next_plan_id)
-                    saved.steps = ctl.steps
-                    ctl = saved
+            # the state in the checkpoint the ranks resume from (checksum verified, plain
+            # JSON): used when it is this round's devices, else the round starts fresh
+            from hetrain.runtime.checkpoint import read_controller_state
+
+            try:
+                saved = read_controller_state(init["checkpoint_dir"], start)
+                if saved is not None and list(saved.get("devices") or []) == list(
+                    ctl.base_state.ids
+                ):
+                    ctl.load_state_dict(saved)
+            except ValueError as exc:  # CheckpointError too: one line, the round goes on
+                print(f"hetrain: warning: controller state not restored: {exc}", file=sys.stderr)
         self.controller = ctl
         self._last = start - 1
         if self._log is not None:
@@ -823,10 +944,17 @@ class ControllerService:
             row = {"step": k, "plan_id": rec["plan_id"], **ctl.predictions()}
             if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
                 path = controller_state_path(self._init["checkpoint_dir"], k + 1)
-                path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
-                tmp.write_bytes(ctl.state_bytes())
-                os.replace(tmp, path)
+                try:  # staged for rank 0's checkpoint of step k + 1 (plain JSON, no pickle)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with open(tmp, "w", encoding="utf-8") as fh:
+                        json.dump(ctl.state_dict(), fh)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, path)
+                except OSError:  # a full disk: that checkpoint goes without controller state
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
             if newest - k < DECIDE_BACKLOG_STEPS:
                 # one decision per measured step (decisions are a function of the log, the
                 # same on replay), except when behind: then only for the newest steps

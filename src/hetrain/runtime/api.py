@@ -532,6 +532,8 @@ def build_job(
     run_dir: str | Path | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
+    checkpoint_keep: int = 3,
+    on_nonfinite: str = "stop",
     out: str | Path | None = None,
     progress: bool = False,
     devices: Sequence[str] | None = None,
@@ -555,7 +557,8 @@ def build_job(
             the ``tensorboard`` package; a seed outside ``[0, 2**63-1]``, steps, batch or
             micro-batch size above ``MAX_BATCH`` (1e15), a trace's steps x devices above 1e7,
             ``hang_timeout_s`` above :data:`MAX_HANG_TIMEOUT_S`, ``microbatch_size`` with a
-            fixed plan, output files that coincide with each other or with an input file.
+            fixed plan, output files that coincide with each other or with an input file;
+            ``checkpoint_keep`` < 1, ``on_nonfinite`` other than ``"stop"``/``"skip"``.
     """
     d = task.defaults
     if tensorboard:
@@ -602,6 +605,9 @@ def build_job(
     checkpoint_every = _positive_int("--checkpoint-every", checkpoint_every, 0)
     if checkpoint_every > 0 and checkpoint_dir is None:
         raise InputError("--checkpoint-every", "", "expected --checkpoint-dir as well")
+    checkpoint_keep = _positive_int("--checkpoint-keep", checkpoint_keep, maximum=MAX_BATCH)
+    if on_nonfinite not in ("stop", "skip"):
+        raise InputError("--on-nonfinite", "", f"expected stop or skip, got {on_nonfinite!r}")
     if hang_timeout_s is not None:
         hang_timeout_s = _finite("--hang-timeout", hang_timeout_s)  # seconds > 0
         if hang_timeout_s > MAX_HANG_TIMEOUT_S:  # 1e300 overflowed timedelta in every rank
@@ -835,6 +841,8 @@ def build_job(
         run_dir=str(run_dir) if run_dir is not None else None,
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir is not None else None,
         checkpoint_every=checkpoint_every,
+        checkpoint_keep=checkpoint_keep,
+        on_nonfinite=on_nonfinite,
         out=str(out) if out is not None else None,
         progress=progress,
         example=task.name,
@@ -914,7 +922,8 @@ def train(
             trainable parameter in one group.
         **options: any keyword of :func:`build_job` (``plan``, ``slowdown``, ``trace``,
             ``dtype``, ``bf16``, ``grad_clip_norm``, ``warmup_steps``, ``lr_schedule``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``metrics_out``, ``out``,
+            ``checkpoint_dir``, ``checkpoint_every``, ``checkpoint_keep`` (complete checkpoints
+            kept, default 3), ``on_nonfinite`` (``"stop"``/``"skip"``), ``metrics_out``, ``out``,
             ``norm_block`` (BatchNorm norm block ``G``), ``exact`` (refuse random ops that
             cannot be made plan-invariant), ...), and ``max_restarts`` (restart all ranks
             after a failure, resuming from the latest checkpoint; default 0).
@@ -928,7 +937,9 @@ def train(
         InputError: bad configuration (before any process starts).
         hetrain.runtime.launch.LaunchError: a rank failed (message: the first failing rank's
             own error, ``rank R (device), layer L (Class): Error: ...``; every rank's traceback
-            in ``run_dir/rank_errors.jsonl``).
+            in ``run_dir/rank_errors.jsonl``), or a non-finite loss stopped the run.
+        hetrain.runtime.launch.RunStopped: SIGTERM or SIGINT stopped the run after a step
+            (its ``step`` and stop checkpoint ``path``).
     """
     user_optimizer = optimizer if callable(optimizer) else None
     task = task_from_objects(
@@ -996,15 +1007,18 @@ def run_job(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
+    rdzv_timeout_s: float = 60.0,
 ) -> dict[str, Any]:
     """Launch ``job`` (``len(job.devices) / nnodes`` ranks on this node) and return rank 0's
-    summary (with ``metrics_path``); ``{}`` on a node without rank 0.
+    summary (with ``metrics_path``); ``{}`` on a node without rank 0. ``rdzv_timeout_s``:
+    seconds to join the rendezvous (:func:`hetrain.runtime.launch.launch`).
 
     Raises:
-        InputError: ``max_restarts`` < 0.
+        InputError: ``max_restarts`` < 0, ``rdzv_timeout_s`` not a finite number > 0.
     """
     if max_restarts < 0:
         raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
+    rdzv_timeout_s = _finite("--rdzv-timeout", rdzv_timeout_s, maximum=MAX_HANG_TIMEOUT_S)
     if job.run_dir is not None:
         make_run_dir(job.run_dir)
     nproc = len(job.devices) // nnodes
@@ -1015,6 +1029,7 @@ def run_job(
         rdzv_endpoint=rdzv_endpoint,
         run_id=run_id,
         max_restarts=max_restarts,
+        rdzv_timeout_s=rdzv_timeout_s,
     )
     summary = dict(summary or {})
     if summary:

@@ -44,11 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
 
 MANIFEST = "manifest.json"
+CONTROLLER_FILE = "controller.json"
+"""The controller's state in a checkpoint (``PlanController.state_dict()``, plain JSON)."""
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
@@ -179,16 +182,6 @@ def publish_checkpoint(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> N
     _fsync_dir(root)
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """Silence DCP's "assuming the intent is to save in a single process" warning (intended)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        yield
-
-
 @dataclass(frozen=True)
 class Checkpoint:
     """A complete checkpoint: its folder and validated manifest fields."""
@@ -210,6 +203,74 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (full disk, read-only or missing folder, I/O error):
+    one line naming the checkpoint folder and the OS error (``No space left on device``). The
+    partial folder has been removed; every earlier checkpoint is intact. Raised on every rank
+    alike (the ranks agree on the outcome of each phase)."""
+
+
+def _os_error_line(exc: BaseException) -> str | None:
+    """``strerror`` of the first ``OSError`` in ``exc``'s chain, DCP's per-rank failures
+    included (``CheckpointException.failures``), or None."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and (e.strerror or e.errno):
+            return e.strerror or os.strerror(e.errno)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
+                inner = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def _probe_error(folder: Path) -> str | None:
+    """``strerror`` of writing 1 MiB into ``folder`` (None if that works): tells a full disk
+    from other failures when a writer reported no ``OSError`` (torch's zip writer says only
+    ``unexpected pos ...``)."""
+    probe = folder / f".probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * (1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def _failure_text(exc: BaseException, folder: Path) -> str:
+    """One line for a failed write: the OS error, else a probe of the folder, else the
+    exception's type and first line (clipped)."""
+    line = _os_error_line(exc) or _probe_error(folder)
+    if line:
+        return line
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first}"
+
+
+def _agree(error: str | None) -> str | None:
+    """The first rank's error of a phase (collective when a process group is up): every rank
+    gets the same answer, so that all stop or all go on."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return error
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    return next((g for g in gathered if g), None)
+
+
 def save(
     directory: str | Path,
     step: int,
@@ -217,6 +278,7 @@ def save(
     manifest: Mapping[str, Any],
     *,
     keep: int | None = None,
+    controller_state: str | Path | None = None,
 ) -> Path:
     """Write a checkpoint of ``step`` (steps done) collectively; returns its final folder.
 
@@ -228,39 +290,90 @@ def save(
             ``format`` and ``step`` are set here.
         keep: complete checkpoints to keep (>= 1; older ones are deleted once this one is
             complete); None keeps all.
+        controller_state: rank 0: the controller's staged JSON state
+            (:func:`hetrain.runtime.adapt.controller_state_path`), copied into the checkpoint
+            as :data:`CONTROLLER_FILE` (checksummed like every file; manifest
+            ``"controller"``); None: the checkpoint has no controller state.
 
     Raises:
         ValueError: ``keep < 1``.
-        OSError: the filesystem failed (the previous checkpoints are intact).
+        CheckpointWriteError: the filesystem failed in any phase, on any rank (every rank
+            raises it; the partial folder is removed, the previous checkpoints are intact).
     """
     if keep is not None and int(keep) < 1:
         raise ValueError(f"keep: expected an integer >= 1, got {keep}")
     root = Path(directory)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
+    lead = _rank() == 0
+
+    def fail(error: str) -> CheckpointWriteError:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        return CheckpointWriteError(f"checkpoint {final}: cannot write: {error}")
+
+    error = None
+    if lead:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+    error = _agree(error)
+    if error:
+        raise fail(error)
     tensors = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in layer_state.items()}
     single = not (dist.is_available() and dist.is_initialized())
-    with _quiet_single_process():
-        dcp.save(
-            tensors,
-            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-            no_dist=single,
-        )
-    _barrier()
-    if _rank() == 0:
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                no_dist=single,
+            )
+    except (Exception, CheckpointException) as exc:
+        # any rank's write failure: DCP raises CheckpointException (a BaseException) on every
+        # rank
+        error = _failure_text(exc, root)
+    error = _agree(error)
+    if error:
+        raise fail(error)
+    if lead:
         # sizes and sha256 of the DCP files, so that corruption after the fact is detected on
         # load; the manifest is written last (fsync + rename), then the folder is published
-        data = {"format": FORMAT, "step": int(step), **manifest, "files": file_digests(tmp)}
-        publish_checkpoint(tmp, final, data)
-        if keep is not None:
-            for stale in list_checkpoints(root)[: -int(keep)]:
-                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            extra: dict[str, Any] = {"controller": None}
+            if controller_state is not None:
+                shutil.copyfile(controller_state, tmp / CONTROLLER_FILE)
+                extra["controller"] = CONTROLLER_FILE
+            data = {
+                "format": FORMAT,
+                "step": int(step),
+                **manifest,
+                **extra,
+                "files": file_digests(tmp),
+            }
+            publish_checkpoint(tmp, final, data)
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+    error = _agree(error)
+    if error:
+        raise fail(error)
+    if lead and keep is not None:
+        # older checkpoints go only once this one is complete (their controller state in them)
+        for stale in list_checkpoints(root)[: -int(keep)]:
+            shutil.rmtree(stale, ignore_errors=True)
+    if lead and controller_state is not None:
+        # the controller's staged states before the one used are superseded (the one used
+        # stays: a stop or the last step, whose measurements are never posted, takes it)
+        used = Path(controller_state)
+        for staged in used.parent.glob("state-*.json"):
+            if staged.name < used.name:
+                with contextlib.suppress(OSError):
+                    staged.unlink()
     _barrier()
     return final
 
@@ -346,6 +459,45 @@ def load_latest(
     return None
 
 
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    """The folder of the complete checkpoint of ``step`` in ``directory``."""
+    return Path(directory) / f"step-{int(step):06d}"
+
+
+def read_controller_state(directory: str | Path, step: int) -> dict[str, Any] | None:
+    """The controller's state in the checkpoint of ``step`` (plain JSON, its size and sha256
+    checked against the manifest), or None when that checkpoint has none.
+
+    Raises:
+        CheckpointError: a missing or malformed manifest, or the state file missing, altered
+            or not a JSON object.
+    """
+    path = checkpoint_path(directory, step)
+    source = str(path / MANIFEST)
+    try:
+        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(source, "", f"unreadable manifest ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or data.get("controller") is None:
+        return None
+    files = data.get("files")
+    if data["controller"] != CONTROLLER_FILE or not isinstance(files, dict):
+        raise CheckpointError(source, "controller", f"expected {CONTROLLER_FILE!r} or null")
+    if CONTROLLER_FILE not in files:
+        raise CheckpointError(source, "files", f"expected the checksum of {CONTROLLER_FILE}")
+    verify_files(path, {CONTROLLER_FILE: files[CONTROLLER_FILE]}, source)
+    state_path = path / CONTROLLER_FILE
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(
+            str(state_path), "", f"expected JSON ({type(exc).__name__})"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(str(state_path), "", "expected a JSON object")
+    return state
+
+
 def _layer_of(key: str) -> int | None:
     parts = key.split(".")
     if len(parts) >= 2 and parts[0] in ("layers", "optim") and parts[1].isdigit():
@@ -353,20 +505,39 @@ def _layer_of(key: str) -> int | None:
     return None
 
 
-def restore(checkpoint: Checkpoint, owned_layers: set[int] | list[int]) -> dict[str, Any]:
-    """Read the keys of ``owned_layers`` (this rank's layers under its current plan) from
-    ``checkpoint``; collective when a process group is up. Returns a state dict for
-    ``Worker.load_layer_state_dict``.
+def _shared_of(key: str, shared: set[str]) -> str | None:
+    """The shared tensor a ``shared.{name}`` or ``optim.shared.{name}.{state}`` key belongs
+    to (None for other keys or names not in ``shared``)."""
+    if key.startswith("shared."):
+        name = key[len("shared.") :]
+        return name if name in shared else None
+    if key.startswith("optim.shared."):
+        name = key[len("optim.shared.") :].rsplit(".", 1)[0]
+        return name if name in shared else None
+    return None
 
-    Layers without state (no parameters or buffers) have no keys; a layer whose state is
-    missing is reported by ``Worker.load_layer_state_dict`` (``KeyError``).
+
+def restore(
+    checkpoint: Checkpoint,
+    owned_layers: set[int] | list[int],
+    shared: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Read this rank's keys from ``checkpoint``: those of ``owned_layers`` (its layers under
+    its current plan) and of the ``shared`` tensors it holds (tied weights, e.g. GPT-2's
+    ``transformer.wte.weight``, stored once as ``shared.{name}`` by whichever rank owned it
+    when the checkpoint was written), with their optimizer state. Collective when a process
+    group is up. Returns a state dict for ``Worker.load_layer_state_dict``.
+
+    Layers without state (no parameters or buffers) have no keys; a layer or shared tensor
+    whose state is missing is reported by ``Worker.load_layer_state_dict`` (``KeyError``).
     """
     reader = dcp.FileSystemReader(str(checkpoint.path))
     meta = reader.read_metadata().state_dict_metadata
     owned = set(owned_layers)
+    held_shared = set(shared)
     state: dict[str, Any] = {}
     for key, md in meta.items():
-        if _layer_of(key) not in owned:
+        if _layer_of(key) not in owned and _shared_of(key, held_shared) is None:
             continue
         if hasattr(md, "size"):
             state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -65,6 +65,11 @@ class StepResult:
         link_time_s: peer device -> time blocked receiving from it.
         sync_time_s: gradient all-reduce/broadcast time; ``sync_bytes`` all-reduced.
         iteration_time_s: wall time of the whole step on this rank.
+        skipped: the global loss or gradient norm was not finite, so no rank updated its
+            weights or optimizer state at this step (the same on every rank: both are
+            all-reduced before the update).
+        nonfinite_here: this rank's own loss part or gradient square norm was not finite
+            (where a NaN/inf first showed; set only on skipped steps).
         group_index / stage_index / stage: this rank's place in the plan (None if unused);
         batch: ``b_g``; microbatch_size: ``μ_g``; num_microbatches: ``n_g``.
     """
@@ -93,6 +98,8 @@ class StepResult:
     microbatch_size: int
     num_microbatches: int
     link_time_s: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    nonfinite_here: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -634,10 +641,13 @@ class Worker:
             scale = 1.0 / count
             loss *= scale
         grad_norm = math.sqrt(sqnorm) * scale
+        # a non-finite loss or gradient norm (the same on every rank): no update anywhere
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        here = skipped and not (math.isfinite(float(loss_part)) and math.isfinite(float(sq)))
         coef = clip_coefficient(grad_norm, self.grad_clip_norm) * scale
         lr_factor = self.optimizer_spec.lr_factor(step)
         for unit, opt in self.optimizers.items():
-            if opt is None:
+            if opt is None or skipped:
                 continue
             if coef != 1.0:
                 for p in self._unit_params(unit):
@@ -671,6 +681,8 @@ class Worker:
             microbatch_size=0 if group is None else group.microbatch_size,
             num_microbatches=num_mb,
             link_time_s=dict(timers.link_time_s),
+            skipped=skipped,
+            nonfinite_here=here,
         )
 
     # ----------------------------------------------------------------------------- plan change

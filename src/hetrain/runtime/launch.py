@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import tempfile
@@ -29,11 +30,80 @@ from typing import Any
 import torch.distributed as dist
 
 from hetrain._io import read_jsonl
-from hetrain.runtime.worker_main import TrainJob, run_worker
+from hetrain.runtime.worker_main import TrainingStopped, TrainJob, run_worker
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message is one line naming the rank and the root cause."""
+
+
+class RunStopped(Exception):
+    """The run was stopped by a signal (SIGTERM, or SIGINT: Ctrl-C) to the launching process
+    or its whole process group; the ranks finished the current step, wrote the stop
+    checkpoint when there is a checkpoint folder, and exited.
+
+    Attributes:
+        signal_name: ``"SIGTERM"``, ``"SIGINT"``, ...
+        step: steps done at the stop (None when unknown: no stop checkpoint was written).
+        path: the stop checkpoint's folder, or None.
+        exit_code: 0 when the stop checkpoint was written, else ``128 + signal``.
+    """
+
+    def __init__(self, signal_name: str, step: int | None, path: str | None) -> None:
+        import signal
+
+        self.signal_name = signal_name
+        self.step = step
+        self.path = path
+        signum = int(getattr(signal, signal_name, signal.SIGTERM))
+        self.exit_code = 0 if path is not None else 128 + signum
+        if path is not None:
+            line = (
+                f"stopped at step {step} ({signal_name}); checkpoint {path}; the same command "
+                f"resumes from it"
+            )
+        elif step is not None:
+            line = f"stopped at step {step} ({signal_name}); no checkpoint (no --checkpoint-dir)"
+        else:
+            line = f"stopped ({signal_name}) before a stop checkpoint was written"
+        super().__init__(line)
+
+
+def _checkpoint_stamp(job: TrainJob) -> tuple[str, int] | None:
+    """(folder, manifest mtime in ns) of the newest complete checkpoint, or None."""
+    from hetrain.runtime import checkpoint as ckpt
+
+    if not job.checkpoint_dir:
+        return None
+    found = ckpt.list_checkpoints(job.checkpoint_dir)
+    if not found:
+        return None
+    try:
+        return str(found[-1]), (found[-1] / ckpt.MANIFEST).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _stopped(job: TrainJob, signum: int, before: tuple[str, int] | None) -> RunStopped:
+    """The :class:`RunStopped` of a launch ended by ``signum``: the stop checkpoint is the
+    newest checkpoint when it is new since ``before`` and its manifest records the stop."""
+    import signal
+
+    from hetrain.runtime import checkpoint as ckpt
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    now = _checkpoint_stamp(job)
+    if now is not None and now != before:
+        try:
+            found = ckpt.read_checkpoint(now[0])
+        except ckpt.CheckpointError:
+            found = None
+        if found is not None and found.manifest.get("stop"):
+            return RunStopped(str(found.manifest["stop"]), found.step, str(found.path))
+    return RunStopped(name, None, None)
 
 
 def free_port() -> int:
@@ -115,6 +185,8 @@ def first_failure(path: Path, since_s: float = 0.0) -> str | None:
     if not own:  # only consequences recorded (e.g. a rank ended by its watchdog): the agent's
         return None  # own record of the first failure is the better line
     row = own[0]
+    if row["error"].startswith("NonFiniteError: "):  # names its own rank and stage
+        return f"{row['error'].split(': ', 1)[1]} (tracebacks of all ranks: {path})"
     where = f"rank {row['rank']} ({row['device']})"
     if row.get("layer"):
         where += f", layer {row['layer']}"
@@ -129,13 +201,19 @@ def launch(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
-    rdzv_timeout_s: int = 120,
+    rdzv_timeout_s: float = 60.0,
 ) -> dict[str, Any] | None:
     """Run ``job`` on ``nnodes * nproc_per_node`` ranks; returns rank 0's summary (None on a
     node that does not hold rank 0).
 
+    Args:
+        rdzv_timeout_s: seconds to reach the rendezvous store at ``rdzv_endpoint`` and to
+            join the rendezvous (torch's c10d ``read_timeout`` and ``join_timeout``).
+
     Raises:
-        LaunchError: a rank failed (message: rank and root-cause exception, one line).
+        LaunchError: a rank failed (message: rank and root-cause exception, one line), or the
+            rendezvous could not be joined within ``rdzv_timeout_s`` (naming the endpoint).
+        RunStopped: SIGTERM or SIGINT stopped the run.
     """
     if nnodes == 1 and nproc_per_node == 1:
         return _run_in_process(job)
@@ -156,11 +234,60 @@ def launch(
             controller.close()
 
 
+def _rendezvous_problem(endpoint: str, timeout_s: float) -> str | None:
+    """Why the c10d rendezvous store at ``endpoint`` (``HOST:PORT``) cannot be used, or None.
+
+    On this machine with the port free, the elastic agent will host the store: None. Else a
+    store must answer there: a ``TCPStore`` client is tried in a daemon thread for at most
+    ``timeout_s`` seconds (torch's own client waits forever on a port held by a program that is
+    not a store, whatever its timeout)."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    host, _, port_text = endpoint.rpartition(":")
+    port = int(port_text)
+    if _matches_machine_hostname(host):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return None  # free: the agent hosts the store here
+            except OSError:
+                pass
+    answer: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            answer.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported as the one line
+            answer.append(" ".join(str(exc).split()).split(" Exception raised from")[0][:200])
+
+    probe = threading.Thread(target=attempt, name="hetrain-rdzv-probe", daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    if not answer:
+        return f"no rendezvous store answered within --rdzv-timeout {timeout_s:g} s"
+    return answer[0]
+
+
 def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    timeout_s = max(1, math.ceil(rdzv_timeout_s))  # torch wants whole seconds
+    if rdzv_endpoint is not None:
+        problem = _rendezvous_problem(endpoint, rdzv_timeout_s)
+        if problem is not None:
+            raise LaunchError(
+                f"rendezvous at {endpoint} cannot be joined: {problem}; is another program "
+                "using that port?"
+            )
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -168,7 +295,7 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
         run_id=run_id or f"hetrain-{uuid.uuid4().hex[:8]}",
         rdzv_endpoint=endpoint,
         rdzv_backend="c10d",
-        rdzv_configs={"join_timeout": rdzv_timeout_s},
+        rdzv_configs={"join_timeout": timeout_s, "read_timeout": timeout_s},
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="fork",
@@ -182,9 +309,15 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     import logging
 
     started = time.time()
+    before = _checkpoint_stamp(job)
     # the elastic agent logs a multi-line report of every failed child; the root cause is
     # reported below in one line (rank_errors.jsonl keeps every traceback)
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed")]
+    # (torch's elastic loggers have their own levels: each is set, not only the parents)
+    quiet = [
+        logging.getLogger(n)
+        for n in sorted(logging.root.manager.loggerDict)
+        if n == "torch.distributed" or n.startswith("torch.distributed.")
+    ]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
         lg.setLevel(logging.CRITICAL)
@@ -192,6 +325,20 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
         results = elastic_launch(config, _entry)(job)
     except ChildFailedError as exc:
         raise LaunchError(_failure_line(job, started) or _root_cause(exc)) from None
+    except RendezvousError as exc:
+        # the store at the endpoint is not reachable (another program holds the port, a
+        # firewall) or the other nodes did not come: one line naming the endpoint
+        cause = exc.__cause__ or exc.__context__
+        detail = " ".join(str(cause or exc).split())[:200]
+        raise LaunchError(
+            f"rendezvous at {endpoint} could not be joined within --rdzv-timeout "
+            f"{rdzv_timeout_s:g} s ({type(exc).__name__}: {detail}); are the other nodes "
+            "started?"
+        ) from None
+    except SignalException as exc:
+        # SIGTERM/SIGINT to this process (or Ctrl-C to the whole group): the agent forwarded it
+        # to the ranks, which wrote the stop checkpoint and exited; one line, no traceback
+        raise _stopped(job, int(exc.sigval), before) from None
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)
@@ -238,6 +385,8 @@ def _run_in_process(job: TrainJob) -> dict[str, Any] | None:
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             return run_worker(job)
+        except TrainingStopped as stop:
+            raise RunStopped(stop.signal_name, stop.step, stop.path) from None
         except (InputError, SystemExit, KeyboardInterrupt):
             raise
         except Exception as exc:

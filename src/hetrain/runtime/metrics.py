@@ -6,7 +6,9 @@ Every line has ``event`` and ``step`` and ``time_s`` (seconds since the run star
   (wall time of the iteration on the slowest rank, seconds), ``plan_id`` (integer, grows with
   each new plan), ``global_batch`` (B), ``shares`` (``b_g`` per group, plan order),
   ``lr``, ``compute_time_s`` (per rank: measured compute of the rank's stage, emulated
-  slow-down included), ``slowdown`` (per rank: emulated factor in force).
+  slow-down included), ``slowdown`` (per rank: emulated factor in force), ``skipped``
+  (only when true: the loss or gradient norm was not finite and no rank updated,
+  ``--on-nonfinite skip``).
 - ``"plan"``: the plan in force from ``step`` on (``plan``: the docs/model.md §7 plan object);
   written at
   the start and after each change.
@@ -17,6 +19,8 @@ Every line has ``event`` and ``step`` and ``time_s`` (seconds since the run star
 - ``"restart"``: the run resumed from the checkpoint ``path`` at ``step``.
 - ``"timeline"``: ``groups``, per group per stage the measured ``(kind, microbatch, start_s,
   end_s)`` events of one iteration (from the engine's measurements), for the report.
+- ``"nonfinite"``: the run stopped at this step on a NaN/inf loss or gradient norm
+  (``message``: the error line; ``--on-nonfinite stop``).
 - ``"end"``: final ``metrics`` (validation quality) and ``wall_time_s``.
 
 Sinks: :class:`MetricsWriter` also hands every record to its ``sinks`` (objects with
@@ -35,7 +39,17 @@ from typing import Any
 
 from hetrain._io import read_jsonl
 
-EVENTS = ("step", "plan", "replan", "checkpoint", "restart", "stop", "timeline", "end")
+EVENTS = (
+    "step",
+    "plan",
+    "replan",
+    "checkpoint",
+    "restart",
+    "stop",
+    "nonfinite",
+    "timeline",
+    "end",
+)
 
 
 def _clean(value: Any) -> Any:

@@ -9,11 +9,18 @@ forward messages and its backward messages in micro-batch order, 1F1B and GPipe 
 deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each direction of a
 link has its own two-rank process group (``GroupCache.pipeline_channels``), so with NCCL a
 queued activation send never blocks the gradient receive coming the other way.
+
+Nothing received is unpickled: a pytree's structure travels as JSON (torch's
+``treespec_dumps``/``treespec_loads``, which rebuild only registered container types) with its
+non-tensor leaves as plain JSON values (:func:`encode_structure`, :func:`decode_structure`);
+tensors travel as headers plus raw payloads. A malformed message (bad JSON, unknown container
+type, leaf counts that disagree, an unknown dtype code, a negative or oversized length) is a
+one-line :class:`StageMessageError` and changes nothing.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import time
 import warnings
 from collections.abc import Callable
@@ -22,7 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_flatten,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
 
 from hetrain.runtime.emulation import Emulation, sleep_s, slow_down
 
@@ -46,6 +59,84 @@ HEADER_LEN = 4 + MAX_NDIM  # dtype code, ndim, send time (ns), requires grad, di
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
 TAG_TREE = 3
+STRUCTURE_FORMAT = 1
+MAX_STRUCTURE_BYTES = 1 << 20
+"""Largest encoded pytree structure a stage accepts (bytes): far above any model's (a few KB)."""
+_PLAIN = (type(None), bool, int, float, str)
+
+
+class StageMessageError(ValueError):
+    """A message between pipeline stages that is not what the protocol allows (one line, naming
+    the sending rank and what is wrong); nothing of it was used."""
+
+
+def encode_structure(spec: TreeSpec, leaves: list[Any], mask: list[bool]) -> bytes:
+    """JSON bytes of a pytree's structure: ``spec`` (``treespec_dumps``), the non-tensor leaves
+    (``None``, bool, int, float, str; ``None`` in the places of tensors) and the tensor mask.
+
+    Raises:
+        TypeError: a non-tensor leaf of another type, or a container type that torch cannot
+            serialise (e.g. an unregistered ``namedtuple``): stage outputs must be tensors,
+            plain values and registered containers.
+    """
+    plain = []
+    for leaf, is_tensor in zip(leaves, mask, strict=True):
+        if is_tensor:
+            plain.append(None)
+        elif isinstance(leaf, _PLAIN):
+            plain.append(leaf)
+        else:
+            raise TypeError(
+                f"stage output leaf of type {type(leaf).__name__}: only tensors, None, bool, "
+                "int, float and str cross a stage boundary"
+            )
+    try:
+        spec_text = treespec_dumps(spec)
+    except (NotImplementedError, TypeError, ValueError) as exc:
+        raise TypeError(f"stage output structure cannot be sent as data: {exc}") from None
+    return json.dumps(
+        {"format": STRUCTURE_FORMAT, "spec": spec_text, "leaves": plain, "mask": mask}
+    ).encode("utf-8")
+
+
+def decode_structure(blob: bytes, source: str) -> tuple[TreeSpec, list[Any], list[bool]]:
+    """Inverse of :func:`encode_structure`, validating everything (no code runs: JSON, then
+    ``treespec_loads`` of registered container types only).
+
+    Raises:
+        StageMessageError: ``source`` (e.g. ``"stage message from rank 1"``) and the fault:
+            not UTF-8 JSON, wrong format or fields, an unknown container type, a leaf count
+            other than the spec's, non-plain leaves.
+    """
+    try:
+        data = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise StageMessageError(f"{source}: malformed structure (not UTF-8 JSON)") from None
+    if not isinstance(data, dict) or data.get("format") != STRUCTURE_FORMAT:
+        raise StageMessageError(f"{source}: malformed structure (expected format 1)")
+    spec_text, leaves, mask = data.get("spec"), data.get("leaves"), data.get("mask")
+    if (
+        not isinstance(spec_text, str)
+        or not isinstance(leaves, list)
+        or not isinstance(mask, list)
+        or len(leaves) != len(mask)
+        or not all(type(m) is bool for m in mask)
+        or not all(isinstance(v, _PLAIN) for v in leaves)
+        or any(m and v is not None for v, m in zip(leaves, mask, strict=True))
+    ):
+        raise StageMessageError(f"{source}: malformed structure (spec, leaves, mask)")
+    try:
+        spec = treespec_loads(spec_text)
+    except Exception as exc:  # noqa: BLE001 - any failure of a hostile spec is one line
+        why = " ".join(str(exc).split())[:120]
+        raise StageMessageError(
+            f"{source}: malformed structure spec ({type(exc).__name__}: {why})"
+        ) from None
+    if spec.num_leaves != len(mask):
+        raise StageMessageError(
+            f"{source}: structure has {spec.num_leaves} leaves, message {len(mask)}"
+        )
+    return spec, leaves, mask
 
 
 def schedule_ops(
@@ -151,6 +242,10 @@ class P2P:
         group = self.channels.get((src, self.rank))
         dist.recv(htensor, src, group=group, tag=TAG_HEADER)
         header = htensor.tolist()
+        if not (0 <= header[0] < len(_DTYPES) and 0 <= header[1] <= MAX_NDIM) or any(
+            d < 0 for d in header[4 : 4 + header[1]]
+        ):
+            raise StageMessageError(f"stage message from rank {src}: malformed tensor header")
         dtype = _DTYPES[header[0]]
         shape = header[4 : 4 + header[1]]
         out = torch.empty(shape, dtype=dtype, device=self.device)
@@ -173,12 +268,11 @@ class P2P:
 
     def send_tree(self, obj: Any, dst: int) -> None:
         """Send a pytree of tensors (tensor, tuple, dict, ``ModelOutput``...): its structure and
-        non-tensor leaves (pickled, only when they differ from the last tree sent to ``dst``
-        in this step), then each tensor with :meth:`send`."""
+        non-tensor leaves (JSON, :func:`encode_structure`; only when they differ from the last
+        tree sent to ``dst`` in this step), then each tensor with :meth:`send`."""
         flat, spec = tree_flatten(obj)
         mask = [isinstance(a, torch.Tensor) for a in flat]
-        struct = (spec, [None if m else a for a, m in zip(flat, mask, strict=True)], mask)
-        blob = b"" if isinstance(obj, torch.Tensor) else pickle.dumps(struct)
+        blob = b"" if isinstance(obj, torch.Tensor) else encode_structure(spec, flat, mask)
         changed = blob != self._sent_struct.get(dst, b"")
         self._sent_struct[dst] = blob
         group = self.channels.get((self.rank, dst))
@@ -202,19 +296,24 @@ class P2P:
         meta = torch.empty(2, dtype=torch.int64, device=self.device)
         dist.recv(meta, src, group=group, tag=TAG_TREE)
         length, plain = meta.tolist()
+        source = f"stage message from rank {src}"
+        if not (-1 <= length <= MAX_STRUCTURE_BYTES) or plain not in (0, 1):
+            raise StageMessageError(f"{source}: malformed structure header")
         if length > 0:
             data = torch.empty(length, dtype=torch.uint8, device=self.device)
             dist.recv(data, src, group=group, tag=TAG_TREE)
             with warnings.catch_warnings():
-                # torch 2.13's own unpickling of a TreeSpec trips its LeafSpec deprecation
-                # (a FutureWarning printed once per pipeline stage on the user's console)
+                # torch's TreeSpec building trips its own LeafSpec deprecation (a FutureWarning
+                # printed once per pipeline stage on the user's console)
                 warnings.filterwarnings("ignore", ".*LeafSpec.* is deprecated", FutureWarning)
-                self._recv_struct[src] = pickle.loads(data.cpu().numpy().tobytes())
+                self._recv_struct[src] = decode_structure(data.cpu().numpy().tobytes(), source)
         elif length == 0:
             self._recv_struct[src] = None
         if plain:
             t = self.recv(src)
             return t, [self.last_requires_grad]
+        if self._recv_struct.get(src) is None:
+            raise StageMessageError(f"{source}: a tree without its structure")
         spec, flat, mask = self._recv_struct[src]
         flat = list(flat)
         flags = []

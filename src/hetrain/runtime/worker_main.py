@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -63,7 +64,7 @@ EXIT_STOPPED_BY_PEER = 75
 """Exit status of a rank that stopped because another rank was asked to stop (EX_TEMPFAIL): its
 agent restarts it into the next round."""
 EXIT_STOPPED = 143
-"""Exit status of a rank that stopped after its own SIGTERM (128 + 15)."""
+"""Exit status of a rank that stopped after its own SIGTERM (128 + 15; 130 after SIGINT)."""
 STOP_GRACE_S = 20.0
 """Seconds a rank asked to stop (SIGTERM) waits for the ranks to agree on a stop step (the end of
 the current step) before it just exits; below the 30 s torch's elastic agent waits before its
@@ -72,31 +73,64 @@ and cut the stop checkpoint of a join on a loaded machine: the next round redid 
 
 
 class StopRequest:
-    """A SIGTERM received by this rank (a spot instance's warning, a scale-down, or the elastic
-    agent restarting the group because a device joins): the loop stops after the current step
-    with a checkpoint at a step every rank agrees on. When the step cannot finish (a peer is
-    gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds, unless the ranks agreed on
-    the stop step first (:meth:`agree`): then the stop checkpoint is written whatever it takes
-    (its collectives fail by themselves if a peer dies, and the agent's SIGKILL bounds it)."""
+    """A SIGTERM or SIGINT received by this rank (a spot instance's warning, a scale-down,
+    Ctrl-C, or the elastic agent restarting the group because a device joins): the loop stops
+    after the current step with a checkpoint at a step every rank agrees on. When the step
+    cannot finish (a peer is gone), the rank exits anyway after :data:`STOP_GRACE_S` seconds
+    (``grace=True``, several ranks), unless the ranks agreed on the stop step first
+    (:meth:`agree`): then the stop checkpoint is written whatever it takes (its collectives
+    fail by themselves if a peer dies, and the agent's SIGKILL bounds it).
 
-    def __init__(self) -> None:
+    Attributes:
+        requested: a signal arrived.
+        signum: the first signal received (``signal.SIGTERM`` or ``signal.SIGINT``), or None.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self, *, grace: bool = True) -> None:
         self.requested = False
         self.agreed = False
+        self.signum: int | None = None
+        self._grace = grace
         self._timer: Any = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def signal_name(self) -> str:
+        """``"SIGTERM"``/``"SIGINT"`` of the first signal received (``"SIGTERM"`` if none)."""
+        return signal.Signals(self.signum).name if self.signum else "SIGTERM"
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal`` of the first signal received (143 for SIGTERM, 130 for SIGINT)."""
+        return 128 + (self.signum or 15)
 
     def install(self) -> StopRequest:
-        import signal
-
-        signal.signal(signal.SIGTERM, self._on_term)
+        """Handle SIGTERM and SIGINT in this process (the main thread only) until
+        :meth:`restore`."""
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
-    def _on_term(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced (idempotent)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
         import threading
 
+        if self.signum is None:
+            self.signum = int(signum)
         self.requested = True
-        if self.agreed or self._timer is not None:  # one grace period, none after agreement
-            return
-        self._timer = threading.Timer(STOP_GRACE_S, os._exit, (EXIT_STOPPED,))
+        if not self._grace or self.agreed or self._timer is not None:
+            return  # one grace period, none after agreement
+        self._timer = threading.Timer(STOP_GRACE_S, os._exit, (self.exit_code,))
         self._timer.daemon = True
         self._timer.start()
 
@@ -106,6 +140,53 @@ class StopRequest:
         self.agreed = True
         if self._timer is not None:
             self._timer.cancel()
+
+
+class TrainingStopped(SystemExit):
+    """The run stopped on a signal (SIGTERM, SIGINT) after an agreed step; ``code`` is the
+    rank's exit status (``128 + signal``, or :data:`EXIT_STOPPED_BY_PEER` for a rank whose
+    peer got the signal).
+
+    Attributes:
+        step: steps done (the stop step; a rerun resumes here).
+        path: the stop checkpoint's folder, or None (no ``--checkpoint-dir``).
+        signal_name: ``"SIGTERM"`` or ``"SIGINT"``.
+    """
+
+    def __init__(self, code: int, *, step: int, path: str | None, signal_name: str) -> None:
+        super().__init__(code)
+        self.step = step
+        self.path = path
+        self.signal_name = signal_name
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or global gradient norm was NaN or infinite and the job says
+    ``on_nonfinite="stop"``: every rank raises it at that step, before any checkpoint of the
+    step and before the export (the last good checkpoint stays the newest). The message is one
+    line naming the step and the rank, group and stage where the value first showed."""
+
+
+def _nonfinite_line(job: TrainJob, step: int, result: Any, table: list[list[float]]) -> str:
+    """The one line of :class:`NonFiniteError` (see there); ``table`` rows are the step's
+    all-gathered measurements (column 6: the rank's own part was not finite; 7, 8: its group
+    and stage index, -1 when unused)."""
+    what = []
+    if not math.isfinite(result.loss):
+        what.append(f"loss {result.loss}")
+    if not math.isfinite(result.grad_norm):
+        what.append(f"gradient norm {result.grad_norm}")
+    seen = sorted((int(row[7]), int(row[8]), r) for r, row in enumerate(table) if row[6] > 0)
+    where = ""
+    if seen:
+        g, k, r = seen[0]
+        where = f" (first on rank {r} ({job.devices[r]}), group {g} stage {k})"
+    latest = ckpt.list_checkpoints(job.checkpoint_dir) if job.checkpoint_dir else []
+    kept = f"last good checkpoint {latest[-1]}" if latest else "no checkpoint written"
+    return (
+        f"non-finite {' and '.join(what) or 'value'} at step {step}{where}; run stopped "
+        f"(--on-nonfinite skip skips such updates), {kept}, no model exported"
+    )
 
 
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
@@ -137,6 +218,10 @@ class TrainJob:
         trace_rows: docs/model.md §7 trace rows (slot = step) or None.
         metrics_out: JSONL metrics file; run_dir: folder for the report and export.
         checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
+        checkpoint_keep: complete checkpoints kept (older ones are deleted once a new one is
+            complete); None keeps all.
+        on_nonfinite: a non-finite loss or gradient norm ``"stop"``s the run at that step
+            (:class:`NonFiniteError`) or the update is ``"skip"``ped on every rank.
         out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
         progress: show a rich progress bar on rank 0.
         norm_block: BatchNorm norm block ``G`` (ghost batch norm) or None (per micro-batch);
@@ -179,6 +264,8 @@ class TrainJob:
     run_dir: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    checkpoint_keep: int | None = 3
+    on_nonfinite: str = "stop"
     out: str | None = None
     progress: bool = False
     timeline_steps: int = 1
@@ -692,7 +779,9 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     )
     resumed: dict[str, Any] | None = None
     if resume is not None:
-        state = ckpt.restore(resume, set(worker.owned_layers))
+        owned = set(worker.owned_layers)
+        held_shared = [n for n, ls in worker.shared.items() if owned.intersection(ls)]
+        state = ckpt.restore(resume, owned, held_shared)
         worker.load_layer_state_dict(state)
         before = [str(d) for d in resume.manifest.get("devices") or []]
         resumed = {
@@ -768,10 +857,17 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     last_loss = float("nan")
     step_times: list[float] = []
     watchdog = Watchdog(job.hang_timeout_s, rank=rank) if job.hang_timeout_s else None
-    # under an elastic agent (torchrun, --max-restarts) SIGTERM asks for a graceful stop; until
-    # here it killed at once (nothing to save yet)
-    stop = StopRequest().install() if "TORCHELASTIC_RUN_ID" in os.environ else StopRequest()
-    stopped_code: int | None = None
+    # SIGTERM and SIGINT (Ctrl-C: the whole process group) ask for a graceful stop after the
+    # current step, with a checkpoint; until here they ended the rank at once (nothing to save
+    # yet). Signals can be handled in the main thread only (a rank run from another thread
+    # keeps the process's handlers).
+    import threading
+
+    stop = StopRequest(grace=world > 1)
+    if threading.current_thread() is threading.main_thread():
+        stop.install()
+    stopped: TrainingStopped | None = None
+    skipped_steps = 0  # updates skipped for a non-finite loss or gradient norm
     if watchdog is not None:
         watchdog.start()
     try:
@@ -798,8 +894,11 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                     result.iteration_time_s,
                     result.send_recv_time_s,
                     result.sync_time_s,
-                    1.0 if stop.requested else 0.0,
+                    float(stop.signum or 15) if stop.requested else 0.0,
                     1.0 if decision is not None else 0.0,
+                    1.0 if result.nonfinite_here else 0.0,
+                    -1.0 if result.group_index is None else float(result.group_index),
+                    -1.0 if result.stage_index is None else float(result.stage_index),
                 ],
                 dtype=torch.float64,
                 device=coll,
@@ -810,12 +909,15 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             # gradient all-reduce the only other collective of a data-parallel step)
             rows = [mine]
             if world > 1:
-                rows = [torch.zeros(6, dtype=torch.float64, device=coll) for _ in range(world)]
+                rows = [torch.zeros(9, dtype=torch.float64, device=coll) for _ in range(world)]
                 dist.all_gather(rows, mine)
             table = torch.stack(rows).tolist()
-            stopping = any(r[4] > 0 for r in table)
+            # a stop during the last step is no stop: the run ends normally
+            stopping = any(r[4] > 0 for r in table) and step + 1 < job.steps
             if stopping:
                 stop.agree()
+                # the signal of the lowest rank that got one (the same name on every rank)
+                stop_signal = signal.Signals(int(next(r[4] for r in table if r[4] > 0))).name
             new_plan_follows = table[0][5] > 0 and not stopping
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
@@ -843,6 +945,7 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                     send_recv_time_s={d: r[2] for d, r in zip(job.devices, table, strict=True)},
                     sync_time_s=max(r[3] for r in table),
                     slowdown=worker.emulation.slowdown if worker.emulation else {},
+                    **({"skipped": True} if result.skipped else {}),
                 )
                 if progress is not None:
                     progress.update(step, result.loss, iteration_time_s, plan.plan_id)
@@ -865,6 +968,15 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                         },
                     )
                     adapt_time_s += time.perf_counter() - t_adapt
+            if result.skipped:
+                # a NaN/inf loss or gradient norm: no rank updated (the engine skips the
+                # update when either all-reduced value is not finite, the same on every rank)
+                if job.on_nonfinite == "stop":
+                    line = _nonfinite_line(job, step, result, table)
+                    if lead:
+                        metrics.write("nonfinite", step, action="stop", message=line)
+                    raise NonFiniteError(line)
+                skipped_steps += 1
             if new_plan_follows:
                 # the plan object only when it changed: every rank switches at the same step
                 box = [decision.plan.to_json_dict() if lead else None]
@@ -879,6 +991,7 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                         )
                     plan = new_plan
                     replans += 1
+            path = None
             if job.checkpoint_dir and (
                 stopping or (job.checkpoint_every > 0 and (step + 1) % job.checkpoint_every == 0)
             ):
@@ -896,7 +1009,14 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                             "seed": job.seed,
                             "batch": job.batch,
                             "example": job.example,
+                            **({"stop": stop_signal} if stopping else {}),
                         },
+                        keep=job.checkpoint_keep,
+                        controller_state=_staged_controller_state(
+                            job, step + 1, stopping or step + 1 == job.steps
+                        )
+                        if lead and link is not None
+                        else None,
                     )
                 if lead:
                     metrics.write("checkpoint", step + 1, path=str(path))
@@ -905,10 +1025,16 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 # device that joins): every rank checkpointed this same step; the next round
                 # resumes here without redoing a step
                 if lead:
-                    metrics.write("stop", step + 1, reason="SIGTERM", world_size=world)
-                stopped_code = EXIT_STOPPED if stop.requested else EXIT_STOPPED_BY_PEER
+                    metrics.write("stop", step + 1, reason=stop_signal, world_size=world)
+                stopped = TrainingStopped(
+                    stop.exit_code if stop.requested else EXIT_STOPPED_BY_PEER,
+                    step=step + 1,
+                    path=str(path) if path is not None else None,
+                    signal_name=stop_signal,
+                )
                 break
     finally:
+        stop.restore()
         if watchdog is not None:
             watchdog.stop()
         if progress is not None:
@@ -920,9 +1046,9 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 controller_proc.wait(timeout=10)
             except Exception:
                 controller_proc.kill()
-    if stopped_code is not None:
+    if stopped is not None:
         metrics.close()
-        raise SystemExit(stopped_code)
+        raise stopped
 
     # ---- end: gather, evaluate, export ---------------------------------------------------------
     full = worker.full_state_dict()
@@ -953,6 +1079,7 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
         "quality": job.task.quality_line(quality),
         "quality_reached": job.task.quality_reached(quality),
         "replans": replans,
+        "skipped_steps": skipped_steps,
         "adapt_time_s": adapt_time_s,
         "final_plan": plan.to_json_dict(),
         "wall_time_s": wall,
@@ -960,9 +1087,43 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
         "model_path": str(out) if out is not None else None,
         "pretrained_dir": hf_dir,
     }
-    metrics.write("end", job.steps, metrics=quality, wall_time_s=wall, replans=replans)
+    metrics.write(
+        "end",
+        job.steps,
+        metrics=quality,
+        wall_time_s=wall,
+        replans=replans,
+        skipped_steps=skipped_steps,
+    )
     metrics.close()
     return summary
+
+
+CONTROLLER_STATE_WAIT_S = 10.0
+"""Seconds rank 0 waits at a periodic checkpoint for the controller to stage its state of that
+step (it usually has within milliseconds: the step's measurements were just posted)."""
+
+
+def _staged_controller_state(job: TrainJob, step: int, no_wait: bool) -> Path | None:
+    """The controller's staged state for the checkpoint of ``step`` (rank 0): that step's,
+    waited for up to :data:`CONTROLLER_STATE_WAIT_S` at a periodic checkpoint; at a stop or
+    the last step (``no_wait``: their last measurements are never posted) or when it does not
+    come, the newest staged state of an earlier step; None when there is none."""
+    from hetrain.runtime.adapt import controller_state_path
+
+    exact = controller_state_path(job.checkpoint_dir, step)
+    if not no_wait:
+        deadline = time.monotonic() + CONTROLLER_STATE_WAIT_S
+        while not exact.is_file() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if exact.is_file():
+        return exact
+    found = []
+    for p in exact.parent.glob("state-*.json"):
+        digits = p.stem.split("-", 1)[1]
+        if digits.isdigit() and int(digits) <= step:
+            found.append((int(digits), p))
+    return max(found)[1] if found else None
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

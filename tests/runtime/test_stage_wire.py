@@ -1,0 +1,143 @@
+"""Stage boundaries exchange data, never pickles: a pytree's structure travels as JSON
+(torch's treespec serialisation) and round-trips for any tree of tensors, plain values and
+registered containers; a crafted pickle or any other malformed structure is rejected with one
+line and runs nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
+
+from hetrain.runtime.stages import (
+    P2P,
+    TAG_TREE,
+    StageMessageError,
+    Timers,
+    decode_structure,
+    encode_structure,
+)
+from hetrain.runtime.testing import RankFailure, run_ranks
+
+plain = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**53), 2**53),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+)
+leaf = st.one_of(plain, st.just("TENSOR"))
+trees = st.recursive(
+    leaf,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.tuples(kids, kids),
+        st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    ),
+    max_leaves=20,
+)
+
+
+def _tensors(obj):
+    if obj == "TENSOR":
+        return torch.arange(3.0)
+    if isinstance(obj, list):
+        return [_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tensors(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    return obj
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees)
+def test_structure_round_trips(tree):
+    flat, spec = tree_flatten(_tensors(tree))
+    mask = [isinstance(a, torch.Tensor) for a in flat]
+    got_spec, leaves, got_mask = decode_structure(encode_structure(spec, flat, mask), "test")
+    assert got_spec == spec and got_mask == mask
+    assert leaves == [None if m else a for a, m in zip(flat, mask, strict=True)]
+
+
+def test_hugging_face_model_output_round_trips():
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    out = BaseModelOutputWithPast(last_hidden_state=torch.zeros(2, 3), hidden_states=None)
+    flat, spec = tree_flatten(out)
+    mask = [isinstance(a, torch.Tensor) for a in flat]
+    got_spec, _, _ = decode_structure(encode_structure(spec, flat, mask), "test")
+    assert got_spec == spec
+
+
+class _Payload:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_crafted_pickle_is_rejected_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    blob = pickle.dumps(_Payload(str(marker)))
+    with pytest.raises(StageMessageError, match="stage message from rank 1: malformed"):
+        decode_structure(blob, "stage message from rank 1")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b'{"format": 1, "spec": "[1, {\\"type\\": \\"os.system\\", \\"context\\": \\"null\\", '
+        b'\\"children_spec\\": []}]", "leaves": [], "mask": []}',
+        b'{"format": 2, "spec": "", "leaves": [], "mask": []}',
+        b'{"format": 1, "spec": "x", "leaves": [1], "mask": []}',
+        b'{"format": 1, "spec": "x", "leaves": [[1]], "mask": [false]}',
+        b"[" * 100000,
+    ],
+)
+def test_malformed_structures_are_one_line_errors(blob):
+    with pytest.raises(StageMessageError) as info:
+        decode_structure(blob, "stage message from rank 0")
+    assert "\n" not in str(info.value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_rejected(blob):
+    with contextlib.suppress(StageMessageError):  # anything else escaping fails the test
+        decode_structure(blob, "fuzz")
+
+
+def _hostile_peer(rank, world, marker):
+    device = torch.device("cpu")
+    if rank == 0:  # speaks the tree protocol with a pickle as the structure
+        blob = pickle.dumps(_Payload(marker))
+        torch.distributed.send(torch.tensor([len(blob), 0]), 1, tag=TAG_TREE)
+        torch.distributed.send(
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8), 1, tag=TAG_TREE
+        )
+        return None
+    p2p = P2P(device, ("w0", "w1"), rank, Timers(), None)
+    p2p.recv_tree(0)
+    return "accepted"
+
+
+def test_hostile_peer_is_rejected_over_the_wire(tmp_path):
+    marker = str(tmp_path / "pwned")
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_hostile_peer, 2, tmp_path / "ranks", args=(marker,), timeout_s=60)
+    assert set(info.value.failures) == {1}
+    kind, message, _ = info.value.failures[1]
+    assert kind == "StageMessageError"
+    assert message.startswith("stage message from rank 0: malformed structure")
+    assert not os.path.exists(marker)
