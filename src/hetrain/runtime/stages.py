@@ -279,7 +279,7 @@ def run_stage(
     device_id: str,
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
-    before_last_backward: Callable[[], None] | None = None,
+    before_last_backward: Callable[[torch.Tensor, torch.Tensor, bool], None] | None = None,
     forward_context: Callable[[int, int], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Run one stage's forward/backward operations of one step.
@@ -295,8 +295,9 @@ def run_stage(
     ``(sum, count)`` losses (docs/model.md §5): the sum is back-propagated unscaled and the engine
     divides
     every gradient by the global batch's count (one all-reduce) afterwards. Gradients accumulate
-    into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
-    gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows
+    into ``.grad``; ``before_last_backward(loss_sum, count_sum, sum_mode)`` is called right
+    before the last backward (every forward has run: the values are final) to start gradient
+    all-reduces during it; ``forward_context(start, end)`` (a context manager, rows
     relative to the group) wraps each micro-batch's forward (plan-invariant randomness and ghost
     BatchNorm, engine.py).
     """
@@ -377,7 +378,7 @@ def run_stage(
             if not last:
                 grads = [p2p.recv(next_rank) for _ in outs]
             if n == last_backward and before_last_backward is not None:
-                before_last_backward()
+                before_last_backward(loss_sum, count_sum, sum_mode)
             _sync(device)
             t0, c0 = time.perf_counter(), time.thread_time()
             if outs and outs[0].requires_grad:
