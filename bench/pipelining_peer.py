@@ -329,7 +329,8 @@ def _rate(metrics: Path, warmup: int) -> float:
         e for e in map(json.loads, metrics.read_text().splitlines()) if e.get("event") == "step"
     ]
     steps.sort(key=lambda e: e["step"])
-    timed = steps[warmup:]
+    # a line is written a step late, the last one at the end right after the one before it
+    timed = steps[warmup:-1]
     return (len(timed) - 1) / (timed[-1]["time_s"] - timed[0]["time_s"])
 
 

@@ -289,9 +289,10 @@ class GradientSync:
         for i in self.order:
             flat, work, ready = self._works[i]
             work.wait()
-            if i == self.carrier:
-                self.extra_result = flat[flat.numel() - self._extra_len :].to(torch.float64)
             nbytes = flat.numel() * flat.element_size()
+            if i == self.carrier:  # gradient bytes only (the few carried values are extra)
+                self.extra_result = flat[flat.numel() - self._extra_len :].to(torch.float64)
+                nbytes -= self._extra_len * flat.element_size()
             self.bytes += nbytes
             b = self.mine[i][0]
             if em is not None and em.limits_links():

@@ -393,6 +393,7 @@ class Worker:
         self._buckets: list[Bucket] = shared_buckets(self.layout, trainable_shared) + layer_buckets
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
+        self._p2p_cache: dict[tuple[int, int], Any] = {}  # message descriptions (stages.P2P)
         self._norm_sets = self._norm_owner_sets()
         everyone = tuple(range(self.world_size))
         self._sums_in_gradients = (
@@ -540,25 +541,23 @@ class Worker:
         loss, count, sum_mode = self._step_sums or (0.0, 0.0, False)
         return self._sums_vector(loss, count, sum_mode, 0.0)
 
+    def _sqnorm(self, units: Sequence[Unit]) -> float:
+        """Squared L2 norm of the gradients of ``units`` (``torch.nn.utils.get_total_norm``:
+        per-tensor norms in the gradients' dtype, fused, as ``clip_grad_norm_`` computes them;
+        a per-tensor float64 ``pow(2).sum()`` loop took 3-12x as long)."""
+        grads = [p.grad for u in units for p in self._unit_params(u) if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2
+
     def _sqnorm_canonical(self) -> float:
-        """Squared gradient norm of the units this rank canonically owns (float64)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for unit in self.optimizers:
-            if self._canonical(unit) == self.rank:
-                for p in self._unit_params(unit):
-                    if p.grad is not None:
-                        sq += p.grad.detach().to(torch.float64).pow(2).sum()
-        return float(sq)
+        """Squared gradient norm of the units this rank canonically owns."""
+        return self._sqnorm([u for u in self._all_units() if self._canonical(u) == self.rank])
 
     def _local_sqnorm(self) -> float:
         """Squared norm of the whole combined gradient, every unit held here, in the same
-        order on every rank (so every rank computes the same float64 value)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for unit in self._all_units():
-            for p in self._unit_params(unit):
-                if p.grad is not None:
-                    sq += p.grad.detach().to(torch.float64).pow(2).sum()
-        return float(sq)
+        order on every rank (so every rank computes the same value)."""
+        return self._sqnorm(self._all_units())
 
     def _finish_late(self) -> None:
         """Complete the previous step's non-blocking sums (every rank at the same step) and
@@ -615,7 +614,13 @@ class Worker:
             self.chain.tensors[name].grad = None
         timers = Timers()
         p2p = P2P(
-            self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
+            self.device,
+            self.layout.devices,
+            self.rank,
+            timers,
+            self.emulation,
+            self._channels,
+            self._p2p_cache,
         )
         grad_sync = GradientSync(
             layout=self.layout,
