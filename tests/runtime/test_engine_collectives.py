@@ -72,7 +72,16 @@ def _reference(loss_name: str, clip: float | None):
 def _rank(rank, world, plan, loss_name, clip):
     calls: list[tuple[str, int]] = []
     originals = {}
-    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier"):
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "broadcast",
+        "barrier",
+        "isend",
+        "recv",
+    )
+    for name in names:
         originals[name] = getattr(dist, name)
 
         def counted(*args, _name=name, **kwargs):
@@ -132,6 +141,10 @@ PIPE = {
 }
 
 
+def _ragged(mb: int) -> dict:
+    return {**PIPE, "groups": [{**PIPE["groups"][0], "microbatch_size": mb}]}
+
+
 def _check_training(out, loss_name, clip):
     losses, norms, state = _reference(loss_name, clip)
     for _, got_losses, got_norms, _, _, _ in out:
@@ -166,7 +179,9 @@ def test_pipeline_without_clipping_reports_a_step_late(tmp_path):
         # non-blocking all-reduce completed by the next step
         assert late == [False] + [True] * (STEPS - 1)
         for step_calls in calls[1:]:
-            assert step_calls == [("all_reduce", world)]
+            assert [c for c in step_calls if c[0] not in ("isend", "recv")] == [
+                ("all_reduce", world)
+            ]
         for t, rows in enumerate(reports):
             assert rows == [[r * 10.0 + t, 1.0] for r in range(world)]
 
@@ -177,3 +192,29 @@ def test_pipeline_with_clipping_combines_the_norm_before_the_step(tmp_path):
     _check_training(out, "sum", CLIP)
     for late, *_ in out:
         assert late == [False] * STEPS
+
+
+@pytest.mark.parametrize("microbatch", [3, 5])
+def test_pipeline_sends_one_message_per_activation_and_gradient(tmp_path, microbatch):
+    """Once the link's message description is known (after the first step), a stage sends one
+    message per activation and one per gradient (torch's pipelining sends the same); a ragged
+    last micro-batch (12 = 5 + 5 + 2) changes the description and back within each step and
+    still trains exactly (the old format sent a header and a payload per tensor and a
+    structure message per tree: 20 messages a step on the middle stage here)."""
+    world = 3
+    out = run_ranks(_rank, world, tmp_path, args=(_ragged(microbatch), "mean", None))
+    _check_training(out, "mean", None)
+    n = -(-BATCH // microbatch)
+    per_change = 4  # a flagged message, the description's counts, its headers, the data
+    for rank, (_, _, _, _, calls, _) in enumerate(out):
+        for step_calls in calls[1:]:
+            sends = sum(1 for c in step_calls if c[0] == "isend")
+            recvs = sum(1 for c in step_calls if c[0] == "recv")
+            # forward messages to the next stage, gradients to the previous one
+            steady = n * ((rank < world - 1) + (rank > 0))
+            if microbatch == 3:
+                assert (sends, recvs) == (steady, steady), (rank, sends, recvs)
+            else:  # the smaller last micro-batch and the first of the next step: 2 changes
+                changes = 2 * ((rank < world - 1) + (rank > 0))
+                extra = changes * (per_change - 1)
+                assert (sends, recvs) == (steady + extra, steady + extra), (rank, sends, recvs)
