@@ -774,6 +774,7 @@ class ControllerService:
         self.poll_s = poll_s
         self._round_checked = -math.inf
         self._world = 1
+        self.rejected_init_id: bytes | None = None  # the last malformed init's id
         self.stop = threading.Event()
         self.controller: PlanController | None = None
         self._init_id: bytes | None = None
@@ -807,9 +808,10 @@ class ControllerService:
             if init["round"].encode() != init_id:
                 raise WireError("controller init: its round is not init_id")
         except WireError as exc:
-            # one line, nothing changed: the round's rank 0 writes a valid one
+            # one line, nothing changed (the round in progress goes on): the round's rank 0
+            # writes a valid one
             print(f"hetrain: controller: ignored {exc}", file=sys.stderr, flush=True)
-            self._init_id = init_id
+            self.rejected_init_id = init_id
             return
         self._init_id = init_id
         self._world = int(init["world_size"])
@@ -850,7 +852,10 @@ class ControllerService:
         now = time.monotonic()
         if self.controller is None or now - self._round_checked >= self.ROUND_CHECK_S:
             self._round_checked = now
-            if self._has("init_id") and self._get("init_id") != self._init_id:
+            if self._has("init_id") and self._get("init_id") not in (
+                self._init_id,
+                self.rejected_init_id,
+            ):
                 self._start_round()
         ctl = self.controller
         if ctl is None or self._init.get("round", "").encode() != self._init_id:
