@@ -24,10 +24,11 @@ Cases:
   the torch side a wrapper module sleeps after the forward and a hook on the stage's first
   weight sleeps at the end of each backward), the fixed even split. Target: >= 0.98x.
 - ``train`` (``--train``): ``hetrain train`` without a plan vs the fixed plan ``hetrain plan``
-  gives for the same measured devices (``hetrain profile --measure`` of this model, w1's speed
-  divided by 3 and its overheads multiplied by 3), both with ``--slowdown w1=3``, alternated;
-  rate = steps after ``--warmup`` over their wall time (metrics ``time_s``). Target: the
-  adaptive run >= 0.95 of the fixed plan's rate.
+  gives for the same measured devices (the speeds and ``κ`` that the first adaptive run's
+  start-up calibration measured, w1's emulated slow-down included, as a cluster file; the
+  profile from ``hetrain profile --model``), both with ``--slowdown w1=3``, alternated; rate =
+  steps after ``--warmup`` over their wall time (metrics ``time_s``). Target: the adaptive
+  run >= 0.95 of the fixed plan's rate.
 
 ``--base-slowdown F`` makes every rank emulate a device ``F`` times slower than one host core
 (both sides; the slow rank ``3 F``), so that 4 ranks on a 2-core machine do not slow each other
@@ -274,7 +275,9 @@ def _hetrain(*argv: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def train_case(args) -> dict:
-    """``hetrain train`` without a plan vs the fixed plan ``hetrain plan`` gives."""
+    """``hetrain train`` without a plan vs the fixed plan ``hetrain plan`` gives for the
+    devices as ``hetrain train``'s start-up calibration measured them (speed and ``κ`` per
+    device, w1's 3x slow-down included: the first ``plan`` record of the first adaptive run)."""
     import yaml
 
     root = Path(__file__).resolve().parent.parent
@@ -284,44 +287,61 @@ def train_case(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="hetrain-peer-train-"))
     model = "bench._peer_model:make"
     try:
-        profile, cluster = tmp / "profile.json", tmp / "cluster.yaml"
-        _hetrain("profile", "--model", model, "--measure", "--workers", str(WORLD), "--out",
-                 str(profile), "--cluster-out", str(cluster), env=env)  # fmt: skip
-        spec = yaml.safe_load(cluster.read_text())
-        for dev in spec["devices"]:
-            if dev["id"] == f"w{SLOW_RANK}":
-                dev["tflops"] = dev["tflops"] / SLOW_FACTOR
-                for key in ("microbatch_overhead_ms", "layer_overhead_ms"):
-                    if key in dev:
-                        dev[key] = dev[key] * SLOW_FACTOR
-        cluster.write_text(yaml.safe_dump(spec))
-        planned = _hetrain("plan", "--cluster", str(cluster), "--model", str(profile),
-                           "--batch", str(args.batch), "--optimizer-state-factor", "1",
-                           "--json", env=env)  # fmt: skip
-        plan_path = tmp / "plan.json"
-        plan_path.write_text(planned.stdout)
+        profile, cluster, plan_path = tmp / "profile.json", tmp / "cluster.yaml", tmp / "plan.json"
+        _hetrain("profile", "--model", model, "--out", str(profile), env=env)
         common = ["--model", model, "--workers", str(WORLD), "--steps", str(args.train_steps),
                   "--batch", str(args.batch), "--optimizer", "sgd", "--lr", str(LR),
                   "--slowdown", f"w{SLOW_RANK}={SLOW_FACTOR}", "--no-demo-slowdown",
                   "--no-progress", "--no-report"]  # fmt: skip
         rates: dict[str, list[float]] = {"fixed": [], "adaptive": []}
+        planned = ""
         for i in range(args.repeats):
-            for kind in ("fixed", "adaptive"):
+            for kind in ("adaptive", "fixed"):
                 run_dir = tmp / f"{kind}{i}"
                 extra = ["--plan", str(plan_path)] if kind == "fixed" else []
                 _hetrain("train", *common, *extra, "--run-dir", str(run_dir), env=env)
-                rates[kind].append(_rate(run_dir / "metrics.jsonl", args.warmup))
+                metrics = run_dir / "metrics.jsonl"
+                rates[kind].append(_rate(metrics, args.warmup))
+                if kind == "adaptive" and i == 0:
+                    cluster.write_text(yaml.safe_dump(_measured_cluster(metrics)))
+                    planned = _hetrain("plan", "--cluster", str(cluster), "--model",
+                                       str(profile), "--batch", str(args.batch),
+                                       "--optimizer-state-factor", "1", "--json",
+                                       env=env).stdout  # fmt: skip
+                    plan_path.write_text(planned)
         med = {k: statistics.median(v) for k, v in rates.items()}
         fraction = med["adaptive"] / med["fixed"]
+        shares = [(g["devices"], g["batch"]) for g in json.loads(planned)["groups"]]
         print(
             f"train        fixed plan {med['fixed']:.2f} it/s   adaptive {med['adaptive']:.2f} "
-            f"it/s   fraction {fraction:.3f}   plan {planned.stdout.strip()[:200]}",
+            f"it/s   fraction {fraction:.3f}   plan {shares}",
             flush=True,
         )
         return {"fraction_of_fixed_plan": round(fraction, 4), "fixed_it_per_s": med["fixed"],
-                "adaptive_it_per_s": med["adaptive"]}  # fmt: skip
+                "adaptive_it_per_s": med["adaptive"], "plan_shares": shares}  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measured_cluster(metrics: Path) -> dict:
+    """A cluster file of the local ranks (the runtime's nominal links, memory and NICs) with
+    the speeds and ``κ`` of a run's start-up calibration (its first ``plan`` record)."""
+    first = next(
+        e for e in map(json.loads, metrics.read_text().splitlines()) if e.get("event") == "plan"
+    )
+    return {
+        "links": {"intra_node_gbps": 20.0, "latency_us": 20.0},
+        "devices": [
+            {
+                "id": d,
+                "tflops": float(speed) / 1e12,
+                "memory_gib": 16.0,
+                "nic_gbps": 20.0,
+                "microbatch_overhead_ms": float(first["kappa_s"][d]) * 1e3,
+            }
+            for d, speed in first["speed_flops"].items()
+        ],
+    }
 
 
 def _rate(metrics: Path, warmup: int) -> float:
