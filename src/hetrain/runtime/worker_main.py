@@ -7,12 +7,15 @@ torch's elastic launcher, by ``torchrun ... -m hetrain train``, or in-process fo
 1. set the emulation of slot ``t`` (``--slowdown``, ``--trace``, ``--cluster``);
 2. build the global batch of ``t`` (:class:`~hetrain.runtime.data.GlobalBatchSampler`, same on
    every rank) and run ``Worker.step``;
-3. all-gather each rank's measured compute/iteration times (one small tensor, the step's only
-   collective besides the engine's); rank 0's row also says whether the controller has a new
-   plan (read from memory: :class:`~hetrain.runtime.adapt.ControllerLink`'s thread talks to
-   the controller's store, so no rank waits on a socket);
-4. rank 0 writes the metrics line and posts the measurements to the controller (queued); when
-   a new plan was flagged, it is broadcast and every rank calls ``Worker.apply_plan``;
+3. no collective of the loop's own: each rank's row of ``Worker.step``'s ``report`` (its stop
+   request, rank 0's "a new plan follows" flag, read from memory: the
+   :class:`~hetrain.runtime.adapt.ControllerLink` thread talks to the controller's store, and
+   the times of the rank's previous step) rides in the step's own combination (the gradient
+   all-reduce of a data-parallel step; a step later on other plans), so every rank acts on
+   the flags at the same step; every rank writes its own measurements to the controller's
+   store (queued, never waited for);
+4. rank 0 writes a step's metrics line once every rank's row for it is there; when a new plan
+   was flagged, it is broadcast and every rank calls ``Worker.apply_plan``;
 5. every ``checkpoint_every`` steps a collective checkpoint.
 
 At the end rank 0 gathers the whole model (``Worker.full_state_dict``), evaluates it on the
