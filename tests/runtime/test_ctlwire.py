@@ -267,3 +267,33 @@ def test_the_controller_store_listens_on_loopback_only():
     # 127.0.0.1 as /proc/net/tcp writes it (little-endian hex); torch's own server listens
     # on every interface ("::", all zeros, in tcp6)
     assert addresses == ["0100007F"]
+
+
+def test_a_fork_waits_for_a_store_call_in_progress():
+    """The launching process forks the ranks while its controller thread talks to the store;
+    a child forked inside a store call inherits torch's native mutexes locked (a rank hung in
+    init_process_group). Every controller store call holds a lock a fork waits for."""
+    import os
+    import threading
+
+    from hetrain.runtime.adapt import _ForkSafeStore
+
+    started, done = threading.Event(), []
+
+    class _SlowStore:
+        def get(self, key):
+            started.set()
+            time.sleep(0.3)
+            done.append(key)
+            return b""
+
+    caller = threading.Thread(target=_ForkSafeStore(_SlowStore()).get, args=("k",))
+    caller.start()
+    started.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child exits at once
+        os._exit(0)
+    seen = list(done)  # the parent right after the fork
+    os.waitpid(pid, 0)
+    caller.join()
+    assert seen == ["k"]

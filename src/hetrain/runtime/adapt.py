@@ -730,6 +730,44 @@ DECIDE_BACKLOG_STEPS = 3
 """When the controller is behind the ranks, it decides only for the newest this-many steps."""
 
 
+_FORK_LOCK = threading.Lock()
+"""Held around every call into a controller store; a fork (the elastic agent forking the ranks
+in the launching process, where the controller thread runs) waits for it. A store call holds
+native mutexes of torch (c10's wait counters): a child forked while another thread is inside
+one inherits the mutex locked and hangs at its first collective (seen: a rank of
+bench/runtime_vs_ddp.py stuck in ``init_process_group``, ``WaitCounterHandle``)."""
+
+
+def _after_fork_in_child() -> None:
+    if _FORK_LOCK.locked():
+        _FORK_LOCK.release()
+
+
+os.register_at_fork(
+    before=_FORK_LOCK.acquire,
+    after_in_parent=_FORK_LOCK.release,
+    after_in_child=_after_fork_in_child,
+)
+
+
+class _ForkSafeStore:
+    """A ``TCPStore`` whose calls hold :data:`_FORK_LOCK`."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with _FORK_LOCK:
+                return attr(*args, **kwargs)
+
+        return call
+
+
 def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
     """A ``TCPStore`` client, or (``master``) the server listening on ``host`` only: torch's
     own server listens on every interface whatever ``host`` says, so the listening socket is
@@ -740,22 +778,25 @@ def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not master:
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if not master:  # connecting may wait for the server: a fork must not wait for it
+        return _ForkSafeStore(dist.TCPStore(host, port, is_master=False, timeout=timeout))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
     port = int(sock.getsockname()[1])
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timeout,
-        master_listen_fd=sock.detach(),  # the store's server owns the descriptor from here
-    )
+    with _FORK_LOCK:
+        return _ForkSafeStore(
+            dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+                master_listen_fd=sock.detach(),  # the store's server owns the descriptor now
+            )
+        )
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
@@ -850,7 +891,7 @@ class ControllerService:
         """One pass; False when there was nothing to do. Costs one store request while no
         step is complete (and one more every :attr:`ROUND_CHECK_S`)."""
         now = time.monotonic()
-        if self.controller is None or now - self._round_checked >= self.ROUND_CHECK_S:
+        if now - self._round_checked >= self.ROUND_CHECK_S:
             self._round_checked = now
             if self._has("init_id") and self._get("init_id") not in (
                 self._init_id,
