@@ -1140,7 +1140,8 @@ class ControllerLink:
         """Tell the controller the round is over (sends what is queued first; waits up to
         ``wait_s`` for the connection and the sends)."""
         with self._cond:
-            self._queue.append(("done", None))
+            if self.rank == 0:  # the round is over when rank 0 says so
+                self._queue.append(("done", None))
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=wait_s)
