@@ -757,7 +757,8 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
         def row() -> list[float]:
             nonlocal adapt_time_s
             flag = 0.0
-            if link is not None and lead and world > 1 and step + 1 < job.steps:
+            polling = not link_failure and not stop.requested
+            if link is not None and lead and world > 1 and step + 1 < job.steps and polling:
                 t_adapt = time.perf_counter()
                 try:
                     decision = link.poll(plan_id)
@@ -807,7 +808,9 @@ def _train(job: TrainJob, Worker, gather_measurements, OptimizerSpec) -> dict[st
             result = worker.step(x, y, step, report=row_of(step, int(plan.plan_id)))
             if watchdog is not None:
                 watchdog.beat(step)
-            if link_failure:
+            if link_failure and not stop.requested:
+                # (a SIGTERM to rank 0's process group also ends a controller it started:
+                # then the stop, agreed at the next step, goes on without it)
                 raise link_failure[0]
             last[0] = result
             if link is not None and step + 1 < job.steps:
