@@ -24,7 +24,7 @@ that is achievable given DDP's measured fixed per-iteration cost, ``S = T_DDP,sl
 C)`` with ``C = (T_DDP,slow - T_DDP,equal) / 2`` (the compute of an even share) and ``F =
 T_DDP,equal - C`` (``1.2 C``: a fast rank's compute at perfect balance, shares 3:3:3:1), the
 fraction of it hetrain reaches, the spread of the runs, and PASS/FAIL lines for the targets
-(medians of 3 alternated runs): one 3x-slow rank of 4 at >= 0.98 of ``S``; equal devices
+(medians of 3 alternated runs, issue 19): one 3x-slow rank of 4 at >= 0.95 of ``S``; equal devices
 >= 1.00x DDP.
 
 Usage: ``PYTHONPATH=src python bench/runtime_vs_ddp.py [--steps 60] [--batch 64] [--repeats 3]``
@@ -215,8 +215,11 @@ def run_hetrain(
         p.join(timeout=60)
     controller.close()
     events = read_metrics(metrics)
-    stamps = [e["time_s"] for e in events if e["event"] == "step"]
-    return stamps, summary
+    # a step's line is written when every rank's times of it are there: after the next step
+    # (the last one after the end-of-run gather, right after the line before it), so the
+    # stamps are one step late and the last one is dropped
+    stamps = [e["time_s"] for e in sorted(events, key=lambda e: e["step"]) if e["event"] == "step"]
+    return stamps[:-1], summary
 
 
 def its_per_s(stamps: list[float], warmup: int) -> float:
@@ -303,8 +306,8 @@ def main() -> None:
         file=sys.stderr,
     )
     print(
-        f"{'PASS' if fraction >= 0.98 else 'FAIL'} one 3x-slow rank of 4: {fraction:.3f} of "
-        "the achievable (target >= 0.98)",
+        f"{'PASS' if fraction >= 0.95 else 'FAIL'} one 3x-slow rank of 4: {fraction:.3f} of "
+        "the achievable (target >= 0.95)",
         file=sys.stderr,
     )
     print(

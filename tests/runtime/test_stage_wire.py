@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from hetrain.runtime.stages import (
     P2P,
-    TAG_TREE,
+    TAG_PAYLOAD,
     StageMessageError,
     Timers,
     decode_structure,
@@ -121,10 +121,11 @@ def test_random_bytes_are_rejected(blob):
 def _hostile_peer(rank, world, marker):
     device = torch.device("cpu")
     if rank == 0:  # speaks the tree protocol with a pickle as the structure
+        # a description of a non-tensor tree of 0 tensors whose structure is the pickle
         blob = pickle.dumps(_Payload(marker))
-        torch.distributed.send(torch.tensor([len(blob), 0]), 1, tag=TAG_TREE)
+        torch.distributed.send(torch.tensor([0, len(blob), 0]), 1, tag=TAG_PAYLOAD)
         torch.distributed.send(
-            torch.frombuffer(bytearray(blob), dtype=torch.uint8), 1, tag=TAG_TREE
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8), 1, tag=TAG_PAYLOAD
         )
         return None
     p2p = P2P(device, ("w0", "w1"), rank, Timers(), None)
@@ -141,3 +142,34 @@ def test_hostile_peer_is_rejected_over_the_wire(tmp_path):
     assert kind == "StageMessageError"
     assert message.startswith("stage message from rank 0: malformed structure")
     assert not os.path.exists(marker)
+
+
+def _bad_description_peer(rank, world, description, header):
+    if rank == 0:
+        torch.distributed.send(torch.tensor(description), 1, tag=TAG_PAYLOAD)
+        if header is not None:
+            torch.distributed.send(torch.tensor(header), 1, tag=TAG_PAYLOAD)
+        return None
+    P2P(torch.device("cpu"), ("w0", "w1"), rank, Timers(), None).recv_tree(0)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("description", "header", "what"),
+    [
+        ([2, 0, 1], None, "malformed description"),  # neither plain nor a tree
+        ([1, 0, 1 << 20], None, "malformed description"),  # too many tensors
+        ([0, -5, 1], None, "malformed description"),  # negative structure length
+        ([1, 0, 1], [99, 1, 0, 4] + [0] * 8, "malformed tensor header"),  # unknown dtype
+        ([1, 0, 1], [0, 2, 0, 4, -3] + [0] * 7, "malformed tensor header"),  # negative dim
+        ([1, 0, 1], [0, 1, 0, 1 << 50] + [0] * 8, "malformed tensor header"),  # 4 PiB
+    ],
+)
+def test_malformed_descriptions_are_rejected(tmp_path, description, header, what):
+    """A peer's tensor description is validated before anything is allocated or received."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(
+            _bad_description_peer, 2, tmp_path / "r", args=(description, header), timeout_s=60
+        )
+    kind, message, _ = info.value.failures[1]
+    assert (kind, message) == ("StageMessageError", f"stage message from rank 0: {what}")

@@ -4,7 +4,6 @@ protocol, checkpointed controller state, and the main job's story."""
 from __future__ import annotations
 
 import json
-import pickle
 import time
 
 import numpy as np
@@ -111,10 +110,16 @@ def test_replayed_log_applies_only_changes_that_hold_and_is_deterministic():
 def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
     thread = ControllerThread().start()
     try:
+        # every rank writes its own record (ranks 1-3 through their own links)
         link = ControllerLink(thread.endpoint, timeout_s=10)
+        others = [
+            ControllerLink(thread.endpoint, timeout_s=10, rank=r, round_id=link.round_id)
+            for r in range(1, len(DEVICES))
+        ]
         ctl = _controller(60)
         link.start_round(
             {
+                "world_size": len(DEVICES),
                 "base_state": ctl.base_state,
                 "profile": ctl.profile,
                 "config": ctl.config,
@@ -133,7 +138,11 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
             slow = 4.0 if t >= 5 else 1.0
             compute = {d: flops * 16 / 2e10 * (slow if d == "w1" else 1.0) for d in DEVICES}
             plan_id = 0 if decision is None else int(decision.plan.plan_id)
-            link.post(t, {"plan_id": plan_id, "compute_time_s": compute})
+            for rank, each in enumerate([link, *others]):
+                d = DEVICES[rank]
+                each.post(t, {"device": d, "plan_id": plan_id, "compute_time_s": compute[d],
+                              "iteration_time_s": max(compute.values()),
+                              "send_recv_time_s": 0.0, "sync_time_s": 0.0})  # fmt: skip
             time.sleep(0.01)  # the rank never waits; this only gives the thread time
             decision = link.poll(plan_id) or decision
         deadline = time.time() + 30  # searches take a while on a loaded machine
@@ -159,6 +168,8 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
         rows = [json.loads(x) for x in (tmp_path / "controller.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[:5]] == [0, 1, 2, 3, 4]
         link.close()
+        for each in others:
+            each.close()
     finally:
         thread.close()
     assert thread.error is None
@@ -328,12 +339,15 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
     its decision, written after the next round's start, is ignored by the new round's rank 0
     (it named plan ids and estimates of the old round); the new round's own decision is read."""
     from hetrain.runtime.adapt import PREFIX, _store
+    from hetrain.runtime.ctlwire import encode_decision
 
     store = _store("127.0.0.1", 0, master=True)
     endpoint = f"127.0.0.1:{store.port}"
     ctl = _controller(60)
-    init = {"base_state": ctl.base_state, "profile": ctl.profile, "config": ctl.config,
-            "plan": ctl.current, "steps": 60, "start_step": 0}  # fmt: skip
+    init = {"world_size": 4, "base_state": ctl.base_state, "profile": ctl.profile,
+            "config": ctl.config, "plan": ctl.current, "steps": 60, "start_step": 0,
+            "optimizer_state_factor": 2.0, "checkpoint_dir": None, "checkpoint_every": 0,
+            "log_path": None}  # fmt: skip
     old, new = ControllerLink(endpoint, timeout_s=10), None
     try:
         old.start_round(init)
@@ -348,10 +362,10 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
             time.sleep(0.01)
         plan = even_dp_plan(DEVICES, 4, BATCH, 8).model_copy(update={"plan_id": 7})
         decision = Decision(plan, "rebalance", 3, 0.2, 0.1, 0.01, 10.0, False)
-        store.set(PREFIX + "plan", pickle.dumps((old._round_id, decision)))  # late, old round
+        store.set(PREFIX + "plan", encode_decision(old.round_id, decision))  # late, old round
         time.sleep(3 * ControllerLink.REFRESH_S)
         assert new.poll(0) is None
-        store.set(PREFIX + "plan", pickle.dumps((new._round_id, decision)))  # this round's
+        store.set(PREFIX + "plan", encode_decision(new.round_id, decision))  # this round's
         while new.poll(0) is None:
             assert time.time() < deadline
             time.sleep(0.05)

@@ -8,17 +8,21 @@ hosts (``TrainJob.controller_endpoint``); under ``torchrun`` rank 0 starts it as
 process (``python -m hetrain.runtime.adapt --port P``). No search ever runs in a rank's
 process, so a search neither holds a rank's GIL nor delays its step.
 
-Protocol (keys of that store, :class:`ControllerLink` on rank 0):
+Protocol (keys of that store, :class:`ControllerLink` on every rank; every value is JSON
+data, :mod:`hetrain.runtime.ctlwire`, never a pickle):
 
-- ``init`` (+ ``init_id``): the model profile, the start-up cluster state (measured speeds and
-  ``κ``), the training configuration, the current plan and the first step of this round;
-- ``m/{step}`` (+ ``m_last``): after every step, each rank's compute, send/recv and exposed sync
-  seconds (rank 0 all-gathers them already) and the plan id they ran under; never waited for;
-- ``plan``: ``(init_id, Decision)``: the newest decision (plan with its id, the estimates that
-  chose it, the predicted before/after figures) and the round it was made for (a decision of a
-  round whose rank 0 died is ignored by the next round's). A thread of rank 0 reads it (rank
-  0's step never waits on the store) and the step's existing all-gather of measurements
-  carries whether there is one, so all ranks switch at the same step;
+- ``init`` (+ ``init_id``, the round's id): the model profile, the start-up cluster state
+  (measured speeds and ``κ``), the training configuration, the current plan, the number of
+  ranks and the first step of this round (rank 0);
+- ``m/{step}/{rank}``: after every step, each rank writes its own compute, iteration,
+  send/recv and exposed sync seconds and the plan id it ran under (no collective gathers
+  them); the controller observes a step once every rank's record is there; never waited for;
+- ``plan``: ``{"round", "decision"}``: the newest decision (plan with its id, the estimates
+  that chose it, the predicted before/after figures) and the round it was made for (a
+  decision of a round whose rank 0 died is ignored by the next round's). A thread of rank 0
+  reads it (rank 0's step never waits on the store) and the step's own combination of sums
+  (the gradient all-reduce of a data-parallel step, :meth:`hetrain.runtime.engine.Worker.step`'s
+  ``report``) carries whether there is one, so all ranks switch at the same step;
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
   ``done``: rank 0 finished.
 
@@ -45,7 +49,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import sys
 import threading
 import time
@@ -65,6 +68,16 @@ from hetrain.control.migration import migration_time_s
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
+from hetrain.runtime.ctlwire import (
+    WireError,
+    decode_decision,
+    decode_init,
+    decode_record,
+    encode_decision,
+    encode_init,
+    encode_record,
+    merge_records,
+)
 
 # --------------------------------------------------------------------------------------------
 # speed estimates
@@ -826,18 +839,73 @@ DECIDE_BACKLOG_STEPS = 3
 """When the controller is behind the ranks, it decides only for the newest this-many steps."""
 
 
+_FORK_LOCK = threading.Lock()
+"""Held around every call into a controller store; a fork (the elastic agent forking the ranks
+in the launching process, where the controller thread runs) waits for it. A store call holds
+native mutexes of torch (c10's wait counters): a child forked while another thread is inside
+one inherits the mutex locked and hangs at its first collective (seen: a rank of
+bench/runtime_vs_ddp.py stuck in ``init_process_group``, ``WaitCounterHandle``)."""
+
+
+def _after_fork_in_child() -> None:
+    if _FORK_LOCK.locked():
+        _FORK_LOCK.release()
+
+
+os.register_at_fork(
+    before=_FORK_LOCK.acquire,
+    after_in_parent=_FORK_LOCK.release,
+    after_in_child=_after_fork_in_child,
+)
+
+
+class _ForkSafeStore:
+    """A ``TCPStore`` whose calls hold :data:`_FORK_LOCK`."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with _FORK_LOCK:
+                return attr(*args, **kwargs)
+
+        return call
+
+
 def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
+    """A ``TCPStore`` client, or (``master``) the server listening on ``host`` only: torch's
+    own server listens on every interface whatever ``host`` says, so the listening socket is
+    bound here (``127.0.0.1`` for a local run) and handed over (``master_listen_fd``)."""
     import datetime
+    import socket
 
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=master,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not master:  # connecting may wait for the server: a fork must not wait for it
+        return _ForkSafeStore(dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    port = int(sock.getsockname()[1])
+    with _FORK_LOCK:
+        return _ForkSafeStore(
+            dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+                master_listen_fd=sock.detach(),  # the store's server owns the descriptor now
+            )
+        )
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
@@ -850,9 +918,15 @@ def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
 class ControllerService:
     """The controller loop over a store (see the module docstring for the keys)."""
 
-    def __init__(self, store: Any, poll_s: float = 0.002) -> None:
+    ROUND_CHECK_S = 0.1
+    """Seconds between two checks for a new round while records keep arriving."""
+
+    def __init__(self, store: Any, poll_s: float = 0.005) -> None:
         self.store = store
         self.poll_s = poll_s
+        self._round_checked = -math.inf
+        self._world = 1
+        self.rejected_init_id: bytes | None = None  # the last malformed init's id
         self.stop = threading.Event()
         self.controller: PlanController | None = None
         self._init_id: bytes | None = None
@@ -880,8 +954,19 @@ class ControllerService:
                 self._log.close()
 
     def _start_round(self) -> None:
-        self._init_id = self._get("init_id")
-        init = pickle.loads(self._get("init"))
+        init_id = self._get("init_id")
+        try:
+            init = decode_init(self._get("init"))
+            if init["round"].encode() != init_id:
+                raise WireError("controller init: its round is not init_id")
+        except WireError as exc:
+            # one line, nothing changed (the round in progress goes on): the round's rank 0
+            # writes a valid one
+            print(f"hetrain: controller: ignored {exc}", file=sys.stderr, flush=True)
+            self.rejected_init_id = init_id
+            return
+        self._init_id = init_id
+        self._world = int(init["world_size"])
         self._init = init
         ctl = PlanController(
             init["base_state"],
@@ -923,23 +1008,34 @@ class ControllerService:
             self._log = open(init["log_path"], mode, encoding="utf-8")  # noqa: SIM115
 
     def _tick(self) -> bool:
-        """One pass; False when there was nothing to do."""
-        if self._has("init_id") and self._get("init_id") != self._init_id:
-            self._start_round()
+        """One pass; False when there was nothing to do. Costs one store request while no
+        step is complete (and one more every :attr:`ROUND_CHECK_S`)."""
+        now = time.monotonic()
+        if now - self._round_checked >= self.ROUND_CHECK_S:
+            self._round_checked = now
+            if self._has("init_id") and self._get("init_id") not in (
+                self._init_id,
+                self.rejected_init_id,
+            ):
+                self._start_round()
         ctl = self.controller
-        if ctl is None or not self._has("m_last"):
+        if ctl is None or self._init.get("round", "").encode() != self._init_id:
             return False
-        newest = int(self._get("m_last"))
-        if newest <= self._last:
+        records: dict[int, dict[str, Any]] = {}
+        k = self._last + 1
+        while True:  # every step whose records every rank has written
+            rec = self._step_record(k)
+            if rec is None:
+                break
+            records[k] = rec
+            k += 1
+        if not records:
             return False
+        newest = k - 1
         every = int(self._init.get("checkpoint_every") or 0)
         decision = None
         for k in range(self._last + 1, newest + 1):
-            key = PREFIX + f"m/{k}"
-            if not self.store.check([key]):
-                continue
-            rec = pickle.loads(self.store.get(key))
-            self.store.delete_key(key)
+            rec = records[k]
             ctl.observe(k, rec["plan_id"], rec["compute_time_s"], rec.get("iteration_time_s"))
             row = {"step": k, "plan_id": rec["plan_id"], **ctl.predictions()}
             if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
@@ -971,8 +1067,33 @@ class ControllerService:
         if decision is not None:
             # tagged with its round: a decision of a round that ended while it was computed
             # (its rank 0 died) must not reach the next round's rank 0
-            self.store.set(PREFIX + "plan", pickle.dumps((self._init_id, decision)))
+            self.store.set(PREFIX + "plan", encode_decision(self._init_id.decode(), decision))
         return True
+
+    def _step_record(self, step: int) -> dict[str, Any] | None:
+        """Step ``step``'s record (:func:`~hetrain.runtime.ctlwire.merge_records`) once every
+        rank of this round wrote its own (keys deleted), else None. A malformed record is
+        reported in one line and deleted; a record of another round is left for this
+        round's rank to overwrite."""
+        keys = [PREFIX + f"m/{step}/{r}" for r in range(self._world)]
+        if not self.store.check(keys):
+            return None
+        records = []
+        for rank, key in enumerate(keys):
+            try:
+                rec = decode_record(self.store.get(key))
+                if rec["rank"] != rank:
+                    raise WireError(f"measurement record: rank {rec['rank']} under rank {rank}")
+            except WireError as exc:
+                print(f"hetrain: controller: ignored {exc}", file=sys.stderr, flush=True)
+                self.store.delete_key(key)
+                return None
+            if rec["round"].encode() != self._init_id:
+                return None
+            records.append(rec)
+        for key in keys:
+            self.store.delete_key(key)
+        return merge_records(records)
 
 
 _SEARCH_EXECUTOR: Any = None
@@ -1028,8 +1149,12 @@ class ControllerLink:
     main job's first re-plan by 10 steps on a loaded 2-core machine: 150 store requests a
     second from rank 0's process and the controller's host)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = 120.0, *, rank: int = 0, round_id: str = ""
+    ) -> None:
         self.endpoint = endpoint
+        self.rank = int(rank)
+        self.round_id = round_id or uuid.uuid4().hex
         self.store: Any = None
         self._queue: list[tuple[str, Any]] = []
         self._cond = threading.Condition()
@@ -1047,7 +1172,7 @@ class ControllerLink:
     def _run(self, timeout_s: float) -> None:
         host, port = self.endpoint.rsplit(":", 1)
         try:
-            store = _store(host, int(port), master=False, timeout_s=timeout_s)
+            store = _store(host.strip("[]"), int(port), master=False, timeout_s=timeout_s)
         except BaseException as exc:  # reported by the next poll
             self._error = exc
             return
@@ -1063,7 +1188,8 @@ class ControllerLink:
                     self._send(store, kind, payload)
                 if stop:
                     return
-                self._refresh(store)
+                if self.rank == 0:
+                    self._refresh(store)
         except BaseException as exc:  # reported by the next poll
             self._error = exc
 
@@ -1076,23 +1202,27 @@ class ControllerLink:
             return
         raw = store.get(PREFIX + "plan")
         if raw != self._decision_raw:
-            round_id, decision = pickle.loads(raw)
-            if round_id == self._round_id:  # another round's decision is not this one's
-                self._decision = decision
             self._decision_raw = raw
+            try:
+                round_id, decision = decode_decision(raw, Decision)
+            except WireError as exc:
+                print(f"hetrain: ignored a {exc}", file=sys.stderr, flush=True)
+                return
+            if round_id.encode() == self._round_id:  # another round's decision is not this one's
+                self._decision = decision
 
     def _send(self, store: Any, kind: str, payload: Any) -> None:
         if kind == "init":
-            for key in ("plan", "m_last", "done", "error"):
+            for key in ("plan", "done", "error"):
                 if store.check([PREFIX + key]):
                     store.delete_key(PREFIX + key)
-            store.set(PREFIX + "init", pickle.dumps(payload))
-            self._round_id = uuid.uuid4().hex.encode()
+            store.set(PREFIX + "init", encode_init({**payload, "round": self.round_id}))
+            self._round_id = self.round_id.encode()
             store.set(PREFIX + "init_id", self._round_id)
         elif kind == "m":
             step, record = payload
-            store.set(PREFIX + f"m/{step}", pickle.dumps(record))
-            store.set(PREFIX + "m_last", str(step))
+            body = {**record, "round": self.round_id, "rank": self.rank}
+            store.set(PREFIX + f"m/{step}/{self.rank}", encode_record(body))
         elif kind == "done":
             store.set(PREFIX + "done", "1")
 
@@ -1109,7 +1239,9 @@ class ControllerLink:
         self._submit("init", init)
 
     def post(self, step: int, record: dict[str, Any]) -> None:
-        """Measurements of ``step`` (see the module docstring); returns at once."""
+        """This rank's measurements of ``step`` (``device``, ``plan_id`` and the seconds of
+        :func:`~hetrain.runtime.ctlwire.encode_record`); returns at once (the link's thread
+        writes them)."""
         self._submit("m", (step, record))
 
     def poll(self, current_plan_id: int) -> Decision | None:
@@ -1135,31 +1267,33 @@ class ControllerLink:
         """Tell the controller the round is over (sends what is queued first; waits up to
         ``wait_s`` for the connection and the sends)."""
         with self._cond:
-            self._queue.append(("done", None))
+            if self.rank == 0:  # the round is over when rank 0 says so
+                self._queue.append(("done", None))
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=wait_s)
 
 
-def spawn_controller_process(timeout_s: float = 60.0):
+def spawn_controller_process(timeout_s: float = 60.0, host: str = "127.0.0.1"):
     """Start the controller as a separate process (``python -m hetrain.runtime.adapt``) hosting
-    its store on a free port of this host; returns ``(process, endpoint)``. Used under
-    ``torchrun``, where no launcher process of ours exists."""
+    its store on a free port of ``host`` (loopback unless ranks on other nodes must reach it);
+    returns ``(process, endpoint)``. Used under ``torchrun``, where no launcher process of
+    ours exists."""
     import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         port = int(s.getsockname()[1])
     # one BLAS/OpenMP thread: the controller's numpy shares the host's cores with the ranks
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port)],
+        [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port), "--host", host],
         stdin=subprocess.DEVNULL,
         env=env,
     )
-    return proc, f"127.0.0.1:{port}"
+    return proc, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +170,15 @@ class GradientSync:
     ``arm + factor · τ`` on the emulated device; a bucket launched by :meth:`finish` is ready
     at its launch. Without this the all-reduces would run during the sleep that stands for
     the very compute that produces their gradients.
+
+    Extra values (``extra``, a callable returning a 1-D tensor of the same length on every
+    rank): called once, when the bucket launched last (:attr:`carrier`) is launched; its
+    values are appended to that bucket's flat gradient (in its dtype), so they are summed
+    among the bucket's active owners by the same all-reduce; :attr:`extra_result` (float64)
+    holds the sums after :meth:`finish`. The engine uses it when every rank is an active
+    owner of every layer (pure data parallelism): the step's loss, item count and
+    per-rank report rows then need no collective of their own. None when this rank
+    all-reduces no bucket.
     """
 
     def __init__(
@@ -181,8 +191,11 @@ class GradientSync:
         bucket_params: list[list[nn.Parameter]],
         device: torch.device,
         emulation: Emulation | None,
+        extra: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
+        self.extra = extra
+        self.extra_result: torch.Tensor | None = None
         self.groups = groups
         self.rank = rank
         self.device = device
@@ -207,6 +220,9 @@ class GradientSync:
         self._armed_at: float | None = None
         self._armed_cpu = 0.0
         self.bytes = 0
+        # the bucket launched last carries the caller's extra values (see ``extra``)
+        self.carrier = self.order[-1] if self.order and extra is not None else None
+        self._extra_len = 0
 
     def arm(self) -> None:
         """Start each bucket's all-reduce as soon as its gradients are final (call right
@@ -239,6 +255,10 @@ class GradientSync:
     def _launch(self, i: int, in_backward: bool = False) -> None:
         b, params = self.mine[i]
         flat = _flat_grads(params, self.device)
+        if i == self.carrier:
+            values = self.extra().to(device=self.device, dtype=flat.dtype)
+            self._extra_len = values.numel()
+            flat = torch.cat([flat, values])
         work = dist.all_reduce(flat, group=self.groups.get(b.reduce_ranks), async_op=True)
         now = time.perf_counter()
         ready = now
@@ -270,6 +290,9 @@ class GradientSync:
             flat, work, ready = self._works[i]
             work.wait()
             nbytes = flat.numel() * flat.element_size()
+            if i == self.carrier:  # gradient bytes only (the few carried values are extra)
+                self.extra_result = flat[flat.numel() - self._extra_len :].to(torch.float64)
+                nbytes -= self._extra_len * flat.element_size()
             self.bytes += nbytes
             b = self.mine[i][0]
             if em is not None and em.limits_links():

@@ -11,13 +11,14 @@ clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -72,6 +73,11 @@ class StepResult:
             (where a NaN/inf first showed; set only on skipped steps).
         group_index / stage_index / stage: this rank's place in the plan (None if unused);
         batch: ``b_g``; microbatch_size: ``μ_g``; num_microbatches: ``n_g``.
+        report: the rows the ranks passed to :meth:`Worker.step` as ``report`` (index = rank;
+            empty rows without one), the same on every rank.
+        late: ``loss``, ``grad_norm`` and ``report`` travelled in a non-blocking all-reduce
+            that the next :meth:`Worker.step` completes (on every rank, at its end); reading
+            one of them earlier waits for it (docs/runtime.md "Per-step collectives").
     """
 
     step: int
@@ -100,9 +106,55 @@ class StepResult:
     link_time_s: dict[str, float] = field(default_factory=dict)
     skipped: bool = False
     nonfinite_here: bool = False
+    report: list[list[float]] = field(default_factory=list)
+    late: bool = False
+    _pending: Any = field(default=None, repr=False, compare=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _LATE_FIELDS and object.__getattribute__(self, "_pending") is not None:
+            object.__getattribute__(self, "_pending").resolve()
+        return object.__getattribute__(self, name)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain data (late values waited for)."""
+        return {
+            f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name[0] != "_"
+        }
+
+
+_LATE_FIELDS = frozenset({"loss", "grad_norm", "report"})
+_SUMS_HEAD = 5  # loss sum, squared gradient norm, item count, (sum, count) flag, random-op flag
+
+
+class _LateSums:
+    """A step's sums in flight (a non-blocking world all-reduce); :meth:`resolve` waits and
+    fills the step's :class:`StepResult` (idempotent)."""
+
+    def __init__(
+        self, work: Any, sums: torch.Tensor, result: StepResult, world: int, num_flags: int
+    ) -> None:
+        self.work, self.sums, self.result, self.world = work, sums, result, world
+        self.num_flags = num_flags  # got-gradient flags between the head and the report rows
+        self.random_problems = 0.0
+        self.done = False
+
+    def resolve(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.work.wait()
+        values = self.sums.tolist()
+        result = self.result
+        object.__setattr__(result, "_pending", None)
+        result.loss = values[0]
+        result.grad_norm = math.sqrt(max(values[1], 0.0))
+        result.report = _rows(values[_SUMS_HEAD + self.num_flags :], self.world)
+        self.random_problems = values[4]
+
+
+def _rows(flat: list[float], world: int) -> list[list[float]]:
+    width = len(flat) // world if world else 0
+    return [flat[r * width : (r + 1) * width] for r in range(world)]
 
 
 @dataclass(frozen=True)
@@ -312,6 +364,10 @@ class Worker:
         for unit in self._units(self.layout):
             self.optimizers[unit] = self._build_optimizer(unit)
         self._groups = GroupCache()
+        self._late: _LateSums | None = None
+        self._report: Callable[[], Sequence[float]] | None = None
+        self._step_sums: tuple[Any, Any, bool] | None = None
+        self._sum_mode: bool | None = None  # the loss kind, once a step told every rank
         self._layer_bytes = [
             sum(self._nbytes(n) for n in names if not chain.frozen(n)) for names in self._private
         ]
@@ -365,7 +421,24 @@ class Worker:
         self._buckets: list[Bucket] = shared_buckets(self.layout, trainable_shared) + layer_buckets
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
+        self._p2p_cache: dict[tuple[int, int], Any] = {}  # message descriptions (stages.P2P)
         self._norm_sets = self._norm_owner_sets()
+        everyone = tuple(range(self.world_size))
+        # every trainable tensor has one active owner (no gradient combination at all): this
+        # rank's got-gradient flags are the step's, so the sums may travel late
+        self._grads_single_owner = not any(
+            len(b.active) > 1 for b in self._buckets if self._bucket_trainable(b)
+        )
+        self._sums_in_gradients = (
+            self.world_size > 1
+            and any(len(b.active) > 1 for b in self._buckets if self._bucket_trainable(b))
+            and all(tuple(sorted(b.active)) == everyone and not b.idle for b in self._buckets)
+        )
+
+    def _bucket_trainable(self, bucket: Bucket) -> bool:
+        if bucket.shared is not None:
+            return True
+        return any(self._layer_bytes[layer] > 0 for layer in bucket.layers)
 
     def _norm_modules(self, indices: Sequence[int]) -> list[nn.Module]:
         return [m for i in indices for m in self.chain.layer_modules(i)]
@@ -512,8 +585,94 @@ class Worker:
         """Layer indices this rank holds under the current plan."""
         return self.layout.owned_layers(self.rank)
 
+    # ----------------------------------------------------------------------------- step sums
+    # Per step the engine combines, over all ranks: the loss sum, the squared gradient norm,
+    # the item count and kind of a (sum, count) loss, the random-op flag and the callers'
+    # report rows (one flat float vector, docs/runtime.md "Per-step collectives"):
+    # - every rank an active owner of every layer (pure data parallelism): appended to the
+    #   last gradient bucket's all-reduce; the norm is computed locally from the combined
+    #   gradients (the same on every rank): no collective beyond the gradient all-reduce;
+    # - else, when the optimizer step needs them (clipping, or a (sum, count) loss, or the
+    #   loss kind not known yet: the first step): one blocking world all-reduce;
+    # - else: a non-blocking world all-reduce, completed at the end of the next step.
+    def _arm(self, grad_sync: GradientSync) -> Callable[..., None] | None:
+        def arm(loss_sum: torch.Tensor, count_sum: torch.Tensor, sum_mode: bool) -> None:
+            self._step_sums = (loss_sum, count_sum, sum_mode)
+            if self.overlap_grad_sync:
+                grad_sync.arm()
+
+        return arm
+
+    def _report_row(self) -> list[float]:
+        return [float(v) for v in self._report()] if self._report is not None else []
+
+    def _sums_vector(
+        self,
+        loss: torch.Tensor,
+        count: torch.Tensor,
+        sum_mode: bool,
+        sqnorm: float,
+        got_grad: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[loss sum, squared norm, count, (sum, count) flag, random-op flag, got-gradient
+        flags (one per trainable tensor, :meth:`_local_grad_flags`), report rows (one per
+        rank)]`` of this rank, float64: summed over the ranks it gives the step's totals."""
+        random_problem = float(bool(self.randomness.problems) and not self._random_reported)
+        row = self._report_row()
+        head = _SUMS_HEAD + got_grad.numel()
+        out = torch.zeros(head + self.world_size * len(row), dtype=torch.float64)
+        out[0], out[1], out[2] = float(loss), sqnorm, float(count)
+        out[3], out[4] = float(sum_mode), random_problem
+        out[_SUMS_HEAD:head] = got_grad.cpu()
+        if row:
+            start = head + self.rank * len(row)
+            out[start : start + len(row)] = torch.tensor(row, dtype=torch.float64)
+        return out.to(self.device)
+
+    def _carried_sums(self) -> torch.Tensor:
+        """The sums vector appended to the last gradient bucket (norm slot 0: local); it is
+        made when that bucket is launched, before any combined gradient is written back, so
+        the got-gradient flags are this rank's own."""
+        loss, count, sum_mode = self._step_sums or (0.0, 0.0, False)
+        return self._sums_vector(loss, count, sum_mode, 0.0, self._local_grad_flags())
+
+    def _sqnorm(self, units: Sequence[Unit]) -> float:
+        """Squared L2 norm of the gradients of ``units`` (``torch.nn.utils.get_total_norm``:
+        per-tensor norms in the gradients' dtype, fused, as ``clip_grad_norm_`` computes them;
+        a per-tensor float64 ``pow(2).sum()`` loop took 3-12x as long)."""
+        grads = [p.grad for u in units for p in self._unit_params(u) if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2
+
+    def _sqnorm_canonical(self) -> float:
+        """Squared gradient norm of the units this rank canonically owns."""
+        return self._sqnorm([u for u in self._all_units() if self._canonical(u) == self.rank])
+
+    def _local_sqnorm(self) -> float:
+        """Squared norm of the whole combined gradient, every unit held here, in the same
+        order on every rank (so every rank computes the same value)."""
+        return self._sqnorm(self._all_units())
+
+    def _finish_late(self) -> None:
+        """Complete the previous step's non-blocking sums (every rank at the same step) and
+        act on its random-op flag."""
+        late, self._late = self._late, None
+        if late is None:
+            return
+        late.resolve()
+        if late.random_problems > 0:
+            self._report_random_problems()
+
     # ----------------------------------------------------------------------------- step
-    def step(self, inputs: Any, targets: Any, step: int) -> StepResult:
+    def step(
+        self,
+        inputs: Any,
+        targets: Any,
+        step: int,
+        *,
+        report: Callable[[], Sequence[float]] | None = None,
+    ) -> StepResult:
         """Train one iteration on the global batch.
 
         Args:
@@ -523,9 +682,17 @@ class Worker:
             targets: ``(B, ...)`` targets for ``loss_fn`` (or a pytree), identical on every
                 rank.
             step: iteration index (drives the learning-rate schedule and randomness).
+            report: called once per step on every rank, returns this rank's row of floats
+                (the same length on every rank); every rank's row comes back in
+                ``StepResult.report`` through the step's own combination (no collective of
+                its own; with :attr:`StepResult.late`, a step later). It is called during
+                the step (at the launch of the last gradient bucket, or at the end), so it
+                must not raise and must not run collectives.
 
         Raises:
-            ValueError: ``inputs``/``targets`` with a first dimension other than ``B``.
+            ValueError: ``inputs``/``targets`` with a first dimension other than ``B``;
+                ``loss_fn`` returned ``(sum, count)`` after a step where it returned a mean
+                (on a plan whose sums travel late, see :attr:`StepResult.late`).
         """
         from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -549,7 +716,13 @@ class Worker:
             self.chain.tensors[name].grad = None
         timers = Timers()
         p2p = P2P(
-            self.device, self.layout.devices, self.rank, timers, self.emulation, self._channels
+            self.device,
+            self.layout.devices,
+            self.rank,
+            timers,
+            self.emulation,
+            self._channels,
+            self._p2p_cache,
         )
         grad_sync = GradientSync(
             layout=self.layout,
@@ -559,7 +732,10 @@ class Worker:
             bucket_params=self._bucket_params(),
             device=self.device,
             emulation=self.emulation,
+            extra=self._carried_sums if self._sums_in_gradients else None,
         )
+        self._report = report
+        self._step_sums = None
         pos = self.layout.position(self.rank)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         loss_part, count_part, sum_mode = zero, zero, False
@@ -607,43 +783,63 @@ class Worker:
                         device_id=self.device_id,
                         emulation=self.emulation,
                         autocast_dtype=self.autocast_dtype,
-                        before_last_backward=grad_sync.arm if self.overlap_grad_sync else None,
+                        before_last_backward=self._arm(grad_sync),
                         forward_context=self._forward_context(group.offset, step),
                     )
                 except BaseException:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
-        got_grad = self._local_grad_flags()
+        got_grad = self._local_grad_flags()  # before the sync fills zeros
+        self._step_sums = (loss_part, count_part, sum_mode)
         sync_time_s, sync_bytes = grad_sync.finish()
         self._sync_norm_stats(group is not None and group.active)
         t_opt = time.perf_counter()
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for unit in self.optimizers:
-            if self._canonical(unit) == self.rank:
-                for p in self._unit_params(unit):
-                    if p.grad is not None:
-                        sq += p.grad.detach().to(torch.float64).pow(2).sum()
-        flag = torch.ones((), dtype=torch.float64, device=self.device) if sum_mode else zero
-        random_problem = float(bool(self.randomness.problems) and not self._random_reported)
-        rflag = torch.tensor(random_problem, dtype=torch.float64, device=self.device)
-        reduced = torch.cat([torch.stack([loss_part, sq, count_part, flag, rflag]), got_grad])
-        if self.world_size > 1:  # one rank: the sum is its own values
-            dist.all_reduce(reduced)
-        loss, sqnorm, count, mode, random_problems = reduced[:5].tolist()
-        self._drop_absent_grads(reduced[5:])
-        if random_problems > 0:
-            self._report_random_problems()
+        late_sums: torch.Tensor | None = None
+        if grad_sync.extra_result is not None:
+            # every rank holds every layer: the sums came with the gradients, and the norm is
+            # the same sum on every rank over the combined gradients
+            values = grad_sync.extra_result.tolist()
+            local_sq = values[1] = self._local_sqnorm()
+        else:
+            local_sq = self._sqnorm_canonical()
+            sums = self._sums_vector(loss_part, count_part, sum_mode, local_sq, got_grad)
+            if self.world_size > 1 and (
+                self.grad_clip_norm is not None
+                or self._sum_mode is not False
+                or not self._grads_single_owner
+            ):
+                # the optimizer step needs the norm, the count, or which tensors got a
+                # gradient on another owner now
+                dist.all_reduce(sums)
+            elif self.world_size > 1:
+                if sum_mode:
+                    raise ValueError(
+                        "loss_fn: returned (sum, count) after a step where it returned a mean; "
+                        "it must return the same kind at every step"
+                    )
+                late_sums = sums  # reported late: a non-blocking all-reduce (below)
+            values = sums.tolist()
+        loss, sqnorm, count, mode, random_problems = values[:_SUMS_HEAD]
+        num_flags = len(self._grad_index)
+        # which tensors got a gradient on any rank (in the late path this rank's own flags:
+        # there every trainable tensor has a single owner, so they are exact)
+        self._drop_absent_grads(torch.tensor(values[_SUMS_HEAD : _SUMS_HEAD + num_flags]))
+        if late_sums is None:
+            self._sum_mode = mode > 0
+            if random_problems > 0:
+                self._report_random_problems()
         scale = 1.0
         if mode > 0:  # (sum, count) losses: divide by the count of the whole global batch
             if count <= 0:
                 raise ValueError("loss_fn: the global batch counts no items (count 0)")
             scale = 1.0 / count
             loss *= scale
-        grad_norm = math.sqrt(sqnorm) * scale
-        # a non-finite loss or gradient norm (the same on every rank): no update anywhere
+        grad_norm = math.sqrt(max(sqnorm, 0.0)) * scale
+        # a non-finite loss or gradient norm: no update (on every rank alike where the values
+        # were combined before the update; in the late path on the stages where it shows)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        here = skipped and not (math.isfinite(float(loss_part)) and math.isfinite(float(sq)))
+        here = skipped and not (math.isfinite(float(loss_part)) and math.isfinite(local_sq))
         coef = clip_coefficient(grad_norm, self.grad_clip_norm) * scale
         lr_factor = self.optimizer_spec.lr_factor(step)
         for unit, opt in self.optimizers.items():
@@ -655,8 +851,9 @@ class Worker:
                         p.grad.mul_(coef)
             set_lr_factor(opt, lr_factor)
             opt.step()
+        self._finish_late()  # the previous step's late sums (long done) on every rank
         end = time.perf_counter()
-        return StepResult(
+        result = StepResult(
             step=step,
             rank=self.rank,
             device_id=self.device_id,
@@ -683,7 +880,14 @@ class Worker:
             link_time_s=dict(timers.link_time_s),
             skipped=skipped,
             nonfinite_here=here,
+            report=_rows(values[_SUMS_HEAD + num_flags :], self.world_size),
+            late=late_sums is not None,
         )
+        if late_sums is not None:
+            work = dist.all_reduce(late_sums, async_op=True)
+            self._late = _LateSums(work, late_sums, result, self.world_size, num_flags)
+            object.__setattr__(result, "_pending", self._late)
+        return result
 
     # ----------------------------------------------------------------------------- plan change
     def _unit_payload(self, unit: Unit) -> dict[str, Any]:

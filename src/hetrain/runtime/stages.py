@@ -1,21 +1,23 @@
 """Pipeline dimension: point-to-point activation/gradient messages and the 1F1B and GPipe
 schedules of one stage (docs/model.md §1, §5).
 
-Every message between neighbouring stages is a small int64 header (dtype, shape, send time)
-followed by the payload, so any chain works (int64 token ids at the first stage, bf16 under
-autocast, a smaller last micro-batch) without shape inference. Sends are non-blocking
-(``isend``, waited at the end of the step) and receives blocking; with every stage issuing its
-forward messages and its backward messages in micro-batch order, 1F1B and GPipe cannot
-deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each direction of a
-link has its own two-rank process group (``GroupCache.pipeline_channels``), so with NCCL a
-queued activation send never blocks the gradient receive coming the other way.
+A pytree of tensors between neighbouring stages travels as one message (its tensors' bytes
+and a trailer) whenever it is described like the previous message on that link direction;
+a description (dtypes, shapes, requires-grad flags, the structure of a non-tensor tree)
+travels first when it changes (:class:`P2P`), so any chain works (int64 token ids at the
+first stage, bf16 under autocast, a smaller last micro-batch) without shape inference. Sends
+are non-blocking (``isend``, waited at the end of the step) and receives blocking; with every
+stage issuing its forward messages and its backward messages in micro-batch order, 1F1B and
+GPipe cannot deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each
+direction of a link has its own two-rank process group (``GroupCache.pipeline_channels``),
+so with NCCL a queued activation send never blocks the gradient receive coming the other way.
 
 Nothing received is unpickled: a pytree's structure travels as JSON (torch's
 ``treespec_dumps``/``treespec_loads``, which rebuild only registered container types) with its
 non-tensor leaves as plain JSON values (:func:`encode_structure`, :func:`decode_structure`);
-tensors travel as headers plus raw payloads. A malformed message (bad JSON, unknown container
-type, leaf counts that disagree, an unknown dtype code, a negative or oversized length) is a
-one-line :class:`StageMessageError` and changes nothing.
+tensors travel as validated descriptions plus raw bytes. A malformed message (bad JSON, an
+unknown container type, counts that disagree, an unknown dtype code, a negative or oversized
+length) is a one-line :class:`StageMessageError` and changes nothing.
 """
 
 from __future__ import annotations
@@ -55,10 +57,8 @@ _DTYPES = (
 )
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 MAX_NDIM = 8
-HEADER_LEN = 4 + MAX_NDIM  # dtype code, ndim, send time (ns), requires grad, dims
-TAG_HEADER = 1
+HEADER_LEN = 4 + MAX_NDIM  # a tensor's description: dtype code, ndim, requires grad, dims
 TAG_PAYLOAD = 2
-TAG_TREE = 3
 STRUCTURE_FORMAT = 1
 MAX_STRUCTURE_BYTES = 1 << 20
 """Largest encoded pytree structure a stage accepts (bytes): far above any model's (a few KB)."""
@@ -187,14 +187,75 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+ALIGN = 16  # bytes: each tensor of a packed message starts at a multiple (dtype views)
+TRAILER = (
+    2  # int64 at the end of a packed message: flag (0 data, 1 a description follows), send time
+)
+
+
+def _header(t: torch.Tensor) -> tuple[int, ...]:
+    if t.dim() > MAX_NDIM:
+        raise ValueError(f"activation with {t.dim()} dims: at most {MAX_NDIM} supported")
+    return (_CODE[t.dtype], t.dim(), int(t.requires_grad), *t.shape)
+
+
+MAX_TREE_TENSORS = 1 << 16
+"""Most tensors one stage message may carry (far above any model's boundary)."""
+MAX_TENSOR_BYTES = 1 << 40
+"""Largest tensor a stage message may describe (bytes)."""
+
+
+def _valid_header(row: list[int]) -> bool:
+    """Whether a received tensor description ``(dtype code, ndim, requires grad, dims...)``
+    names a known dtype, at most :data:`MAX_NDIM` non-negative dims and at most
+    :data:`MAX_TENSOR_BYTES` bytes."""
+    if not (0 <= row[0] < len(_DTYPES) and 0 <= row[1] <= MAX_NDIM and row[2] in (0, 1)):
+        return False
+    dims = row[3 : 3 + row[1]]
+    numel = 1
+    for d in dims:
+        if d < 0:
+            return False
+        numel *= d
+    return numel * _DTYPES[row[0]].itemsize <= MAX_TENSOR_BYTES
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed_size(headers: tuple[tuple[int, ...], ...]) -> int:
+    total = 0
+    for h in headers:
+        numel = 1
+        for d in h[3:]:
+            numel *= d
+        total += _aligned(numel * _DTYPES[h[0]].itemsize)
+    return total + TRAILER * 8
+
+
 class P2P:
     """Messages between pipeline neighbours, with per-link bandwidth emulation.
 
-    The header carries the sender's wall-clock send time; the receiver sleeps until
-    ``max(send time, link free) + n / bw + latency`` (one link = one FIFO pipe per direction),
-    so emulated transfers overlap with the sender's compute as docs/model.md §3 assumes. Send times
-    are
-    compared across processes with ``time.time_ns`` (one machine, or synchronised clocks).
+    Wire format (one channel = one direction of one link): a pytree of tensors travels as ONE
+    message when it looks like the previous one on that channel (same structure, dtypes,
+    shapes and requires-grad flags: every micro-batch of a step but a smaller last one): the
+    tensors' bytes, each aligned to 16 bytes, then a trailer ``int64[flag, send time ns]``.
+    Both sides keep the last *description* per channel (:attr:`cache`, kept across steps by
+    the engine and cleared on a plan change), so the receiver knows the size. When the
+    description changes, the sender first sends a message of the size the receiver expects
+    with flag 1, then the new description (``int64[plain, blob bytes, tensors]``, one int64
+    header ``(dtype, ndim, requires grad, dims...)`` per tensor, and the JSON structure of a
+    non-tensor tree, :func:`encode_structure`), then the data message; a channel's first
+    message is a description. One message per activation and per gradient, as torch's
+    pipelining sends (each gloo message costs a round trip of ~1 ms on a loaded 2-core host).
+    A received description is validated (:class:`StageMessageError` otherwise).
+
+    Link emulation: the trailer carries the sender's wall-clock send time; the receiver sleeps
+    until ``max(send time, link free) + n / bw + latency`` (one link = one FIFO pipe per
+    direction), so emulated transfers overlap with the sender's compute as docs/model.md §3
+    assumes. Send times are compared across processes with ``time.time_ns`` (one machine, or
+    synchronised clocks).
     """
 
     def __init__(
@@ -205,6 +266,7 @@ class P2P:
         timers: Timers,
         emulation: Emulation | None,
         channels: dict[tuple[int, int], Any] | None = None,
+        cache: dict[tuple[int, int], Any] | None = None,
     ) -> None:
         self.device = device
         self.devices = devices
@@ -212,49 +274,138 @@ class P2P:
         self.timers = timers
         self.emulation = emulation
         self.channels = channels or {}
+        self.cache: dict[tuple[int, int], Any] = {} if cache is None else cache
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._link_free_ns: dict[int, int] = {}
-        self._sent_struct: dict[int, bytes] = {}
-        self._recv_struct: dict[int, Any] = {}
-        self.last_requires_grad = False
 
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Non-blocking send of ``tensor`` (any dtype, ``ndim <= 8``) to rank ``dst``; the
-        header says whether it requires grad (a gradient comes back for it)."""
-        t0 = time.perf_counter()
-        requires_grad = int(tensor.requires_grad)
-        tensor = tensor.detach().contiguous()
-        if tensor.dim() > MAX_NDIM:
-            raise ValueError(f"activation with {tensor.dim()} dims: at most {MAX_NDIM} supported")
-        header = [_CODE[tensor.dtype], tensor.dim(), time.time_ns(), requires_grad, *tensor.shape]
-        header += [0] * (HEADER_LEN - len(header))
-        htensor = torch.tensor(header, dtype=torch.int64, device=self.device)
+    # -- raw messages
+    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         group = self.channels.get((self.rank, dst))
-        self._pending.append((dist.isend(htensor, dst, group=group, tag=TAG_HEADER), htensor))
         self._pending.append((dist.isend(tensor, dst, group=group, tag=TAG_PAYLOAD), tensor))
-        self.timers.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(tensor, src, group=self.channels.get((src, self.rank)), tag=TAG_PAYLOAD)
+        return tensor
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _pack(self, tensors: list[torch.Tensor], flag: int, size: int | None = None):
+        size = size if size is not None else _packed_size(tuple(_header(t) for t in tensors))
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for t in tensors:
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[offset : offset + raw.numel()] = raw
+            offset += _aligned(raw.numel())
+        trailer = buf[size - TRAILER * 8 :].view(torch.int64)
+        trailer[0], trailer[1] = flag, time.time_ns()
+        return buf
+
+    # -- trees
+    def send_tree(self, obj: Any, dst: int) -> None:
+        """Non-blocking send of a pytree of tensors (tensor, tuple, dict, ``ModelOutput``...;
+        any dtype, ``ndim <= 8``); a gradient comes back for each tensor that requires grad."""
+        t0 = time.perf_counter()
+        flat, spec = tree_flatten(obj)
+        plain = isinstance(obj, torch.Tensor)
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        mask = [isinstance(a, torch.Tensor) for a in flat]
+        blob = b""
+        if not plain:
+            blob = encode_structure(spec, flat, mask)
+        headers = tuple(_header(t) for t in tensors)
+        desc = (plain, blob, headers)
+        key = (self.rank, dst)
+        cached = self.cache.get(key)
+        if cached is None or cached[0] != desc:
+            if cached is not None:  # the receiver expects data of the old size: say "changed"
+                self._isend(self._pack([], 1, cached[1]), dst)
+            self._isend(self._ints([int(plain), len(blob), len(headers)]), dst)
+            if headers:
+                rows = [list(h) + [0] * (HEADER_LEN - len(h)) for h in headers]
+                self._isend(self._ints([v for row in rows for v in row]), dst)
+            if blob:
+                self._isend(
+                    torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device), dst
+                )
+            cached = (desc, _packed_size(headers), None)
+            self.cache[key] = cached
+        self._isend(self._pack(tensors, 0, cached[1]), dst)
+        self.timers.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
-    def recv(self, src: int) -> torch.Tensor:
-        """Blocking receive of the next tensor from rank ``src`` (then emulated link delay)."""
+    def recv_tree(self, src: int) -> tuple[Any, list[bool]]:
+        """Blocking receive of a pytree sent by :meth:`send_tree` (then emulated link delay);
+        returns it and, per tensor leaf, whether the sender's tensor required grad (the
+        receiver then marks it ``requires_grad``)."""
         t0 = time.perf_counter()
-        htensor = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        group = self.channels.get((src, self.rank))
-        dist.recv(htensor, src, group=group, tag=TAG_HEADER)
-        header = htensor.tolist()
-        if not (0 <= header[0] < len(_DTYPES) and 0 <= header[1] <= MAX_NDIM) or any(
-            d < 0 for d in header[4 : 4 + header[1]]
-        ):
-            raise StageMessageError(f"stage message from rank {src}: malformed tensor header")
-        dtype = _DTYPES[header[0]]
-        shape = header[4 : 4 + header[1]]
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        self.last_requires_grad = bool(header[3])
-        dist.recv(out, src, group=group, tag=TAG_PAYLOAD)
-        num_bytes = out.numel() * out.element_size()
+        key = (src, self.rank)
+        cached = self.cache.get(key)
+        buf = None
+        if cached is not None:
+            buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
+            if int(buf[cached[1] - TRAILER * 8 :].view(torch.int64)[0]) != 0:
+                buf = None
+        if buf is None:
+            plain, length, count = self._recv(
+                torch.empty(3, dtype=torch.int64, device=self.device), src
+            ).tolist()
+            source = f"stage message from rank {src}"
+            if (
+                plain not in (0, 1)
+                or not 0 <= length <= MAX_STRUCTURE_BYTES
+                or not 0 <= count <= MAX_TREE_TENSORS
+                or (plain and (count != 1 or length != 0))
+                or (not plain and length == 0)
+            ):
+                raise StageMessageError(f"{source}: malformed description")
+            headers: tuple[tuple[int, ...], ...] = ()
+            if count:
+                rows = (
+                    self._recv(
+                        torch.empty(count * HEADER_LEN, dtype=torch.int64, device=self.device), src
+                    )
+                    .view(count, HEADER_LEN)
+                    .tolist()
+                )
+                if not all(_valid_header(r) for r in rows):
+                    raise StageMessageError(f"{source}: malformed tensor header")
+                headers = tuple(tuple(r[: 3 + r[1]]) for r in rows)
+            struct = None
+            blob = b""
+            if length > 0:
+                data = self._recv(torch.empty(length, dtype=torch.uint8, device=self.device), src)
+                blob = data.cpu().numpy().tobytes()
+                with warnings.catch_warnings():
+                    # torch's TreeSpec building trips its own LeafSpec deprecation (a FutureWarning
+                    # printed once per pipeline stage on the user's console)
+                    warnings.filterwarnings("ignore", ".*LeafSpec.* is deprecated", FutureWarning)
+                    struct = decode_structure(blob, source)
+                if sum(struct[2]) != count:
+                    raise StageMessageError(
+                        f"{source}: structure has {sum(struct[2])} tensors, message {count}"
+                    )
+            cached = ((bool(plain), blob, headers), _packed_size(headers), struct)
+            self.cache[key] = cached
+            buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
+        (plain, _, headers), size, struct = cached
+        tensors, flags = [], []
+        offset = 0
+        for h in headers:
+            dtype, shape = _DTYPES[h[0]], h[3:]
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
+            flags.append(bool(h[2]))
+            offset += _aligned(nbytes)
+        num_bytes = sum(t.numel() * t.element_size() for t in tensors)
         em = self.emulation
         if em is not None and em.limits_links():
-            start_ns = max(header[2], self._link_free_ns.get(src, 0))
+            sent_ns = int(buf[size - TRAILER * 8 :].view(torch.int64)[1])
+            start_ns = max(sent_ns, self._link_free_ns.get(src, 0))
             busy_s = em.transfer_time_s(self.devices[src], self.devices[self.rank], num_bytes)
             arrival_ns = start_ns + int(busy_s * 1e9)
             self._link_free_ns[src] = arrival_ns - int(em.latency_s * 1e9)
@@ -264,63 +415,14 @@ class P2P:
         self.timers.send_recv_time_s += dt
         peer = self.devices[src]
         self.timers.link_time_s[peer] = self.timers.link_time_s.get(peer, 0.0) + dt
-        return out
-
-    def send_tree(self, obj: Any, dst: int) -> None:
-        """Send a pytree of tensors (tensor, tuple, dict, ``ModelOutput``...): its structure and
-        non-tensor leaves (JSON, :func:`encode_structure`; only when they differ from the last
-        tree sent to ``dst`` in this step), then each tensor with :meth:`send`."""
-        flat, spec = tree_flatten(obj)
-        mask = [isinstance(a, torch.Tensor) for a in flat]
-        blob = b"" if isinstance(obj, torch.Tensor) else encode_structure(spec, flat, mask)
-        changed = blob != self._sent_struct.get(dst, b"")
-        self._sent_struct[dst] = blob
-        group = self.channels.get((self.rank, dst))
-        meta = torch.tensor(
-            [len(blob) if changed else -1, int(isinstance(obj, torch.Tensor))],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        self._pending.append((dist.isend(meta, dst, group=group, tag=TAG_TREE), meta))
-        if changed and blob:
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
-            self._pending.append((dist.isend(data, dst, group=group, tag=TAG_TREE), data))
-        for a in flat:
-            if isinstance(a, torch.Tensor):
-                self.send(a, dst)
-
-    def recv_tree(self, src: int) -> tuple[Any, list[bool]]:
-        """Receive a pytree sent by :meth:`send_tree`; returns it and, per tensor leaf, whether
-        the sender's tensor required grad (the receiver then marks it ``requires_grad``)."""
-        group = self.channels.get((src, self.rank))
-        meta = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(meta, src, group=group, tag=TAG_TREE)
-        length, plain = meta.tolist()
-        source = f"stage message from rank {src}"
-        if not (-1 <= length <= MAX_STRUCTURE_BYTES) or plain not in (0, 1):
-            raise StageMessageError(f"{source}: malformed structure header")
-        if length > 0:
-            data = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.recv(data, src, group=group, tag=TAG_TREE)
-            with warnings.catch_warnings():
-                # torch's TreeSpec building trips its own LeafSpec deprecation (a FutureWarning
-                # printed once per pipeline stage on the user's console)
-                warnings.filterwarnings("ignore", ".*LeafSpec.* is deprecated", FutureWarning)
-                self._recv_struct[src] = decode_structure(data.cpu().numpy().tobytes(), source)
-        elif length == 0:
-            self._recv_struct[src] = None
         if plain:
-            t = self.recv(src)
-            return t, [self.last_requires_grad]
-        if self._recv_struct.get(src) is None:
-            raise StageMessageError(f"{source}: a tree without its structure")
-        spec, flat, mask = self._recv_struct[src]
+            return tensors[0], flags
+        spec, flat, mask = struct
         flat = list(flat)
-        flags = []
+        it = iter(tensors)
         for k, is_tensor in enumerate(mask):
             if is_tensor:
-                flat[k] = self.recv(src)
-                flags.append(self.last_requires_grad)
+                flat[k] = next(it)
         return tree_unflatten(flat, spec), flags
 
     def wait_sends(self) -> None:
@@ -352,6 +454,10 @@ def _slice_rows(obj: Any, start: int, end: int) -> Any:
 
 def _float(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -390,7 +496,7 @@ def run_stage(
     device_id: str,
     emulation: Emulation | None,
     autocast_dtype: torch.dtype | None,
-    before_last_backward: Callable[[], None] | None = None,
+    before_last_backward: Callable[[torch.Tensor, torch.Tensor, bool], None] | None = None,
     forward_context: Callable[[int, int], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Run one stage's forward/backward operations of one step.
@@ -406,13 +512,17 @@ def run_stage(
     ``(sum, count)`` losses (docs/model.md §5): the sum is back-propagated unscaled and the engine
     divides
     every gradient by the global batch's count (one all-reduce) afterwards. Gradients accumulate
-    into ``.grad``; ``before_last_backward`` is called right before the last backward (to start
-    gradient all-reduces during it); ``forward_context(start, end)`` (a context manager, rows
+    into ``.grad``; ``before_last_backward(loss_sum, count_sum, sum_mode)`` is called right
+    before the last backward (every forward has run: the values are final) to start gradient
+    all-reduces during it; ``forward_context(start, end)`` (a context manager, rows
     relative to the group) wraps each micro-batch's forward (plan-invariant randomness and ghost
     BatchNorm, engine.py).
     """
     first = prev_rank is None
     last = next_rank is None
+    # the thread's CPU clock only when the emulation uses it (a system call per read)
+    thread_cpu = emulation is not None and emulation.compute_clock == "thread_cpu"
+    cpu_clock = time.thread_time if thread_cpu else _no_clock
     saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -440,7 +550,7 @@ def run_stage(
             if ctx is not None:
                 ctx.__enter__()
             _sync(device)
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = time.perf_counter(), cpu_clock()
             bookkeeping_s = bookkeeping_cpu_s = 0.0
             with torch.autocast(
                 device_type=device.type,
@@ -453,10 +563,10 @@ def run_stage(
                     except BaseException as exc:
                         ctx.__exit__(type(exc), exc, exc.__traceback__)
                         raise
-                    e0, ec0 = time.perf_counter(), time.thread_time()
+                    e0, ec0 = time.perf_counter(), cpu_clock()
                     ctx.__exit__(None, None, None)
                     bookkeeping_s = time.perf_counter() - e0
-                    bookkeeping_cpu_s = time.thread_time() - ec0
+                    bookkeeping_cpu_s = cpu_clock() - ec0
                 else:
                     y = stage_forward(x, mb_inputs)
                 if last:
@@ -469,7 +579,7 @@ def run_stage(
                         y = value
             _sync(device)
             dt = time.perf_counter() - t0 - bookkeeping_s
-            cpu = time.thread_time() - c0 - bookkeeping_cpu_s
+            cpu = cpu_clock() - c0 - bookkeeping_cpu_s
             slept = slow_down(emulation, device_id, dt, microbatch=True, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.forward_time_s += dt + slept
@@ -485,20 +595,22 @@ def run_stage(
         else:
             grad_in, outs = saved.pop(i)
             grads = None
-            if not last:
-                grads = [p2p.recv(next_rank) for _ in outs]
+            if not last and outs:  # one message: the tensor, or a tuple of them
+                received, _ = p2p.recv_tree(next_rank)
+                grads = [received] if len(outs) == 1 else list(received)
             if n == last_backward and before_last_backward is not None:
-                before_last_backward()
+                before_last_backward(loss_sum, count_sum, sum_mode)
             _sync(device)
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = time.perf_counter(), cpu_clock()
             if outs and outs[0].requires_grad:
                 torch.autograd.backward(outs, grads)
             _sync(device)
-            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            dt, cpu = time.perf_counter() - t0, cpu_clock() - c0
             slept = slow_down(emulation, device_id, dt, cpu_s=cpu)
             timers.emulated_compute_s += slept
             timers.backward_time_s += dt + slept
-            for t in grad_in:
-                p2p.send(t.grad if t.grad is not None else torch.zeros_like(t), prev_rank)
+            if grad_in:
+                sent = [t.grad if t.grad is not None else torch.zeros_like(t) for t in grad_in]
+                p2p.send_tree(sent[0] if len(sent) == 1 else tuple(sent), prev_rank)
             del grad_in, outs
     return loss_sum, count_sum, sum_mode

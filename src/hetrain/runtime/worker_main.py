@@ -7,12 +7,15 @@ torch's elastic launcher, by ``torchrun ... -m hetrain train``, or in-process fo
 1. set the emulation of slot ``t`` (``--slowdown``, ``--trace``, ``--cluster``);
 2. build the global batch of ``t`` (:class:`~hetrain.runtime.data.GlobalBatchSampler`, same on
    every rank) and run ``Worker.step``;
-3. all-gather each rank's measured compute/iteration times (one small tensor, the step's only
-   collective besides the engine's); rank 0's row also says whether the controller has a new
-   plan (read from memory: :class:`~hetrain.runtime.adapt.ControllerLink`'s thread talks to
-   the controller's store, so no rank waits on a socket);
-4. rank 0 writes the metrics line and posts the measurements to the controller (queued); when
-   a new plan was flagged, it is broadcast and every rank calls ``Worker.apply_plan``;
+3. no collective of the loop's own: each rank's row of ``Worker.step``'s ``report`` (its stop
+   request, rank 0's "a new plan follows" flag, read from memory: the
+   :class:`~hetrain.runtime.adapt.ControllerLink` thread talks to the controller's store, and
+   the times of the rank's previous step) rides in the step's own combination (the gradient
+   all-reduce of a data-parallel step; a step later on other plans), so every rank acts on
+   the flags at the same step; every rank writes its own measurements to the controller's
+   store (queued, never waited for);
+4. rank 0 writes a step's metrics line once every rank's row for it is there; when a new plan
+   was flagged, it is broadcast and every rank calls ``Worker.apply_plan``;
 5. every ``checkpoint_every`` steps a collective checkpoint.
 
 At the end rank 0 gathers the whole model (``Worker.full_state_dict``), evaluates it on the
@@ -29,6 +32,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -733,25 +737,41 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
         plan = plan.model_copy(update={"plan_id": 0})
     link: ControllerLink | None = None
     controller_proc = None
-    if lead and job.adaptive:
-        endpoint = job.controller_endpoint
-        if endpoint is None:  # under torchrun: no launcher of ours, start the controller here
-            controller_proc, endpoint = spawn_controller_process()
-        link = ControllerLink(endpoint)
-        link.start_round(
-            {
-                "base_state": base_state,
-                "profile": profile,
-                "config": config,
-                "plan": plan,
-                "steps": job.steps,
-                "start_step": start_step,
-                "optimizer_state_factor": _state_factor(job),
-                "checkpoint_dir": job.checkpoint_dir,
-                "checkpoint_every": job.checkpoint_every,
-                "log_path": _controller_log_path(job),
-            }
-        )
+    if job.adaptive:
+        # every rank writes its own measurements to the controller's store (no per-step
+        # gather); rank 0 starts the round and reads the decisions
+        endpoint = round_id = None
+        if lead:
+            endpoint = job.controller_endpoint
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+            if endpoint is None or not local:
+                # under torchrun (no launcher of ours) or several nodes (the launcher's
+                # controller listens on loopback): rank 0 starts one, on loopback when every
+                # rank is on this host, else on the rendezvous address the other nodes reach
+                host = "127.0.0.1" if local else os.environ.get("MASTER_ADDR", "0.0.0.0")
+                controller_proc, endpoint = spawn_controller_process(host=host)
+            round_id = uuid.uuid4().hex
+        if world > 1:
+            box = [(endpoint, round_id)]
+            dist.broadcast_object_list(box, src=0)
+            endpoint, round_id = box[0]
+        link = ControllerLink(endpoint, rank=rank, round_id=round_id)
+        if lead:
+            link.start_round(
+                {
+                    "world_size": world,
+                    "base_state": base_state,
+                    "profile": profile,
+                    "config": config,
+                    "plan": plan,
+                    "steps": job.steps,
+                    "start_step": start_step,
+                    "optimizer_state_factor": _state_factor(job),
+                    "checkpoint_dir": job.checkpoint_dir,
+                    "checkpoint_every": job.checkpoint_every,
+                    "log_path": _controller_log_path(job),
+                }
+            )
 
     spec = optimizer_spec(job)
     worker = Worker(
@@ -870,6 +890,91 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
     skipped_steps = 0  # updates skipped for a non-finite loss or gradient norm
     if watchdog is not None:
         watchdog.start()
+    # What the ranks exchange per step rides in the step's own combination of sums
+    # (Worker.step's report; docs/runtime.md "Per-step collectives"): this rank's stop request,
+    # rank 0's "a new plan follows" flag and the measurements of the rank's last finished step.
+    # Rows of a step arrive with its result, or a step later when the result is late; every
+    # rank acts on them at the same step.
+    last: list[Any] = [None]  # this rank's last StepResult
+    announced: dict[int, Decision] = {}  # rank 0: step -> the decision its row announced
+    link_failure: list[BaseException] = []
+    waiting: list[Any] = []  # late results, completed by the next step
+    lines: dict[int, dict[str, Any]] = {}  # rank 0: step -> its metrics fields so far
+
+    def row_of(step: int, plan_id: int):
+        def row() -> list[float]:
+            nonlocal adapt_time_s
+            flag = 0.0
+            polling = not link_failure and not stop.requested
+            if link is not None and lead and world > 1 and step + 1 < job.steps and polling:
+                t_adapt = time.perf_counter()
+                try:
+                    decision = link.poll(plan_id)
+                except BaseException as exc:  # raised after the step (not in a hook)
+                    link_failure.append(exc)
+                    decision = None
+                if decision is not None:
+                    announced[step] = decision
+                    flag = 1.0
+                adapt_time_s += time.perf_counter() - t_adapt
+            signum = float(stop.signum or signal.SIGTERM) if stop.requested else 0.0
+            return [signum, flag, *_measured_row(last[0])]
+
+        return row
+
+    def check_nonfinite(results: list[Any]) -> int:
+        """Of finished steps (their loss and gradient norm combined over the ranks, the same on
+        every rank): how many had a non-finite value, whose update was skipped (``skip``), or
+        :class:`NonFiniteError` at the first one (``stop``; one small all-gather, on every rank
+        at the same step, says where it first showed)."""
+        skipped = 0
+        for done in results:
+            if math.isfinite(done.loss) and math.isfinite(done.grad_norm):
+                continue
+            if job.on_nonfinite != "stop":
+                skipped += 1
+                continue
+            where = [
+                1.0 if done.nonfinite_here else 0.0,
+                -1.0 if done.group_index is None else float(done.group_index),
+                -1.0 if done.stage_index is None else float(done.stage_index),
+            ]
+            rows = [torch.tensor(where, dtype=torch.float64, device=coll)]
+            if world > 1:
+                rows = [torch.zeros(3, dtype=torch.float64, device=coll) for _ in range(world)]
+                dist.all_gather(rows, rows[0].new_tensor(where))
+            table = [[0.0] * 6 + r.tolist() for r in rows]
+            line = _nonfinite_line(job, done.step, done, table)
+            if lead:
+                metrics.write("nonfinite", done.step, action="stop", message=line)
+            raise NonFiniteError(line)
+        return skipped
+
+    def write_line(table: list[list[float]]) -> None:
+        measured = int(table[0][2])
+        fields = lines.pop(measured, None)
+        if fields is None:
+            return
+        nonlocal last_loss
+        result = fields.pop("result")
+        last_loss = result.loss
+        iteration_time_s = max(r[4] for r in table)
+        step_times.append(iteration_time_s)
+        metrics.write(
+            "step",
+            measured,
+            loss=result.loss,
+            iteration_time_s=iteration_time_s,
+            grad_norm=result.grad_norm,
+            compute_time_s={d: r[3] for d, r in zip(job.devices, table, strict=True)},
+            send_recv_time_s={d: r[5] for d, r in zip(job.devices, table, strict=True)},
+            sync_time_s=max(r[6] for r in table),
+            **fields,
+            **({} if math.isfinite(result.loss + result.grad_norm) else {"skipped": True}),
+        )
+        if progress is not None:
+            progress.update(measured, result.loss, iteration_time_s, fields["plan_id"])
+
     try:
         for step in range(start_step, job.steps):
             worker.emulation = emu.emulation(step)
@@ -878,47 +983,57 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 # one pinned host buffer and an asynchronous copy per step (the engine's
                 # per-micro-batch slices are then already on the GPU)
                 x, y = _to_device(x, worker.device), _to_device(y, worker.device)
-            result = worker.step(x, y, step)
+            result = worker.step(x, y, step, report=row_of(step, int(plan.plan_id)))
             if watchdog is not None:
                 watchdog.beat(step)
-            # rank 0: the controller's newest decision (read from memory; the link's thread
-            # fetches it), switched to after this step when no rank stops
-            decision = None
-            if link is not None and job.adaptive and world > 1 and step + 1 < job.steps:
-                t_adapt = time.perf_counter()
-                decision = link.poll(int(plan.plan_id))
-                adapt_time_s += time.perf_counter() - t_adapt
-            mine = torch.tensor(
-                [
-                    result.compute_time_s,
-                    result.iteration_time_s,
-                    result.send_recv_time_s,
-                    result.sync_time_s,
-                    float(stop.signum or 15) if stop.requested else 0.0,
-                    1.0 if decision is not None else 0.0,
-                    1.0 if result.nonfinite_here else 0.0,
-                    -1.0 if result.group_index is None else float(result.group_index),
-                    -1.0 if result.stage_index is None else float(result.stage_index),
-                ],
-                dtype=torch.float64,
-                device=coll,
+            if link_failure and not stop.requested:
+                # (a SIGTERM to rank 0's process group also ends a controller it started:
+                # then the stop, agreed at the next step, goes on without it)
+                raise link_failure[0]
+            last[0] = result
+            if link is not None and step + 1 < job.steps:
+                link.post(
+                    step,
+                    {
+                        "device": device_id,
+                        "plan_id": int(plan.plan_id),
+                        "compute_time_s": result.compute_time_s,
+                        "iteration_time_s": result.iteration_time_s,
+                        "send_recv_time_s": result.send_recv_time_s,
+                        "sync_time_s": result.sync_time_s,
+                    },
+                )
+            if lead:
+                lines[step] = {
+                    "result": result,
+                    "plan_id": plan.plan_id,
+                    "world_size": world,
+                    "global_batch": plan.global_batch,
+                    "shares": [g.batch for g in plan.groups],
+                    "lr": spec.lr_at(step),
+                    "slowdown": worker.emulation.slowdown if worker.emulation else {},
+                }
+            ready, waiting = (
+                [*waiting, *([] if result.late else [result])],
+                ([result] if result.late else []),
             )
-            # the step's measurements; they also carry each rank's stop request (SIGTERM) and
-            # rank 0's "a new plan follows" flag, so every rank learns of both at the same step
-            # without another collective (one small all-gather per step, like DDP's single
-            # gradient all-reduce the only other collective of a data-parallel step)
-            rows = [mine]
-            if world > 1:
-                rows = [torch.zeros(9, dtype=torch.float64, device=coll) for _ in range(world)]
-                dist.all_gather(rows, mine)
-            table = torch.stack(rows).tolist()
+            stopping = False
+            flagged: list[int] = []
+            for done in ready:
+                table = done.report
+                stopping = stopping or any(r[0] > 0 for r in table)
+                if table[0][1] > 0:
+                    flagged.append(done.step)
+                if lead:
+                    write_line(table)
+            skipped_steps += check_nonfinite(ready)
             # a stop during the last step is no stop: the run ends normally
-            stopping = any(r[4] > 0 for r in table) and step + 1 < job.steps
+            stopping = stopping and step + 1 < job.steps
             if stopping:
                 stop.agree()
                 # the signal of the lowest rank that got one (the same name on every rank)
-                stop_signal = signal.Signals(int(next(r[4] for r in table if r[4] > 0))).name
-            new_plan_follows = table[0][5] > 0 and not stopping
+                rows = [r for done in ready for r in done.report if r[0] > 0]
+                stop_signal = signal.Signals(int(rows[0][0])).name
             want_timeline = step == job.steps - 1 or (
                 job.adaptive and step == start_step + 3 and job.timeline_steps > 1
             )
@@ -926,60 +1041,15 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 per_rank = gather_measurements(result)
                 if lead:
                     timelines.append({"step": step, "plan": plan.to_json_dict(), "ranks": per_rank})
-            if lead:
-                last_loss = result.loss
-                iteration_time_s = max(r[1] for r in table)
-                step_times.append(iteration_time_s)
-                metrics.write(
-                    "step",
-                    step,
-                    loss=result.loss,
-                    iteration_time_s=iteration_time_s,
-                    plan_id=plan.plan_id,
-                    world_size=world,
-                    global_batch=plan.global_batch,
-                    shares=[g.batch for g in plan.groups],
-                    lr=spec.lr_at(step),
-                    grad_norm=result.grad_norm,
-                    compute_time_s={d: r[0] for d, r in zip(job.devices, table, strict=True)},
-                    send_recv_time_s={d: r[2] for d, r in zip(job.devices, table, strict=True)},
-                    sync_time_s=max(r[3] for r in table),
-                    slowdown=worker.emulation.slowdown if worker.emulation else {},
-                    **({"skipped": True} if result.skipped else {}),
-                )
-                if progress is not None:
-                    progress.update(step, result.loss, iteration_time_s, plan.plan_id)
-                if link is not None and step + 1 < job.steps and not stopping:
-                    t_adapt = time.perf_counter()
-                    link.post(
-                        step,
-                        {
-                            "plan_id": plan.plan_id,
-                            "iteration_time_s": iteration_time_s,
-                            "compute_time_s": {
-                                d: r[0] for d, r in zip(job.devices, table, strict=True)
-                            },
-                            "send_recv_time_s": {
-                                d: r[2] for d, r in zip(job.devices, table, strict=True)
-                            },
-                            "sync_time_s": {
-                                d: r[3] for d, r in zip(job.devices, table, strict=True)
-                            },
-                        },
-                    )
-                    adapt_time_s += time.perf_counter() - t_adapt
-            if result.skipped:
-                # a NaN/inf loss or gradient norm: no rank updated (the engine skips the
-                # update when either all-reduced value is not finite, the same on every rank)
-                if job.on_nonfinite == "stop":
-                    line = _nonfinite_line(job, step, result, table)
-                    if lead:
-                        metrics.write("nonfinite", step, action="stop", message=line)
-                    raise NonFiniteError(line)
-                skipped_steps += 1
-            if new_plan_follows:
-                # the plan object only when it changed: every rank switches at the same step
-                box = [decision.plan.to_json_dict() if lead else None]
+            if flagged and not stopping and step + 1 < job.steps:
+                # the plan object only when it is newer than the plan in force: every rank
+                # switches at the same step
+                decision = None
+                if lead:
+                    newest = [announced.pop(s) for s in flagged if s in announced]
+                    newest = [d for d in newest if int(d.plan.plan_id) > int(plan.plan_id)]
+                    decision = max(newest, key=lambda d: int(d.plan.plan_id), default=None)
+                box = [decision.plan.to_json_dict() if decision is not None else None]
                 dist.broadcast_object_list(box, src=0)
                 if box[0] is not None:
                     new_plan = plan_from_dict(box[0], "<re-plan>")
@@ -995,6 +1065,9 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             if job.checkpoint_dir and (
                 stopping or (job.checkpoint_every > 0 and (step + 1) % job.checkpoint_every == 0)
             ):
+                # no checkpoint holds a non-finite step: late sums of the steps before are
+                # complete here (the same wait on every rank)
+                check_nonfinite(waiting if job.on_nonfinite == "stop" else [])
                 with watchdog.suspended() if watchdog is not None else nullcontext():
                     path = ckpt.save(
                         job.checkpoint_dir,
@@ -1024,8 +1097,6 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 # a graceful stop (spot warning, or the agents restarting the group for a
                 # device that joins): every rank checkpointed this same step; the next round
                 # resumes here without redoing a step
-                if lead:
-                    metrics.write("stop", step + 1, reason=stop_signal, world_size=world)
                 stopped = TrainingStopped(
                     stop.exit_code if stop.requested else EXIT_STOPPED_BY_PEER,
                     step=step + 1,
@@ -1033,6 +1104,22 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                     signal_name=stop_signal,
                 )
                 break
+        # the last finished step's measurements: one gather at the end of the run (the
+        # late results are complete once read)
+        for done in waiting:
+            if lead:
+                write_line(done.report)
+        skipped_steps += check_nonfinite(waiting)
+        if last[0] is not None:
+            mine = torch.tensor(_measured_row(last[0]), dtype=torch.float64, device=coll)
+            rows = [mine]
+            if world > 1:
+                rows = [torch.zeros_like(mine) for _ in range(world)]
+                dist.all_gather(rows, mine)
+            if lead:
+                write_line([[0.0, 0.0, *r.tolist()] for r in rows])
+        if lead and stopped is not None:
+            metrics.write("stop", stopped.step, reason=stopped.signal_name, world_size=world)
     finally:
         stop.restore()
         if watchdog is not None:
@@ -1124,6 +1211,20 @@ def _staged_controller_state(job: TrainJob, step: int, no_wait: bool) -> Path | 
         if digits.isdigit() and int(digits) <= step:
             found.append((int(digits), p))
     return max(found)[1] if found else None
+
+
+def _measured_row(result: Any) -> list[float]:
+    """``[step, compute, iteration, send/recv, sync]`` seconds of a rank's step (step -1:
+    none yet), the part of the per-step report row the metrics line needs."""
+    if result is None:
+        return [-1.0, 0.0, 0.0, 0.0, 0.0]
+    return [
+        float(result.step),
+        result.compute_time_s,
+        result.iteration_time_s,
+        result.send_recv_time_s,
+        result.sync_time_s,
+    ]
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -1,0 +1,395 @@
+"""hetrain's engine vs ``torch.distributed.pipelining`` on one fixed 4-stage pipeline, side by
+side in one run.
+
+Same model (8 equal MLP blocks, ``bench/_peer_model.py``), same data and global batch, same
+split (2 blocks per stage), same micro-batches (``--microbatches`` equal ones), same optimizer
+(SGD with momentum, one optimizer per layer on both sides, ``foreach=False``), 4 gloo ranks
+on CPU, one torch thread each:
+
+- ``hetrain``: :class:`hetrain.runtime.Worker` on the plan ``{4 stages, μ = B / n}`` with the
+  schedule compared (``1f1b`` or ``gpipe``);
+- ``torch``: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe`` (``scale_grads``: the
+  gradients are divided by ``n``, as hetrain scales each micro-batch loss by ``rows / B``).
+
+Runs alternate (hetrain, torch) ``--repeats`` times per case; each run reports the wall time
+of its steps after ``--warmup`` (the slowest rank, barriers around); the ratio is the median
+torch time over the median hetrain time (> 1: hetrain faster). Per-step losses of the two
+sides must agree (float32, summation order only: relative difference <= 1e-4).
+
+Cases:
+
+- ``equal-1f1b``, ``equal-gpipe``: equal devices. Target: hetrain >= 0.98x each peer.
+- ``slow-1f1b``: stage 1's rank 3x slower, emulated on both sides by sleeping ``(factor - 1)
+  x`` the measured forward / backward time of each micro-batch (hetrain's ``Emulation``; on
+  the torch side a wrapper module sleeps after the forward and a hook on the stage's first
+  weight sleeps at the end of each backward), the fixed even split. Target: >= 0.98x.
+- ``train`` (``--train``): ``hetrain train`` without a plan vs the fixed plan ``hetrain plan``
+  gives for the same measured devices (the speeds and ``κ`` that the first adaptive run's
+  start-up calibration measured, w1's emulated slow-down included, as a cluster file; the
+  profile from ``hetrain profile --model``), both with ``--slowdown w1=3``, alternated; rate =
+  steps after ``--warmup`` over their wall time (metrics ``time_s``). Target: the adaptive
+  run >= 0.95 of the fixed plan's rate.
+
+``--base-slowdown F`` makes every rank emulate a device ``F`` times slower than one host core
+(both sides; the slow rank ``3 F``), so that 4 ranks on a 2-core machine do not slow each other
+down (bench/runtime_vs_ddp.py does the same).
+
+Usage (a quiet machine; the last line is JSON with every ratio)::
+
+    PYTHONPATH=src python bench/pipelining_peer.py --steps 40 --warmup 5 --repeats 5 --train
+    PYTHONPATH=src python bench/pipelining_peer.py --smoke   # a few steps, checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import _peer_model as peer  # noqa: E402
+
+WORLD = 4
+SLOW_RANK = 1
+SLOW_FACTOR = 3.0
+LR, MOMENTUM = 0.01, 0.9
+
+
+class _BackwardClock(torch.autograd.Function):
+    """Identity; its backward (the first op of the stage's backward) records the time."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box["bwd_start"] = time.perf_counter()
+        return grad, None
+
+
+class _Emulated(nn.Module):
+    """A stage that runs ``factor`` times slower: sleeps ``(factor - 1) x`` its forward time
+    after each forward, and ``(factor - 1) x`` the backward time so far when the gradient of
+    its first weight is computed (the end of its backward)."""
+
+    def __init__(self, inner: nn.Module, factor: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.factor = factor
+        self.box = {"bwd_start": 0.0}
+        first = next(p for p in inner.parameters())
+
+        def sleep_backward(grad):
+            time.sleep((self.factor - 1.0) * (time.perf_counter() - self.box["bwd_start"]))
+            return grad
+
+        first.register_hook(sleep_backward)
+
+    def forward(self, x):
+        t0 = time.perf_counter()
+        y = self.inner(x)
+        time.sleep((self.factor - 1.0) * (time.perf_counter() - t0))
+        return _BackwardClock.apply(y, self.box)
+
+
+def _factors(slow: bool, base: float) -> list[float]:
+    return [base * (SLOW_FACTOR if slow and r == SLOW_RANK else 1.0) for r in range(WORLD)]
+
+
+def _stages() -> list[list[int]]:
+    per = peer.BLOCKS // WORLD
+    return [[k * per, (k + 1) * per] for k in range(WORLD)]
+
+
+def _batch(data, step: int, batch: int):
+    x, y = data
+    start = (step * batch) % (len(x) - batch + 1)
+    return x[start : start + batch], y[start : start + batch]
+
+
+def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=300),
+    )
+    torch.manual_seed(0)
+    model = peer.build_model()
+    data = peer.make_data()
+    losses: list[float] = []
+    if side == "hetrain":
+        from hetrain.plan import plan_from_dict
+        from hetrain.runtime import OptimizerSpec, Worker
+        from hetrain.runtime.emulation import Emulation
+
+        plan = plan_from_dict(
+            {
+                "schedule": schedule,
+                "groups": [
+                    {
+                        "devices": [f"w{r}" for r in range(WORLD)],
+                        "stages": _stages(),
+                        "microbatch_size": batch // nmb,
+                        "batch": batch,
+                    }
+                ],
+            }
+        )
+        emulation = None
+        if any(f > 1.0 for f in factors):
+            emulation = Emulation(slowdown={f"w{r}": f for r, f in enumerate(factors)})
+        worker = Worker(
+            model,
+            plan,
+            f"w{rank}",
+            peer.loss_fn,
+            OptimizerSpec("sgd", lr=LR, momentum=MOMENTUM),
+            emulation=emulation,
+        )
+        results = []
+
+        def one_step(t):
+            x, y = _batch(data, t, batch)
+            results.append(worker.step(x, y, t))
+
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        s0, s1 = _stages()[rank]
+        inner = nn.Sequential(*[model[i] for i in range(s0, s1)])
+        module = _Emulated(inner, factors[rank]) if factors[rank] > 1.0 else inner
+        stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+        kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = kind(stage, n_microbatches=nmb, loss_fn=peer.loss_fn)
+        opts = [
+            torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM, foreach=False)
+            for m in inner
+            if any(True for _ in m.parameters())
+        ]
+
+        def one_step(t):
+            x, y = _batch(data, t, batch)
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            if rank == 0:
+                sched.step(x)
+            elif rank == WORLD - 1:
+                mb_losses: list[torch.Tensor] = []
+                sched.step(target=y, losses=mb_losses)
+                losses.append(float(torch.stack([v.detach() for v in mb_losses]).mean()))
+            else:
+                sched.step()
+            for o in opts:
+                o.step()
+
+    for t in range(warmup):
+        one_step(t)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for t in range(warmup, steps):
+        one_step(t)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if side == "hetrain":
+        losses = [r.loss for r in results]  # waits for the last step's late sums
+    dist.destroy_process_group()
+    out.put((rank, elapsed, losses))
+
+
+def run_once(side, schedule, steps, warmup, batch, nmb, factors) -> tuple[float, list[float]]:
+    """One run of ``side``; returns (seconds of the timed steps on the slowest rank, losses of
+    the last stage, one per step)."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="hetrain-peer-")
+    try:
+        store = os.path.join(tmp, "rdzv")
+        procs = [
+            ctx.Process(
+                target=_rank,
+                args=(r, store, side, schedule, steps, warmup, batch, nmb, factors, out),
+            )
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        rows = [out.get(timeout=1800) for _ in range(WORLD)]
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode != 0:
+                raise RuntimeError(f"{side} {schedule}: a rank exited with {p.exitcode}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows.sort()
+    return max(r[1] for r in rows), rows[WORLD - 1][2]
+
+
+def compare(name, schedule, factors, args) -> dict:
+    """Alternated runs of both sides; medians, ratio, loss agreement."""
+    times: dict[str, list[float]] = {"hetrain": [], "torch": []}
+    losses: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for side in ("hetrain", "torch"):
+            t, lo = run_once(
+                side, schedule, args.steps, args.warmup, args.batch, args.microbatches, factors
+            )
+            times[side].append(t)
+            losses[side] = lo
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["torch"] / med["hetrain"]
+    ratios = [tt / th for th, tt in zip(times["hetrain"], times["torch"], strict=True)]
+    pairs = zip(losses["hetrain"], losses["torch"], strict=True)
+    diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+    timed = args.steps - args.warmup
+    print(
+        f"{name:12s} hetrain {timed / med['hetrain']:7.2f} it/s   torch {timed / med['torch']:7.2f}"
+        f" it/s   ratio {ratio:.3f} (runs {min(ratios):.3f}-{max(ratios):.3f})   loss max rel "
+        f"diff {diff:.1e}",
+        flush=True,
+    )
+    return {"ratio": round(ratio, 4), "ratio_min": round(min(ratios), 4),
+            "ratio_max": round(max(ratios), 4), "loss_max_rel_diff": diff}  # fmt: skip
+
+
+def _hetrain(*argv: str, env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hetrain", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+
+
+def train_case(args) -> dict:
+    """``hetrain train`` without a plan vs the fixed plan ``hetrain plan`` gives for the
+    devices as ``hetrain train``'s start-up calibration measured them (speed and ``κ`` per
+    device, w1's 3x slow-down included: the first ``plan`` record of the first adaptive run)."""
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    env["HETRAIN_PEER_HIDDEN"] = str(peer.HIDDEN)
+    tmp = Path(tempfile.mkdtemp(prefix="hetrain-peer-train-"))
+    model = "bench._peer_model:make"
+    try:
+        profile, cluster, plan_path = tmp / "profile.json", tmp / "cluster.yaml", tmp / "plan.json"
+        _hetrain("profile", "--model", model, "--out", str(profile), env=env)
+        common = ["--model", model, "--workers", str(WORLD), "--steps", str(args.train_steps),
+                  "--batch", str(args.batch), "--optimizer", "sgd", "--lr", str(LR),
+                  "--slowdown", f"w{SLOW_RANK}={SLOW_FACTOR}", "--no-demo-slowdown",
+                  "--no-progress", "--no-report"]  # fmt: skip
+        rates: dict[str, list[float]] = {"fixed": [], "adaptive": []}
+        planned = ""
+        for i in range(args.repeats):
+            for kind in ("adaptive", "fixed"):
+                run_dir = tmp / f"{kind}{i}"
+                extra = ["--plan", str(plan_path)] if kind == "fixed" else []
+                _hetrain("train", *common, *extra, "--run-dir", str(run_dir), env=env)
+                metrics = run_dir / "metrics.jsonl"
+                rates[kind].append(_rate(metrics, args.warmup))
+                if kind == "adaptive" and i == 0:
+                    cluster.write_text(yaml.safe_dump(_measured_cluster(metrics)))
+                    planned = _hetrain("plan", "--cluster", str(cluster), "--model",
+                                       str(profile), "--batch", str(args.batch),
+                                       "--optimizer-state-factor", "1", "--json",
+                                       env=env).stdout  # fmt: skip
+                    plan_path.write_text(planned)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        fraction = med["adaptive"] / med["fixed"]
+        shares = [(g["devices"], g["batch"]) for g in json.loads(planned)["groups"]]
+        print(
+            f"train        fixed plan {med['fixed']:.2f} it/s   adaptive {med['adaptive']:.2f} "
+            f"it/s   fraction {fraction:.3f}   plan {shares}",
+            flush=True,
+        )
+        return {"fraction_of_fixed_plan": round(fraction, 4), "fixed_it_per_s": med["fixed"],
+                "adaptive_it_per_s": med["adaptive"], "plan_shares": shares}  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measured_cluster(metrics: Path) -> dict:
+    """A cluster file of the local ranks (the runtime's nominal links, memory and NICs) with
+    the speeds and ``κ`` of a run's start-up calibration (its first ``plan`` record)."""
+    first = next(
+        e for e in map(json.loads, metrics.read_text().splitlines()) if e.get("event") == "plan"
+    )
+    return {
+        "links": {"intra_node_gbps": 20.0, "latency_us": 20.0},
+        "devices": [
+            {
+                "id": d,
+                "tflops": float(speed) / 1e12,
+                "memory_gib": 16.0,
+                "nic_gbps": 20.0,
+                "microbatch_overhead_ms": float(first["kappa_s"][d]) * 1e3,
+            }
+            for d, speed in first["speed_flops"].items()
+        ],
+    }
+
+
+def _rate(metrics: Path, warmup: int) -> float:
+    steps = [
+        e for e in map(json.loads, metrics.read_text().splitlines()) if e.get("event") == "step"
+    ]
+    steps.sort(key=lambda e: e["step"])
+    # a line is written a step late, the last one at the end right after the one before it
+    timed = steps[warmup:-1]
+    return (len(timed) - 1) / (timed[-1]["time_s"] - timed[0]["time_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--base-slowdown", type=float, default=1.0)
+    parser.add_argument("--train", action="store_true", help="also the hetrain train case")
+    parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--smoke", action="store_true", help="a few steps of every case")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.repeats, args.train_steps = 4, 1, 1, 8
+    summary: dict = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+                     "batch": args.batch, "microbatches": args.microbatches,
+                     "base_slowdown": args.base_slowdown, "hidden": peer.HIDDEN,
+                     "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0]}  # fmt: skip
+    equal = _factors(False, args.base_slowdown)
+    summary["equal_1f1b"] = compare("equal-1f1b", "1f1b", equal, args)
+    summary["equal_gpipe"] = compare("equal-gpipe", "gpipe", equal, args)
+    summary["slow_1f1b"] = compare("slow-1f1b", "1f1b", _factors(True, args.base_slowdown), args)
+    verdicts = []
+    for key in ("equal_1f1b", "equal_gpipe", "slow_1f1b"):
+        r = summary[key]
+        ok = r["ratio"] >= 0.98 and r["loss_max_rel_diff"] <= 1e-4
+        verdicts.append(ok)
+        print(f"{'PASS' if ok else 'FAIL'} {key}: {r['ratio']:.3f}x the peer (target >= 0.98), "
+              f"losses within {r['loss_max_rel_diff']:.1e} (target <= 1e-4)")  # fmt: skip
+    if args.train:
+        summary["train"] = train_case(args)
+        f = summary["train"]["fraction_of_fixed_plan"]
+        print(f"{'PASS' if f >= 0.95 else 'FAIL'} train: adaptive {f:.3f} of the fixed plan "
+              "(target >= 0.95)")  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
