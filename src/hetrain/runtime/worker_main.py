@@ -945,10 +945,27 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                 dist.all_gather(rows, rows[0].new_tensor(where))
             table = [[0.0] * 6 + r.tolist() for r in rows]
             line = _nonfinite_line(job, done.step, done, table)
+            flush_lines()
             if lead:
                 metrics.write("nonfinite", done.step, action="stop", message=line)
             raise NonFiniteError(line)
         return skipped
+
+    def flush_lines() -> None:
+        """Write the metrics lines still owed (late results and the last finished step's
+        measurements: one gather; on every rank at the same point, at the end of the run or
+        before a non-finite stop)."""
+        for done in waiting:
+            if lead:
+                write_line(done.report)
+        if last[0] is not None:
+            mine = torch.tensor(_measured_row(last[0]), dtype=torch.float64, device=coll)
+            rows = [mine]
+            if world > 1:
+                rows = [torch.zeros_like(mine) for _ in range(world)]
+                dist.all_gather(rows, mine)
+            if lead:
+                write_line([[0.0, 0.0, *r.tolist()] for r in rows])
 
     def write_line(table: list[list[float]]) -> None:
         measured = int(table[0][2])
@@ -1104,20 +1121,8 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
                     signal_name=stop_signal,
                 )
                 break
-        # the last finished step's measurements: one gather at the end of the run (the
-        # late results are complete once read)
-        for done in waiting:
-            if lead:
-                write_line(done.report)
         skipped_steps += check_nonfinite(waiting)
-        if last[0] is not None:
-            mine = torch.tensor(_measured_row(last[0]), dtype=torch.float64, device=coll)
-            rows = [mine]
-            if world > 1:
-                rows = [torch.zeros_like(mine) for _ in range(world)]
-                dist.all_gather(rows, mine)
-            if lead:
-                write_line([[0.0, 0.0, *r.tolist()] for r in rows])
+        flush_lines()
         if lead and stopped is not None:
             metrics.write("stop", stopped.step, reason=stopped.signal_name, world_size=world)
     finally:
