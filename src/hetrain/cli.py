@@ -226,6 +226,15 @@ def simulate(
             "it runs (1: the runtime's asynchronous controller; 0: applied at once)",
         ),
     ] = 1,
+    search_latency: Annotated[
+        int | None,
+        typer.Option(
+            "--search-latency",
+            help="slots a planner search takes to join the controller's choices (the runtime's "
+            "search thread; each decision is then the cheap keep-or-rebalance one); default: "
+            "searches run inside the decision",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
@@ -247,6 +256,7 @@ def simulate(
             plan=plan,
             norm_block=norm_block,
             decision_delay=decision_delay,
+            search_latency=search_latency,
         )
     )
 

@@ -100,6 +100,7 @@ def run_simulate(
     plan: Path | None = None,
     norm_block: int | None = None,
     decision_delay: int = 1,
+    search_latency: int | None = None,
 ) -> int:
     """Run ``hetrain simulate``; print the docs/model.md §7 summary (``--json``) or a short report.
     ``norm_block``: ``--norm-block G`` (every plan keeps shares and μ multiples of ``G``).
@@ -135,6 +136,12 @@ def run_simulate(
             "--decision-delay",
             "",
             f"expected an integer between 0 and {MAX_DECISION_DELAY} (slots), got {decision_delay}",
+        )
+    if search_latency is not None and not 0 <= search_latency <= MAX_DECISION_DELAY:
+        raise InputError(
+            "--search-latency",
+            "",
+            f"expected an integer between 0 and {MAX_DECISION_DELAY} (slots), got {search_latency}",
         )
     for name, value in budgets.items():
         if value < MIN_POSITIVE:  # the controller divides by the budget squared
@@ -199,8 +206,9 @@ def run_simulate(
             decision_delay_slots=decision_delay,
         )
     result = simulate(
-        pol, timeline, profile, config, slots=slots, budgets=budgets, decision_delay=decision_delay
-    )
+        pol, timeline, profile, config, slots=slots, budgets=budgets,
+        decision_delay=decision_delay, search_latency=search_latency,
+    )  # fmt: skip
     if csv_out is not None:
         try:
             result.write_csv(csv_out)
