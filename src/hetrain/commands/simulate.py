@@ -115,6 +115,10 @@ def run_simulate(
     from hetrain.control import POLICY_NAMES, make_policy
     from hetrain.sim.simulator import simulate
 
+    for flag, value in (("--cluster", cluster), ("--model", model), ("--batch", batch)):
+        if value is None:
+            raise InputError(flag, "", "a value (or --replay RUN_DIR)")
+
     spec: ClusterSpec = load_cluster(cluster)
     profile = load_profile(model).arrays()
     config = training_config(batch, optimizer_state_factor, norm_block=norm_block)
@@ -222,6 +226,33 @@ def run_simulate(
         return 0
     _print_report(summary, batch)
     return 0
+
+
+def run_replay(run: Path, *, json_out: bool = False) -> int:
+    """``hetrain simulate --replay RUN``: the controller's decisions on the run's recorded
+    measurements (:func:`hetrain.sim.replay.replay_run`) next to the run's own; prints them
+    (``--json``: ``{"decisions", "recorded", "matches_recorded"}``). Returns 0 when they
+    match, 1 when they differ.
+
+    Raises:
+        InputError: no replayable controller log in ``run``.
+    """
+    from hetrain.sim.replay import recorded_decisions, replay_run
+
+    decisions = replay_run(run)
+    recorded = recorded_decisions(run)
+    same = decisions == recorded
+    if json_out:
+        print(json.dumps({"decisions": decisions, "recorded": recorded, "matches_recorded": same}))
+    else:
+        for d in decisions:
+            shares = " ".join(f"{k}:{v}" for k, v in d["shares_after"].items())
+            print(f"after step {d['step']}: plan {d['plan_id']}: {shares}")
+        print(
+            f"{len(decisions)} decisions replayed; "
+            + ("the same as the run's" if same else f"the run logged {len(recorded)}, different")
+        )
+    return 0 if same else 1
 
 
 def _check_model_fits(

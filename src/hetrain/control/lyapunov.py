@@ -1155,11 +1155,17 @@ class LyapunovController:
         self.searches += 1
         self._add_to_pool(self.search_plan(observed, weights))
 
-    def search_plan(self, observed: ClusterState, weights: Mapping[str, float]) -> Plan:
+    def search_plan(
+        self,
+        observed: ClusterState,
+        weights: Mapping[str, float],
+        warm_start: Plan | None = None,
+    ) -> Plan:
         """The planner's best plan for ``observed`` at the queue ``weights``
-        (:func:`hetrain.planner.best_plan`, warm-started from the current plan; reproducible
-        up to ``exact_search_devices``). Reads the controller, never changes it: it may run
-        in another thread while :meth:`decide` and :meth:`record` go on.
+        (:func:`hetrain.planner.best_plan`, warm-started from ``warm_start``, default the
+        current plan; reproducible up to ``exact_search_devices``). Reads the controller,
+        never changes it: it may run in another thread while :meth:`decide` and
+        :meth:`record` go on.
 
         Raises:
             NoFeasiblePlanError: the model fits no arrangement of the available devices."""
@@ -1172,7 +1178,7 @@ class LyapunovController:
             self.config,
             v=self.effective_v,
             queues=dict(weights) or None,
-            warm_start=self._current,
+            warm_start=self._current if warm_start is None else warm_start,
             time_budget_s=budget,
             reproducible=budget is None,
         )

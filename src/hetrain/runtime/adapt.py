@@ -259,6 +259,13 @@ class PlanController:
         self.observed_steps = 0
         self.decisions = 0
         self.searches_applied: list[int] = []  # steps at which a thread's search joined
+        # the last decision's search events, for the log: the step whose decision started a
+        # search, and (asked, joined) when a finished search joined the pool at this decision
+        self.search_started: int | None = None
+        self.search_joined: tuple[int, int] | None = None
+        # replays: {asked step: joined step} of the recorded run (searches then run at once
+        # and join at the recorded step instead of when a thread finishes)
+        self.replay_joins: dict[int, int] | None = None
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
@@ -352,15 +359,30 @@ class PlanController:
         if self.observed_steps < self.warmup_steps or step >= self.steps:
             return None
         state = self.observed_state()
+        self.search_started = None
+        self.search_joined = None
         if self.async_search:
             self._collect_search(step)
         policy = self.policy
         policy.horizon_slots = float(max(min(self.steps - step, self.horizon_steps), 1))
-        d = controller_decide(policy, step, state, self._policy_plan, search=not self.async_search)
+        in_force = self._policy_plan
+        d = controller_decide(policy, step, state, in_force, search=not self.async_search)
         if self.async_search and policy.search_wanted is not None and self._pending is None:
+            # (warm-started from the plan in force at this decision: the same search whatever
+            # the thread's timing, so a replay reproduces it)
             observed, weights = policy.search_wanted
-            future = _search_executor().submit(policy.search_plan, observed, weights)
+            if self.replay_joins is None:
+                future = _search_executor().submit(policy.search_plan, observed, weights, in_force)
+            else:
+                from concurrent.futures import Future
+
+                future = Future()
+                try:
+                    future.set_result(policy.search_plan(observed, weights, in_force))
+                except Exception as exc:  # raised where the thread's would be
+                    future.set_exception(exc)
             self._pending = (step, observed, weights, future)
+            self.search_started = int(step)
         self._policy_plan = d.plan
         self.last_check = {
             "reason": d.reason,
@@ -393,12 +415,18 @@ class PlanController:
 
     def _collect_search(self, step: int) -> None:
         """Hand a finished search's plan to the controller (its failure is raised here)."""
-        if self._pending is None or not self._pending[3].done():
+        if self._pending is None:
             return
         searched_at, observed, weights, future = self._pending
+        if self.replay_joins is not None:
+            if step < self.replay_joins.get(int(searched_at), math.inf):
+                return
+        elif not future.done():
+            return
         self._pending = None
         self.policy.add_searched(searched_at, future.result(), observed, weights)
         self.searches_applied.append(int(step))
+        self.search_joined = (int(searched_at), int(step))
 
     def wait_for_search(self) -> None:
         """Block until the search in flight (if any) has finished (tests, replays)."""
@@ -414,6 +442,9 @@ class PlanController:
         state.setdefault("_step_residuals_s", [])
         state.setdefault("searches_applied", [])
         state.setdefault("_policy_plan", state.get("current"))
+        state.setdefault("search_started", None)
+        state.setdefault("search_joined", None)
+        state.setdefault("replay_joins", None)
         self.__dict__.update(state)
 
     def _why(self, d: Any, state: ClusterState) -> str:
@@ -464,6 +495,13 @@ def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def replay_init_path(log_path: str | Path) -> Path:
+    """Where the start of a round's controller log is kept for replays: the model profile,
+    the start-up state, the configuration, the first plan and the run's steps, pickled
+    (``controller_init.pkl`` beside ``controller.jsonl``)."""
+    return Path(log_path).with_name("controller_init.pkl")
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
@@ -537,6 +575,13 @@ class ControllerService:
             Path(init["log_path"]).parent.mkdir(parents=True, exist_ok=True)
             mode = "a" if start > 0 else "w"  # a resumed run appends
             self._log = open(init["log_path"], mode, encoding="utf-8")  # noqa: SIM115
+            if start == 0:  # what a replay rebuilds the controller from (hetrain.sim.replay)
+                keep = ("base_state", "profile", "config", "plan", "steps",
+                        "optimizer_state_factor")  # fmt: skip
+                blob = pickle.dumps({k: init[k] for k in keep if k in init})
+                init_path = replay_init_path(init["log_path"])
+                init_path.with_suffix(".tmp").write_bytes(blob)
+                os.replace(init_path.with_suffix(".tmp"), init_path)
 
     def _tick(self) -> bool:
         """One pass; False when there was nothing to do."""
@@ -564,11 +609,28 @@ class ControllerService:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_bytes(ctl.state_bytes())
                 os.replace(tmp, path)
-            if newest - k < DECIDE_BACKLOG_STEPS:
+            decided = newest - k < DECIDE_BACKLOG_STEPS
+            made = None
+            if decided:
                 # one decision per measured step (decisions are a function of the log, the
                 # same on replay), except when behind: then only for the newest steps
-                decision = ctl.decide(k + 1) or decision
+                made = ctl.decide(k + 1)
+                decision = made or decision
             if self._log is not None:
+                # what a replay feeds (hetrain.sim.replay): the raw measurements, whether this
+                # step was decided on, the search events and the decision made
+                row["compute_time_s"] = dict(rec["compute_time_s"])
+                row["decided"] = decided
+                if decided and ctl.search_started is not None:
+                    row["search_started"] = ctl.search_started
+                if decided and ctl.search_joined is not None:
+                    row["search_joined"] = list(ctl.search_joined)
+                if made is not None:
+                    row["decision"] = {
+                        "plan_id": int(made.plan.plan_id),
+                        "shares_after": made.shares_after,
+                        "structure_changed": made.structure_changed,
+                    }
                 row["measured_time_s"] = rec.get("iteration_time_s")
                 row["speed_flops"] = ctl.estimates.speeds_flops()
                 row["check"] = ctl.last_check
