@@ -23,3 +23,9 @@ def test_replay_of_a_recorded_train_run_gives_its_decisions(tmp_path, capsys):
     assert main(["simulate", "--replay", str(run_dir), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["decisions"] == recorded and out["matches_recorded"] is True
+    # the controller's measured answer time per decided step, against the measured step
+    latency = out["decision_latency"]
+    assert 0 < latency["median_decide_time_s"] <= latency["p95_decide_time_s"]
+    assert (
+        latency["fraction_of_step"] == latency["p95_decide_time_s"] / latency["median_step_time_s"]
+    )

@@ -237,13 +237,25 @@ def run_replay(run: Path, *, json_out: bool = False) -> int:
     Raises:
         InputError: no replayable controller log in ``run``.
     """
-    from hetrain.sim.replay import recorded_decisions, replay_run
+    from hetrain.sim.replay import read_controller_log, recorded_decisions, replay_run
 
     decisions = replay_run(run)
     recorded = recorded_decisions(run)
     same = decisions == recorded
+    _, rows = read_controller_log(run)
+    answer = [float(r["decide_time_s"]) for r in rows if "decide_time_s" in r]
+    step = [float(r["measured_time_s"]) for r in rows if r.get("measured_time_s")]
+    latency = None
+    if answer and step:
+        latency = {
+            "median_decide_time_s": float(np.median(answer)),
+            "p95_decide_time_s": float(np.percentile(answer, 95)),
+            "median_step_time_s": float(np.median(step)),
+        }
+        latency["fraction_of_step"] = latency["p95_decide_time_s"] / latency["median_step_time_s"]
     if json_out:
-        print(json.dumps({"decisions": decisions, "recorded": recorded, "matches_recorded": same}))
+        print(json.dumps({"decisions": decisions, "recorded": recorded, "matches_recorded": same,
+                          "decision_latency": latency}))  # fmt: skip
     else:
         for d in decisions:
             shares = " ".join(f"{k}:{v}" for k, v in d["shares_after"].items())
@@ -252,6 +264,12 @@ def run_replay(run: Path, *, json_out: bool = False) -> int:
             f"{len(decisions)} decisions replayed; "
             + ("the same as the run's" if same else f"the run logged {len(recorded)}, different")
         )
+        if latency is not None:
+            print(
+                f"the run's controller answered in {latency['median_decide_time_s'] * 1e3:.1f} ms"
+                f" (95th percentile {latency['p95_decide_time_s'] * 1e3:.1f} ms, "
+                f"{latency['fraction_of_step']:.2f} of the median step)"
+            )
     return 0 if same else 1
 
 

@@ -614,13 +614,17 @@ class ControllerService:
             if decided:
                 # one decision per measured step (decisions are a function of the log, the
                 # same on replay), except when behind: then only for the newest steps
+                started = time.perf_counter()
                 made = ctl.decide(k + 1)
+                decide_time_s = time.perf_counter() - started
                 decision = made or decision
             if self._log is not None:
                 # what a replay feeds (hetrain.sim.replay): the raw measurements, whether this
                 # step was decided on, the search events and the decision made
                 row["compute_time_s"] = dict(rec["compute_time_s"])
                 row["decided"] = decided
+                if decided:  # the controller's answer time for this step (wall seconds)
+                    row["decide_time_s"] = decide_time_s
                 if decided and ctl.search_started is not None:
                     row["search_started"] = ctl.search_started
                 if decided and ctl.search_joined is not None:
