@@ -4,6 +4,10 @@ through the controller give the run's decisions at the same steps (issue 19)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from hetrain.cli import main
 from hetrain.sim.replay import recorded_decisions, replay_run
@@ -29,3 +33,12 @@ def test_replay_of_a_recorded_train_run_gives_its_decisions(tmp_path, capsys):
     assert (
         latency["fraction_of_step"] == latency["p95_decide_time_s"] / latency["median_step_time_s"]
     )
+    # the replay is the controller alone: no torch
+    code = (
+        "import sys; from hetrain.sim.replay import replay_run; "
+        f"replay_run({str(run_dir)!r}); print('torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
