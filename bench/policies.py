@@ -16,7 +16,7 @@ budget; then the targets of issue 4 with pass/fail; then the run time of a 1024-
 Family mode (issue 19)::
 
     PYTHONPATH=src python bench/policies.py --family [--count 40] [--family-slots 300]
-        [--jobs 2] [--decision-delay 1]
+        [--jobs 2] [--decision-delay 1] [--search-latency L]
 
 runs the seeded scenario family of ``bench/family.py`` (real traces, 8-64 devices, several
 models and batches) instead: per scenario greedy against the stale-information reference
@@ -441,7 +441,9 @@ def _feasible_budgets(spec_budget: dict, greedy, timeline, profile, config, slot
     return budgets
 
 
-def run_family_scenario(spec: dict, decision_delay: int = 1) -> dict:
+def run_family_scenario(
+    spec: dict, decision_delay: int = 1, search_latency: int | None = None
+) -> dict:
     """One family scenario (``bench/family.py``): greedy against the stale-information
     reference without budget, lyapunov (``V = CHOSEN_V``) at the money budget and at the
     money and energy budgets against the stale reference at the same budgets; plain floats."""
@@ -456,7 +458,8 @@ def run_family_scenario(spec: dict, decision_delay: int = 1) -> dict:
     noise = spec.get("noise") or {}
     sim_kw = {"time_noise": float(noise.get("time", 0.0)),
               "measurement_noise": float(noise.get("measurement", 0.0)), "seed": seed,
-              "decision_delay": int(decision_delay)}  # fmt: skip
+              "decision_delay": int(decision_delay),
+              "search_latency": search_latency}  # fmt: skip
     ref_kw = {"slots": slots, "measurement_noise": sim_kw["measurement_noise"],
               "time_noise": sim_kw["time_noise"], "seed": seed}  # fmt: skip
     greedy = simulate(make_policy("greedy", profile, config), timeline, profile, config,
@@ -502,7 +505,14 @@ def _family_line(rows: list[dict], policy: str) -> tuple[str, list[bool]]:
     return text + f"  {'PASS' if all(oks) else 'FAIL'}", oks
 
 
-def run_family(count: int, slots: int, jobs: int, decision_delay: int, seed: int = 0) -> int:
+def run_family(
+    count: int,
+    slots: int,
+    jobs: int,
+    decision_delay: int,
+    seed: int = 0,
+    search_latency: int | None = None,
+) -> int:
     """Run the family (``bench/family.py``), print per scenario and per half (A: even
     indices, B: odd) the median and worst ratio per policy; returns the failed targets."""
     import multiprocessing
@@ -514,11 +524,18 @@ def run_family(count: int, slots: int, jobs: int, decision_delay: int, seed: int
     started = time.perf_counter()
     jobs = max(1, min(int(jobs), 2))
     if jobs == 1:
-        rows = [run_family_scenario(s, decision_delay) for s in specs]
+        rows = [run_family_scenario(s, decision_delay, search_latency) for s in specs]
     else:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            rows = list(pool.map(run_family_scenario, specs, [decision_delay] * len(specs)))
+            rows = list(
+                pool.map(
+                    run_family_scenario,
+                    specs,
+                    [decision_delay] * len(specs),
+                    [search_latency] * len(specs),
+                )
+            )
     policies = ("greedy", "lyapunov@money", "lyapunov@money+energy")
     for r in rows:
         print(f"{r['name']}: {r['devices']} devices, {Path(r['model']).stem}, B={r['batch']}: "
@@ -528,7 +545,8 @@ def run_family(count: int, slots: int, jobs: int, decision_delay: int, seed: int
     for half, sel in (("A (even)", rows[0::2]), ("B (odd)", rows[1::2]), ("all", rows)):
         if not sel:
             continue
-        print(f"\nfamily half {half}: {len(sel)} scenarios, decision delay {decision_delay}")
+        print(f"\nfamily half {half}: {len(sel)} scenarios, decision delay {decision_delay}, "
+              f"search latency {search_latency}")  # fmt: skip
         for p in policies:
             text, oks = _family_line(sel, p)
             print("  " + text)
@@ -558,9 +576,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family-slots", type=int, default=300, help="family: slots each")
     ap.add_argument("--jobs", type=int, default=2, help="family: processes (at most 2)")
     ap.add_argument("--decision-delay", type=int, default=1, help="family: decision delay")
+    ap.add_argument(
+        "--search-latency",
+        type=int,
+        default=None,
+        help="family: slots a search takes to join (the runtime's search thread); default inline",
+    )
     args = ap.parse_args(argv)
     if args.family:
-        failed = run_family(args.count, args.family_slots, args.jobs, args.decision_delay)
+        failed = run_family(
+            args.count,
+            args.family_slots,
+            args.jobs,
+            args.decision_delay,
+            search_latency=args.search_latency,
+        )
         print(f"\ntargets failed: {failed}")
         return 0
     specs = [yaml.safe_load(p.read_text()) for p in sorted(args.scenarios.glob("*.yaml"))]
