@@ -26,14 +26,11 @@ class SpeedEstimates:
     median of the last ``window`` ratios is within ``change_tolerance`` of it (a steady device:
     the longer median is the more precise, so that identical ranks look identical), else the
     median of the last ``window`` (a lasting change, followed after ``window // 2 + 1``
-    steps); and the
-    device's speed, per-micro-batch overhead and per-layer overhead are ``s_d / r̂_d``,
-    ``κ_d r̂_d`` and ``λ_d r̂_d``: a device that slows down (thermal throttling, a shared or
-    emulated device) is slower at all of its work. (Until this version the overheads were held
-    at their start-up values and the whole change was put on the speed, ``flops / (time_s - n
-    (κ + λ Σν))``: after a 3x slow-down that subtracted one third of the slowed overheads, so
-    a device with a small share, whose step is mostly overhead, looked ever slower the less it
-    was given: w1 "31.7x slower" for a 3x slow-down in the main job.)
+    steps); and the device's speed, per-micro-batch overhead and per-layer overhead are
+    ``s_d / r̂_d``, ``κ_d r̂_d`` and ``λ_d r̂_d``: a device that slows down (thermal throttling,
+    a shared or emulated device) is slower at all of its work. Putting the whole change on the
+    speed instead, ``flops / (time_s - n (κ + λ Σν))`` with start-up overheads, makes a device
+    with a small share, whose step is mostly overhead, look ever slower the less it is given.
 
     A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
     time (descheduled) for several steps in a row, which an EWMA carries into the next
