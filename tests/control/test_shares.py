@@ -152,3 +152,55 @@ def test_shares_match_the_planners_share_problem_on_large_instances(g_count, bat
         return
     assert shares is not None and int(shares.sum()) == batch
     assert _makespan(a, m, mu, n_max, shares) == pytest.approx(reference.max_group_time_s, rel=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.floats(0.3, 3.0), min_size=2, max_size=3),
+    st.lists(st.floats(0.0, 5e-3), min_size=3, max_size=3),
+    st.integers(2, 10),
+)
+def test_one_microbatch_rebalance_is_optimal_on_the_cost_model(speed_factors, kappas, batch):
+    # single-device groups that run their share as one micro-batch (the runtime's engine):
+    # the re-balanced shares' makespan (the cost model's group times, μ_g = b_g) equals the
+    # best over every composition of the batch
+    from hetrain.control.incremental import StructureArrays, rebalance_shares
+    from hetrain.costmodel import TrainingConfig, evaluate_plan
+    from hetrain.plan import GroupPlan, Plan
+    from hetrain.profile import ProfileArrays
+    from hetrain.runtime.worker_main import local_cluster_state
+
+    g_count = len(speed_factors)
+    ids = [f"w{i}" for i in range(g_count)]
+    f = np.full(4, 1e6)
+    profile = ProfileArrays(
+        names=tuple(f"l{i}" for i in range(4)), fwd_flops=f, bwd_flops=2 * f,
+        activation_bytes=np.full(4, 64.0), activation_memory_bytes=np.full(4, 64.0),
+        param_bytes=np.full(4, 1e3),
+    )  # fmt: skip
+    state = local_cluster_state(ids, [1e9 * s for s in speed_factors]).with_changes(
+        kappa_s=np.array(kappas[:g_count])
+    )
+    config = TrainingConfig(batch=batch)
+
+    def plan_of(shares) -> Plan:
+        return Plan(groups=tuple(
+            GroupPlan(devices=(d,), stages=((0, 4),), microbatch_size=max(b, 1), batch=b)
+            for d, b in zip(ids, shares, strict=True)
+        ))  # fmt: skip
+
+    def makespan(plan: Plan) -> float:
+        return max(evaluate_plan(plan, state, profile, config).group_times_s)
+
+    start = plan_of([batch // g_count + (1 if i < batch % g_count else 0) for i in range(g_count)])
+    new = rebalance_shares(start, state, StructureArrays.build(start, state.ids, profile), batch,
+                           one_microbatch_single_stage=True, profile=profile)  # fmt: skip
+    assert sum(g.batch for g in new.groups) == batch
+    assert all(g.microbatch_size == g.batch for g in new.groups if g.batch > 0)
+    best = min(
+        makespan(plan_of((*head, batch - sum(head))))
+        for head in itertools.product(range(batch + 1), repeat=g_count - 1)
+        if sum(head) <= batch
+    )
+    active = new.model_copy(update={"groups": tuple(g for g in new.groups if g.batch > 0)})
+    assert makespan(active) == pytest.approx(best, rel=1e-9)

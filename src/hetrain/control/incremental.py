@@ -198,6 +198,7 @@ def rebalance_shares(
     optimizer_state_factor: float = 2.0,
     norm_block: int | None = None,
     one_microbatch_single_stage: bool = False,
+    profile: ProfileArrays | None = None,
 ) -> Plan:
     """The plan with the same groups, stages and micro-batch sizes and integer shares ``b_g``
     (``Σ b_g = batch``) that minimise ``max_g T_g`` in ``state`` among its active groups
@@ -207,7 +208,9 @@ def rebalance_shares(
     .runtime_plan``) a group of one stage runs its share as one micro-batch: its time is
     ``T_g(b) = κ + λΣν + b c`` (docs/model.md §3 ``C_k`` with ``μ_g = b``), its memory caps
     ``b`` through the activations of that one micro-batch, and the returned plan has
-    ``μ_g = b_g`` for it (a pipeline group keeps its ``μ_g``).
+    ``μ_g = b_g`` for it (a pipeline group keeps its ``μ_g``); with ``profile`` (the model's
+    arrays) the plan's idle single-stage groups are candidates as well, so a device left idle
+    can take work again.
 
     A group whose ``A_g`` exceeds the optimum becomes idle (share 0). Memory caps shares via
     :meth:`StructureArrays.max_microbatches`. Returns ``plan`` unchanged (same object) when no
@@ -225,6 +228,22 @@ def rebalance_shares(
     """
     if norm_block is not None and batch % int(norm_block):
         raise ValueError(f"batch: expected a multiple of the norm block {norm_block}, got {batch}")
+    if (
+        one_microbatch_single_stage
+        and profile is not None
+        and any(g.batch <= 0 and g.num_stages == 1 for g in plan.groups)
+    ):
+        # idle single-device groups are candidates too: one of them may take work again
+        # (the controller's gate then charges the weights it must receive)
+        probe = plan.model_copy(
+            update={
+                "groups": tuple(
+                    g.model_copy(update={"batch": 1}) if g.batch <= 0 and g.num_stages == 1 else g
+                    for g in plan.groups
+                )
+            }
+        )
+        structure = StructureArrays.build(probe, state.ids, profile)
     if len(structure.group_index) == 0 or batch <= 0:
         return plan
     if norm_block is not None and int(norm_block) > 1:

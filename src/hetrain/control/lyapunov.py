@@ -787,7 +787,7 @@ class LyapunovController:
         # refused: the current structure with re-solved shares, through the same rule
         note = f"kept: {why}"
         if structure:
-            shares, _ = self._rebalance(current, observed)
+            shares, _ = self._rebalance(current, observed, revive=False)
             if _active_key(shares) != _active_key(current):
                 fig = self._predict(shares, observed)
                 t0 = migration_time_s(
@@ -1074,8 +1074,12 @@ class LyapunovController:
             self._arrays_cache[key] = arrays
         return arrays
 
-    def _rebalance(self, plan: Plan, state: ClusterState) -> tuple[Plan, float]:
-        """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``."""
+    def _rebalance(
+        self, plan: Plan, state: ClusterState, *, revive: bool = True
+    ) -> tuple[Plan, float]:
+        """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``.
+        With ``single_stage_one_microbatch`` and ``revive`` the plan's idle single-stage groups
+        may take work again (a structure change, which the gate judges as one)."""
         arrays = self._arrays(plan)
         new = rebalance_shares(
             plan,
@@ -1085,12 +1089,11 @@ class LyapunovController:
             self.config.optimizer_state_factor,
             norm_block=self.config.norm_block,
             one_microbatch_single_stage=self.single_stage_one_microbatch,
+            profile=self.profile if revive else None,
         )
-        if any(
-            new.groups[i].microbatch_size != plan.groups[i].microbatch_size
-            for i in arrays.group_index
-        ):
-            # μ rounded down to a multiple of the norm block, or μ_g = b_g of a single stage
+        if structure_key(new) != structure_key(plan):
+            # μ rounded down to a multiple of the norm block, μ_g = b_g of a single stage, or
+            # an idle single-stage group given work
             arrays = self._arrays(new)
         a_g, m_g = arrays.group_timing(state)
         shares = np.array([new.groups[i].batch for i in arrays.group_index], dtype=float)
