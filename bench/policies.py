@@ -13,6 +13,20 @@ budget; then the targets of issue 4 with pass/fail; then the run time of a 1024-
 1000-slot simulation; the last line is JSON ``{"scenarios": {NAME: {POLICY:
 {"mean_iteration_time_s", "ratio_to_lower_bound", "mean_cost"}}}, "scale": {...}}``.
 
+Family mode (issue 19)::
+
+    PYTHONPATH=src python bench/policies.py --family [--count 40] [--family-slots 300]
+        [--jobs 2] [--decision-delay 1] [--search-latency L]
+
+runs the seeded scenario family of ``bench/family.py`` (real traces, 8-64 devices, several
+models and batches) instead: per scenario greedy against the stale-information reference
+without budget, and lyapunov at ``V = 10`` at a binding money budget and at money with energy
+budgets against the stale reference at the same budgets (mean time with migration); then per
+half (A: even scenarios, B: odd ones; tune on one, report both) and over all the median and
+worst ratio per policy and the worst running mean spend from slot 200, with the targets
+(median <= 1.03, worst <= 1.10, spend <= 1.01) PASS/FAIL; the last line is JSON. At most 2
+processes.
+
 Scenario file keys: ``name``, ``description``, ``model`` (profile path relative to the
 repository), ``batch``, ``slots``, ``seed``, ``cluster`` (``kinds: {KIND: count}`` plus
 :func:`hetrain.catalog.make_cluster` keywords), ``dynamics`` (any of ``generate`` — keywords of
@@ -39,6 +53,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from hetrain.catalog import DEVICE_KINDS, make_cluster  # noqa: E402
 from hetrain.commands.simulate import minimum_budget  # noqa: E402
@@ -93,14 +108,27 @@ def _select(ids: list[str], prefixes: list[str] | None) -> list[str]:
     return [d for d in ids if any(d.startswith(p) for p in prefixes)]
 
 
-def build_rows(spec: dict, ids: list[str], slots: int, seed: int) -> list:
-    """Trace rows of a scenario's ``dynamics`` block (generators and converters)."""
+def build_rows(spec: dict, ids: list[str], slots: int, seed: int, cluster=None) -> list:
+    """Trace rows of a scenario's ``dynamics`` block (generators and converters). ``generate``
+    is one block of :func:`~hetrain.sim.dynamics.generate_trace` keywords or a list of them
+    (block ``k`` seeded ``seed + k``); ``prices`` without ``base_price_per_hour`` and ``links``
+    without ``base_nic_gbps`` take them from ``cluster``'s devices."""
     dyn = spec.get("dynamics") or {}
     rows = []
-    if "generate" in dyn:
-        gen = dict(dyn["generate"])
+    blocks = dyn.get("generate") or []
+    for k, block in enumerate([blocks] if isinstance(blocks, dict) else blocks):
+        gen = dict(block)
         devices = _select(ids, gen.pop("devices", None))
-        rows += generate_trace(devices, slots, seed, **gen)
+        if not devices:
+            continue
+        spec_of = {d.id: d for d in cluster.devices} if cluster is not None else {}
+        if "prices" in gen and "base_price_per_hour" not in gen["prices"]:
+            base = [float(spec_of[d].price_per_hour) for d in devices]
+            gen["prices"] = {**gen["prices"], "base_price_per_hour": base}
+        if "links" in gen and "base_nic_gbps" not in gen["links"]:
+            base = [float(spec_of[d].nic_gbps) for d in devices]
+            gen["links"] = {**gen["links"], "base_nic_gbps": base}
+        rows += generate_trace(devices, slots, seed + k, **gen)
     for entry in dyn.get("stragglers", []):
         rows += converters.straggler_rows_from_alibaba(
             DATA / entry["file"], _select(ids, entry.get("devices")), slots,
@@ -135,7 +163,7 @@ def run_scenario(spec: dict, slots_override: int | None = None) -> dict:
     cluster = make_cluster(kinds, **cluster_kw)
     profile = load_profile(ROOT / spec["model"]).arrays()
     config = TrainingConfig(batch=int(spec["batch"]))
-    rows = build_rows(spec, cluster.ids, slots, seed)
+    rows = build_rows(spec, cluster.ids, slots, seed, cluster)
     timeline = Trace(tuple(rows), spec["name"]).timeline(cluster, slots)
     noise = spec.get("noise") or {}
     sim_kw = {
@@ -395,6 +423,141 @@ def scale_run(devices: int = 1024, slots: int = 1000) -> dict:
             s["mean_iteration_time_s"] / s["mean_lower_bound_s"]}  # fmt: skip
 
 
+FAMILY_TARGETS = {"median": 1.03, "worst": 1.10, "spend": 1.01}
+"""Issue 19's targets over the family: ratio to the stale-information reference (median,
+worst) and the running mean spend from slot 200 on (every scenario)."""
+
+
+def _feasible_budgets(spec_budget: dict, greedy, timeline, profile, config, slots) -> dict:
+    """A budget block's budgets, each raised to halfway between the least feasible spend
+    and greedy's where the stated fraction of greedy's spend is not feasible (8 sampled
+    slots' cheapest plans, :func:`hetrain.commands.simulate.minimum_budget`)."""
+    budgets = scenario_budgets({"budget": spec_budget}, greedy)
+    spent = greedy.summary()["mean_cost"]
+    for resource, value in list(budgets.items()):
+        least = minimum_budget(timeline, profile, config, resource, slots)
+        if value < 1.02 * least:
+            budgets[resource] = 0.5 * (least + spent[resource])
+    return budgets
+
+
+def run_family_scenario(
+    spec: dict, decision_delay: int = 1, search_latency: int | None = None
+) -> dict:
+    """One family scenario (``bench/family.py``): greedy against the stale-information
+    reference without budget, lyapunov (``V = CHOSEN_V``) at the money budget and at the
+    money and energy budgets against the stale reference at the same budgets; plain floats."""
+    started = time.perf_counter()
+    slots, seed = int(spec["slots"]), int(spec["seed"])
+    cluster_kw = dict(spec["cluster"])
+    cluster = make_cluster(cluster_kw.pop("kinds"), **cluster_kw)
+    profile = load_profile(ROOT / spec["model"]).arrays()
+    config = TrainingConfig(batch=int(spec["batch"]))
+    rows = build_rows(spec, cluster.ids, slots, seed, cluster)
+    timeline = Trace(tuple(rows), spec["name"]).timeline(cluster, slots)
+    noise = spec.get("noise") or {}
+    sim_kw = {"time_noise": float(noise.get("time", 0.0)),
+              "measurement_noise": float(noise.get("measurement", 0.0)), "seed": seed,
+              "decision_delay": int(decision_delay),
+              "search_latency": search_latency}  # fmt: skip
+    ref_kw = {"slots": slots, "measurement_noise": sim_kw["measurement_noise"],
+              "time_noise": sim_kw["time_noise"], "seed": seed}  # fmt: skip
+    greedy = simulate(make_policy("greedy", profile, config), timeline, profile, config,
+                      keep_plans=True, **sim_kw)  # fmt: skip
+    out = {"name": spec["name"], "devices": len(cluster.ids), "model": spec["model"],
+           "batch": config.batch}  # fmt: skip
+    for label, block in (("money", spec["budget"]), ("money+energy", spec["budget_with_energy"])):
+        budgets = _feasible_budgets(block, greedy, timeline, profile, config, slots)
+        pol = make_policy("lyapunov", profile, config, v=CHOSEN_V, budgets=budgets)
+        lyap = simulate(pol, timeline, profile, config, budgets=budgets, keep_plans=True,
+                        **sim_kw)  # fmt: skip
+        refs = compute_references(timeline, profile, config, budgets=budgets,
+                                  extra_plans=[*greedy.plans, *lyap.plans], **ref_kw)  # fmt: skip
+        t = lyap.summary()["mean_iteration_time_s"]
+        out[f"lyapunov@{label}"] = {
+            "ratio": t / refs["stale"].mean_iteration_time_s if t is not None else math.inf,
+            "spend_from_200": worst_running_spend(lyap, budgets, HORIZON_FROM_SLOT),
+            "mean_migration_time_s": lyap.summary().get("mean_migration_time_s", 0.0),
+            "budgets": budgets,
+        }
+        if label == "money":
+            tg = greedy.summary()["mean_iteration_time_s"]
+            free = refs["stale-unbudgeted"].mean_iteration_time_s
+            out["greedy"] = {
+                "ratio": tg / free if tg is not None else math.inf,
+                "mean_migration_time_s": greedy.summary().get("mean_migration_time_s", 0.0),
+            }
+    out["wall_time_s"] = time.perf_counter() - started
+    return out
+
+
+def _family_line(rows: list[dict], policy: str) -> tuple[str, list[bool]]:
+    ratios = np.array([r[policy]["ratio"] for r in rows], dtype=float)
+    mig = np.array([r[policy]["mean_migration_time_s"] or 0.0 for r in rows], dtype=float)
+    med, worst = float(np.median(ratios)), float(np.max(ratios))
+    oks = [med <= FAMILY_TARGETS["median"], worst <= FAMILY_TARGETS["worst"]]
+    text = (f"{policy:<24} median {med:.4f} worst {worst:.4f} of the stale reference "
+            f"(mean migration {mig.mean() * 1e3:.2f} ms/slot)")  # fmt: skip
+    if policy.startswith("lyapunov"):
+        spend = max(max(r[policy]["spend_from_200"].values()) for r in rows)
+        oks.append(spend <= FAMILY_TARGETS["spend"])
+        text += f"; worst running mean spend from slot {HORIZON_FROM_SLOT}: {spend:.4f}"
+    return text + f"  {'PASS' if all(oks) else 'FAIL'}", oks
+
+
+def run_family(
+    count: int,
+    slots: int,
+    jobs: int,
+    decision_delay: int,
+    seed: int = 0,
+    search_latency: int | None = None,
+) -> int:
+    """Run the family (``bench/family.py``), print per scenario and per half (A: even
+    indices, B: odd) the median and worst ratio per policy; returns the failed targets."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from family import family_specs
+
+    specs = family_specs(count, seed=seed, slots=slots)
+    started = time.perf_counter()
+    jobs = max(1, min(int(jobs), 2))
+    if jobs == 1:
+        rows = [run_family_scenario(s, decision_delay, search_latency) for s in specs]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            rows = list(
+                pool.map(
+                    run_family_scenario,
+                    specs,
+                    [decision_delay] * len(specs),
+                    [search_latency] * len(specs),
+                )
+            )
+    policies = ("greedy", "lyapunov@money", "lyapunov@money+energy")
+    for r in rows:
+        print(f"{r['name']}: {r['devices']} devices, {Path(r['model']).stem}, B={r['batch']}: "
+              + ", ".join(f"{p} {r[p]['ratio']:.4f}" for p in policies)
+              + f" ({r['wall_time_s']:.0f} s)")  # fmt: skip
+    failed = 0
+    for half, sel in (("A (even)", rows[0::2]), ("B (odd)", rows[1::2]), ("all", rows)):
+        if not sel:
+            continue
+        print(f"\nfamily half {half}: {len(sel)} scenarios, decision delay {decision_delay}, "
+              f"search latency {search_latency}")  # fmt: skip
+        for p in policies:
+            text, oks = _family_line(sel, p)
+            print("  " + text)
+            if half == "all":
+                failed += sum(1 for ok in oks if not ok)
+    print(f"\nfamily: {len(rows)} scenarios, {slots} slots, {jobs} process(es): "
+          f"{time.perf_counter() - started:.0f} s wall")  # fmt: skip
+    print(json.dumps({"family": rows}, default=float))
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", type=Path, default=ROOT / "bench" / "scenarios")
@@ -408,7 +571,28 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write per-scenario plots (and the V sweep of budgeted scenarios) here",
     )
+    ap.add_argument("--family", action="store_true", help="run the scenario family instead")
+    ap.add_argument("--count", type=int, default=40, help="family: number of scenarios")
+    ap.add_argument("--family-slots", type=int, default=300, help="family: slots each")
+    ap.add_argument("--jobs", type=int, default=2, help="family: processes (at most 2)")
+    ap.add_argument("--decision-delay", type=int, default=1, help="family: decision delay")
+    ap.add_argument(
+        "--search-latency",
+        type=int,
+        default=None,
+        help="family: slots a search takes to join (the runtime's search thread); default inline",
+    )
     args = ap.parse_args(argv)
+    if args.family:
+        failed = run_family(
+            args.count,
+            args.family_slots,
+            args.jobs,
+            args.decision_delay,
+            search_latency=args.search_latency,
+        )
+        print(f"\ntargets failed: {failed}")
+        return 0
     specs = [yaml.safe_load(p.read_text()) for p in sorted(args.scenarios.glob("*.yaml"))]
     if args.only:
         specs = [s for s in specs if s["name"] in args.only]

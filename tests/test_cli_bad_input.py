@@ -268,6 +268,10 @@ CASES = [
     (SIM_ARGS.replace("--slots 5", "--slots 100000000000000000000000"), 2, ("--slots",)),
     (SIM_ARGS.replace("--batch 8", "--batch 10000000000000000000000"), 2, ("--batch",)),
     (SIM_ARGS + " --policy nope", 2, ("--policy", "lyapunov", "nope")),
+    # --cluster/--model/--batch are optional only beside --replay
+    ("simulate --model {d}/m.json --batch 8", 2, ("--cluster", "--replay")),
+    ("simulate --cluster {d}/c.yaml --model {d}/m.json", 2, ("--batch", "--replay")),
+    ("simulate --replay {d}", 2, ("--replay", "controller.jsonl")),
     (SIM_ARGS + " --V 0", 2, ("--V", "> 0")),
     (SIM_ARGS + " --V -1", 2, ("--V", "> 0")),
     (SIM_ARGS + " --budget money=-1", 2, ("--budget", "money", ">= 0")),

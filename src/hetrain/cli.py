@@ -178,9 +178,16 @@ def evaluate(
 
 @app.command()
 def simulate(
-    cluster: ClusterOpt,
-    model: ModelOpt,
-    batch: BatchOpt,
+    cluster: Annotated[
+        Path | None,
+        typer.Option("--cluster", help="cluster file (YAML/JSON, docs/model.md §7)"),
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="model profile (JSON, docs/model.md §7)")
+    ] = None,
+    batch: Annotated[
+        int | None, typer.Option("--batch", help="global batch B (samples per iteration)")
+    ] = None,
     trace: Annotated[
         Path | None, typer.Option("--trace", help="trace CSV (docs/model.md §7)")
     ] = None,
@@ -226,11 +233,31 @@ def simulate(
             "it runs (1: the runtime's asynchronous controller; 0: applied at once)",
         ),
     ] = 1,
+    search_latency: Annotated[
+        int | None,
+        typer.Option(
+            "--search-latency",
+            help="slots a planner search takes to join the controller's choices (the runtime's "
+            "search thread; each decision is then the cheap keep-or-rebalance one); default: "
+            "searches run inside the decision",
+        ),
+    ] = None,
+    replay: Annotated[
+        Path | None,
+        typer.Option(
+            "--replay",
+            help="a hetrain train run folder: replay its recorded measurements through the "
+            "controller and compare the decisions with the run's (other options ignored)",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run a policy over a trace for N slots and print mean time, cost and plan changes."""
-    from hetrain.commands.simulate import run_simulate
+    """Run a policy over a trace for N slots and print mean time, cost and plan changes
+    (--cluster, --model, --batch), or replay a training run's controller (--replay)."""
+    from hetrain.commands.simulate import run_replay, run_simulate
 
+    if replay is not None:
+        raise typer.Exit(run_replay(replay, json_out=json_out))
     raise typer.Exit(
         run_simulate(
             cluster=cluster,
@@ -247,6 +274,7 @@ def simulate(
             plan=plan,
             norm_block=norm_block,
             decision_delay=decision_delay,
+            search_latency=search_latency,
         )
     )
 

@@ -19,6 +19,7 @@ from hetrain.runtime.adapt import (
     PlanController,
     controller_state_path,
     even_dp_plan,
+    policy_options,
     predict_iteration_time_s,
 )
 from hetrain.runtime.metrics import read_metrics
@@ -95,7 +96,8 @@ def test_replayed_log_applies_only_changes_that_hold_and_is_deterministic():
             d.predicted_time_s
         )
         # no change predicted slower, none whose gain over the persistence misses migration
-        assert d.predicted_time_s < (1 - ctl.min_gain) * d.current_time_s
+        margin = ctl.policy.switch_margin if d.structure_changed else ctl.policy.rebalance_margin
+        assert d.predicted_time_s < (1 - margin) * d.current_time_s
         assert (d.current_time_s - d.predicted_time_s) * d.horizon_steps >= d.migration_time_s
     # after the slow-down w1 gets at most half the mean share of the used ranks
     last = decisions[-1].shares_after
@@ -194,10 +196,14 @@ def _main_job_late_shares(run_dir, out: str) -> list:
                 # unless the controller's logged figures show the uneven plan faster. 4 busy
                 # ranks on 2 cores do slow one rank down for several steps (a quiet CI run
                 # idled w2 at step 6 on such figures), so such a plan must have been chosen
-                # by a re-plan that logged the runtime's 25 % predicted gain
+                # by a re-plan that logged the controller's gate: predicted faster by its
+                # margin (shares only: rebalance_margin; new structure: switch_margin)
                 r = adopted.get(e["plan_id"])
                 assert r is not None, (e["step"], shares)
-                assert r["predicted_time_s"] < 0.75 * r["current_time_s"], (e["step"], shares, r)
+                margin = policy_options()["rebalance_margin"]
+                assert r["predicted_time_s"] < (1 - margin) * r["current_time_s"], (
+                    e["step"], shares, r,
+                )  # fmt: skip
         if e["step"] >= 70:
             used = [b for b in shares.values() if b > 0]
             if shares["w1"] > 0.5 * np.mean(used):
@@ -225,8 +231,8 @@ def _main_job_late_shares(run_dir, out: str) -> list:
 
 def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     """``hetrain train --example digits --workers 4 --steps 150`` (w1 3x slower from step 50):
-    equal shares for identical ranks before (unless a re-plan logged the runtime's 25 %
-    predicted gain for an uneven plan), w1 at most half the mean used share from 70.
+    equal shares for identical ranks before (unless a re-plan logged the controller's gate
+    for an uneven plan), w1 at most half the mean used share from 70.
 
     The last target is met by the large majority of runs, not by every one: on this 2-core
     machine (4 ranks, about 2 ms of compute in a 15-30 ms step) 2 of 45 quiet runs still had
@@ -287,8 +293,7 @@ def test_first_decision_keeps_the_slow_device_busy_with_balanced_shares():
                     compute[d] = flops * g.batch / speed[d] + g.num_microbatches * kappa[d]
         ctl.observe(t, int(ctl.current.plan_id), compute)
         decision = ctl.decide(t + 1)
-        if ctl._pending is not None:
-            ctl._pending.result()  # the search done before the next step (deterministic)
+        ctl.wait_for_search()  # the search done before the next step (deterministic)
         if decision is not None and first is None:
             first = decision
     assert first is not None

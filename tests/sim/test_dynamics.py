@@ -129,3 +129,40 @@ def test_plots_are_written(tmp_path):
     a = plot_policies(list(runs.values()), tmp_path / "p.png", title="t")
     b = plot_v_sweep(runs, tmp_path / "v.png")
     assert a.stat().st_size > 10_000 and b.stat().st_size > 5_000
+
+
+def test_link_degradation_episodes_cut_the_nic_then_recover():
+    from hetrain.sim.dynamics import link_rows
+
+    rows = link_rows(IDS, [25.0] * len(IDS), 600, np.random.default_rng(2), rate=0.01,
+                     factor=0.1, mean_duration_slots=20.0)  # fmt: skip
+    assert [r.slot for r in rows] == sorted(r.slot for r in rows)
+    tl = Trace(tuple(rows)).timeline(CLUSTER, 600)
+    gbps = tl.nic_bytes_per_s / tl.nic_bytes_per_s.max()
+    assert set(np.round(np.unique(gbps), 9)) == {0.1, 1.0}
+    degraded = (gbps < 1).mean()
+    # stationary share of an on/off chain with rates 0.01 and 1/20: 0.01 / (0.01 + 0.05)
+    assert 0.08 < degraded < 0.28, degraded
+    with pytest.raises(ValueError, match="factor"):
+        link_rows(IDS, [25.0] * len(IDS), 10, np.random.default_rng(0), factor=0.0)
+
+
+def test_policy_bench_family_is_forty_seeded_scenarios_on_real_traces():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from family import family_specs
+
+    specs = family_specs(40)
+    assert family_specs(40) == specs  # seeded
+    assert len({s["name"] for s in specs}) == 40
+    sizes = [sum(s["cluster"]["kinds"].values()) for s in specs]
+    assert min(sizes) >= 8 and max(sizes) <= 64 and len(set(sizes)) >= 5
+    assert len({s["model"] for s in specs}) >= 4 and len({s["batch"] for s in specs}) >= 4
+    root = Path(__file__).resolve().parents[2]
+    for s in specs:
+        assert (root / s["model"]).is_file()
+        dyn = s["dynamics"]
+        assert dyn["stragglers"] and dyn["bamboo_events"]
+        for entry in dyn["stragglers"] + dyn["bamboo_events"] + dyn["spot_prices"]:
+            need(entry["file"])

@@ -171,3 +171,52 @@ def test_decision_delay_option_changes_when_a_reaction_runs(files: Path, capsys,
         times[delay] = [float(r["compute_time_s"]) for r in rows]
     assert times["0"][:3] == times["1"][:3]
     assert times["1"][3] > times["0"][3] * 1.01
+
+
+def test_search_latency_runs_cheap_decisions_and_hands_searches_in_later(files: Path, monkeypatch):
+    """``--search-latency L`` models the runtime's search thread: decisions never search
+    (except the forced first one), and each search a decision asked for joins the policy's
+    pool L slots later; with L = 0 that is the next decision."""
+    from hetrain.cluster import load_cluster
+    from hetrain.control.lyapunov import LyapunovController
+    from hetrain.costmodel import TrainingConfig
+    from hetrain.profile import load_profile
+    from hetrain.sim.simulator import simulate
+    from hetrain.trace import load_trace
+
+    cluster = load_cluster(files / "cluster.yaml")
+    profile = load_profile(files / "model.json").arrays()
+    config = TrainingConfig(batch=64)
+    trace = "slot,device,speed_factor,available,price_per_hour,nic_gbps\n" + "".join(
+        f"{t},a0,{0.3 if t % 16 < 8 else 1.0},,,\n" for t in range(4, 60, 4)
+    )
+    (files / "moving.csv").write_text(trace)
+    timeline = load_trace(files / "moving.csv").timeline(cluster, 60)
+    for latency in (0, 3):
+        handed, inline = [], []
+        original_add, original_search = LyapunovController.add_searched, LyapunovController._search
+
+        def add(self, step, plan, observed, weights, _log=handed, _orig=original_add):
+            _log.append((self.clock, step))
+            _orig(self, step, plan, observed, weights)
+
+        def search(self, observed, weights, _log=inline, _orig=original_search):
+            _log.append(self.clock)
+            _orig(self, observed, weights)
+
+        monkeypatch.setattr(LyapunovController, "add_searched", add)
+        monkeypatch.setattr(LyapunovController, "_search", search)
+        original_decide = LyapunovController.decide
+
+        def decide(self, step, observed, current_plan=None, *, search=True, _orig=original_decide):
+            self.clock = step
+            return _orig(self, step, observed, current_plan, search=search)
+
+        monkeypatch.setattr(LyapunovController, "decide", decide)
+        pol = LyapunovController(profile, config, v=float("inf"), name="greedy")
+        simulate(pol, timeline, profile, config, search_latency=latency)
+        monkeypatch.undo()
+        assert inline == [0]  # the first plan only
+        assert len(handed) >= 3, handed
+        # (handed in before the decision of slot ``clock + 1``)
+        assert all(now + 1 == asked + max(latency, 1) for now, asked in handed), handed

@@ -100,6 +100,7 @@ def run_simulate(
     plan: Path | None = None,
     norm_block: int | None = None,
     decision_delay: int = 1,
+    search_latency: int | None = None,
 ) -> int:
     """Run ``hetrain simulate``; print the docs/model.md §7 summary (``--json``) or a short report.
     ``norm_block``: ``--norm-block G`` (every plan keeps shares and μ multiples of ``G``).
@@ -113,6 +114,10 @@ def run_simulate(
     from hetrain.commands.plan import check_v, training_config
     from hetrain.control import POLICY_NAMES, make_policy
     from hetrain.sim.simulator import simulate
+
+    for flag, value in (("--cluster", cluster), ("--model", model), ("--batch", batch)):
+        if value is None:
+            raise InputError(flag, "", "a value (or --replay RUN_DIR)")
 
     spec: ClusterSpec = load_cluster(cluster)
     profile = load_profile(model).arrays()
@@ -135,6 +140,12 @@ def run_simulate(
             "--decision-delay",
             "",
             f"expected an integer between 0 and {MAX_DECISION_DELAY} (slots), got {decision_delay}",
+        )
+    if search_latency is not None and not 0 <= search_latency <= MAX_DECISION_DELAY:
+        raise InputError(
+            "--search-latency",
+            "",
+            f"expected an integer between 0 and {MAX_DECISION_DELAY} (slots), got {search_latency}",
         )
     for name, value in budgets.items():
         if value < MIN_POSITIVE:  # the controller divides by the budget squared
@@ -199,8 +210,9 @@ def run_simulate(
             decision_delay_slots=decision_delay,
         )
     result = simulate(
-        pol, timeline, profile, config, slots=slots, budgets=budgets, decision_delay=decision_delay
-    )
+        pol, timeline, profile, config, slots=slots, budgets=budgets,
+        decision_delay=decision_delay, search_latency=search_latency,
+    )  # fmt: skip
     if csv_out is not None:
         try:
             result.write_csv(csv_out)
@@ -214,6 +226,51 @@ def run_simulate(
         return 0
     _print_report(summary, batch)
     return 0
+
+
+def run_replay(run: Path, *, json_out: bool = False) -> int:
+    """``hetrain simulate --replay RUN``: the controller's decisions on the run's recorded
+    measurements (:func:`hetrain.sim.replay.replay_run`) next to the run's own; prints them
+    (``--json``: ``{"decisions", "recorded", "matches_recorded"}``). Returns 0 when they
+    match, 1 when they differ.
+
+    Raises:
+        InputError: no replayable controller log in ``run``.
+    """
+    from hetrain.sim.replay import read_controller_log, recorded_decisions, replay_run
+
+    decisions = replay_run(run)
+    recorded = recorded_decisions(run)
+    same = decisions == recorded
+    _, rows = read_controller_log(run)
+    answer = [float(r["decide_time_s"]) for r in rows if "decide_time_s" in r]
+    step = [float(r["measured_time_s"]) for r in rows if r.get("measured_time_s")]
+    latency = None
+    if answer and step:
+        latency = {
+            "median_decide_time_s": float(np.median(answer)),
+            "p95_decide_time_s": float(np.percentile(answer, 95)),
+            "median_step_time_s": float(np.median(step)),
+        }
+        latency["fraction_of_step"] = latency["p95_decide_time_s"] / latency["median_step_time_s"]
+    if json_out:
+        print(json.dumps({"decisions": decisions, "recorded": recorded, "matches_recorded": same,
+                          "decision_latency": latency}))  # fmt: skip
+    else:
+        for d in decisions:
+            shares = " ".join(f"{k}:{v}" for k, v in d["shares_after"].items())
+            print(f"after step {d['step']}: plan {d['plan_id']}: {shares}")
+        print(
+            f"{len(decisions)} decisions replayed; "
+            + ("the same as the run's" if same else f"the run logged {len(recorded)}, different")
+        )
+        if latency is not None:
+            print(
+                f"the run's controller answered in {latency['median_decide_time_s'] * 1e3:.1f} ms"
+                f" (95th percentile {latency['p95_decide_time_s'] * 1e3:.1f} ms, "
+                f"{latency['fraction_of_step']:.2f} of the median step)"
+            )
+    return 0 if same else 1
 
 
 def _check_model_fits(

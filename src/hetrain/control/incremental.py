@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.control.shares import solve_shares
 from hetrain.costmodel import ProfilePrefix, flat_sync_times_s, profile_prefix, stage_compute_s
 from hetrain.plan import GroupPlan, Plan
 from hetrain.profile import ProfileArrays
@@ -186,22 +187,6 @@ class StructureArrays:
         return out
 
 
-def trim_excess(counts: np.ndarray, excess: int, finish_s: np.ndarray) -> np.ndarray:
-    """Take ``excess`` units off the integer shares ``counts`` (shape ``(G,)``, changed in place
-    and returned), from the groups that finish last first (``finish_s``, seconds, shape
-    ``(G,)``, largest first, ties in group order): reducing a share never raises its group's
-    time, so a minimal-makespan capacity stays minimal. Used by the share solvers that find the
-    smallest ``T`` whose capacities cover the batch (:func:`rebalance_shares`,
-    ``hetrain.runtime.adapt._linear_shares``)."""
-    for g in np.argsort(-np.asarray(finish_s, dtype=float), kind="stable"):
-        if excess <= 0:
-            break
-        take = min(excess, int(counts[g]))
-        counts[g] -= take
-        excess -= take
-    return counts
-
-
 def rebalance_shares(
     plan: Plan,
     state: ClusterState,
@@ -209,9 +194,20 @@ def rebalance_shares(
     batch: int,
     optimizer_state_factor: float = 2.0,
     norm_block: int | None = None,
+    one_microbatch_single_stage: bool = False,
+    profile: ProfileArrays | None = None,
 ) -> Plan:
     """The plan with the same groups, stages and micro-batch sizes and integer shares ``b_g``
-    (``Σ b_g = batch``) that minimise ``max_g T_g`` in ``state`` among its active groups.
+    (``Σ b_g = batch``) that minimise ``max_g T_g`` in ``state`` among its active groups
+    (:func:`hetrain.control.shares.solve_shares`, exact).
+
+    With ``one_microbatch_single_stage`` (the runtime's convention, ``hetrain.runtime.adapt
+    .runtime_plan``) a group of one stage runs its share as one micro-batch: its time is
+    ``T_g(b) = κ + λΣν + b c`` (docs/model.md §3 ``C_k`` with ``μ_g = b``), its memory caps
+    ``b`` through the activations of that one micro-batch, and the returned plan has
+    ``μ_g = b_g`` for it (a pipeline group keeps its ``μ_g``); with ``profile`` (the model's
+    arrays) the plan's idle single-stage groups are candidates as well, so a device left idle
+    can take work again.
 
     A group whose ``A_g`` exceeds the optimum becomes idle (share 0). Memory caps shares via
     :meth:`StructureArrays.max_microbatches`. Returns ``plan`` unchanged (same object) when no
@@ -229,6 +225,22 @@ def rebalance_shares(
     """
     if norm_block is not None and batch % int(norm_block):
         raise ValueError(f"batch: expected a multiple of the norm block {norm_block}, got {batch}")
+    if (
+        one_microbatch_single_stage
+        and profile is not None
+        and any(g.batch <= 0 and g.num_stages == 1 for g in plan.groups)
+    ):
+        # idle single-device groups are candidates too: one of them may take work again
+        # (the controller's gate then charges the weights it must receive)
+        probe = plan.model_copy(
+            update={
+                "groups": tuple(
+                    g.model_copy(update={"batch": 1}) if g.batch <= 0 and g.num_stages == 1 else g
+                    for g in plan.groups
+                )
+            }
+        )
+        structure = StructureArrays.build(probe, state.ids, profile)
     if len(structure.group_index) == 0 or batch <= 0:
         return plan
     if norm_block is not None and int(norm_block) > 1:
@@ -238,39 +250,30 @@ def rebalance_shares(
             structure = dataclasses.replace(structure, microbatch=mu_blocks.astype(np.int64))
     new_mu = {int(structure.group_index[g]): int(m) for g, m in enumerate(structure.microbatch)}
     a_g, m_g = structure.group_timing(state)
-    mu = structure.microbatch.astype(float)
     n_max = structure.max_microbatches(state, optimizer_state_factor, plan.schedule)
-    cap_max = np.minimum(n_max * mu, float(batch))
-    if cap_max.sum() < batch:
+    # in units of the norm block (1 without one): every share a multiple of it
+    unit = int(norm_block) if norm_block is not None and int(norm_block) > 1 else 1
+    mu_units = structure.microbatch // unit
+    single = np.bincount(structure.stage_group, minlength=structure.num_groups) == 1
+    if one_microbatch_single_stage and single.any():
+        # one micro-batch of b samples: T = (κ + λΣν + unit·c) + (b/unit − 1)·unit·c, and its
+        # activations are those of b/unit micro-batches of `unit` all alive (GPipe's count)
+        one = dataclasses.replace(structure, microbatch=np.full(structure.num_groups, unit))
+        a_one, _ = one.group_timing(state)
+        two = dataclasses.replace(structure, microbatch=np.full(structure.num_groups, 2 * unit))
+        a_two, _ = two.group_timing(state)
+        n_one = one.max_microbatches(state, optimizer_state_factor, "gpipe")
+        a_g = np.where(single, a_one, a_g)
+        m_g = np.where(single, a_two - a_one, m_g)
+        n_max = np.where(single, n_one, n_max)
+        mu_units = np.where(single, 1, mu_units)
+    cap = solve_shares(a_g, m_g, mu_units, n_max, int(batch) // unit)
+    if cap is None:
         return plan
-    m_safe = np.maximum(m_g, 1e-300)
-
-    def capacity(t: float) -> np.ndarray:
-        steps = np.floor((t - a_g) / m_safe) + 1.0
-        return np.where(t >= a_g, np.minimum(mu * steps, cap_max), 0.0)
-
-    lo = float(a_g.min())
-    # any single group alone (memory permitting) bounds the optimum from above
-    hi = float(np.max(a_g + (np.ceil(batch / mu) - 1.0) * m_g))
-    if capacity(hi).sum() < batch:
-        hi = hi * 2.0 + 1.0
-        for _ in range(60):
-            if capacity(hi).sum() >= batch:
-                break
-            hi *= 2.0
-    for _ in range(64):
-        mid = 0.5 * (lo + hi)
-        if capacity(mid).sum() >= batch:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-12 * max(hi, 1e-9):
-            break
-    cap = capacity(hi).astype(np.int64)
-    excess = int(cap.sum()) - int(batch)
-    if excess < 0:
-        return plan
-    trim_excess(cap, excess, a_g + np.maximum(np.ceil(cap / mu) - 1.0, 0.0) * m_g)
+    cap = cap * unit
+    if one_microbatch_single_stage:
+        for g in np.flatnonzero(single & (cap > 0)):
+            new_mu[int(structure.group_index[g])] = int(cap[g])
     shares = {int(structure.group_index[g]): int(cap[g]) for g in range(len(cap))}
     groups: list[GroupPlan] = []
     for pos, group in enumerate(plan.groups):

@@ -181,6 +181,14 @@ class LyapunovController:
         queue_warm_start: with budgets, start each virtual queue at the backlog whose weight
             makes the first plan meet the budget (found by bisection on the first observed
             state), so that the spend does not overshoot while the queue fills.
+        rebalance_margin: relative gain of the predicted iteration time below which a
+            shares-only change is not applied (0: any predicted gain; the runtime uses a few
+            percent against noise in measured speeds).
+        single_stage_one_microbatch: a single-stage group runs its share as one micro-batch
+            (the runtime's engine convention, ``hetrain.runtime.adapt.runtime_plan``): its
+            shares are re-solved with ``μ_g = b_g``
+            (:func:`~hetrain.control.incremental.rebalance_shares`) and every plan the
+            controller emits has ``μ_g = b_g`` for such groups.
         name: the policy's name in reports.
 
     Raises:
@@ -210,6 +218,8 @@ class LyapunovController:
         dual_learning: bool = True,
         budget_payback: bool = True,
         credit: bool = True,
+        rebalance_margin: float = 0.0,
+        single_stage_one_microbatch: bool = False,
         name: str = "lyapunov",
     ) -> None:
         if not (v > 0) or (isinstance(v, float) and math.isnan(v)):
@@ -218,6 +228,7 @@ class LyapunovController:
             ("switch_margin", switch_margin),
             ("drift_tolerance", drift_tolerance),
             ("queue_tolerance", queue_tolerance),
+            ("rebalance_margin", rebalance_margin),
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label}: expected a finite number >= 0, got {value!r}")
@@ -239,6 +250,13 @@ class LyapunovController:
         self.decision_delay_slots = int(decision_delay_slots)
         self.horizon_slots = None if horizon_slots is None else float(horizon_slots)
         self.switch_margin = float(switch_margin)
+        self.rebalance_margin = float(rebalance_margin)
+        self.single_stage_one_microbatch = bool(single_stage_one_microbatch)
+        # a search the last decision wanted but did not run (decide(..., search=False)): the
+        # (observed state, queue weights) to search at, for a caller that searches elsewhere
+        self.search_wanted: tuple[ClusterState, dict[str, float]] | None = None
+        self._search_inline = True
+        self._pool_added = False
         self.drift_tolerance = float(drift_tolerance)
         self.queue_tolerance = float(queue_tolerance)
         self.replan_every = int(replan_every)
@@ -356,7 +374,12 @@ class LyapunovController:
         self.eta_hat = {j: x if x > 0 else self.eta_hat.get(j, 0.0) for j, x in learned.items()}
 
     def decide(
-        self, step: int, observed: ClusterState, current_plan: Plan | None = None
+        self,
+        step: int,
+        observed: ClusterState,
+        current_plan: Plan | None = None,
+        *,
+        search: bool = True,
     ) -> Decision:
         """Decide the plan that runs after ``step`` (measurements up to ``step − 1``).
 
@@ -365,6 +388,11 @@ class LyapunovController:
             observed: the estimated cluster state (measured speeds, NICs, prices; the
                 availability of the slot the decision is for).
             current_plan: the plan running now; ``None``: the controller's last decision.
+            search: False: the cheap decision only (the current structure and the known
+                ones re-balanced, through the gate; a few share solves): a planner search the
+                decision wants is not run but left in :attr:`search_wanted` for the caller to
+                run elsewhere (:meth:`search_plan`) and hand back (:meth:`add_searched`). A
+                forced search (no usable current plan, no repair) runs anyway.
 
         Returns:
             a :class:`~hetrain.control.decision.Decision` whose figures are computed on
@@ -395,6 +423,8 @@ class LyapunovController:
         weights = self.queue_weights()
         self._gain_refused = False
         self._slot_figures = []
+        self._search_inline = bool(search)
+        self.search_wanted = None
         if int(available.sum()) <= self.incremental_above:
             self._audit_gain(step, observed)
         proposal = self._propose(step, observed, weights)
@@ -650,7 +680,7 @@ class LyapunovController:
             not (dearer and t_mig > 0)
             and gain > 1e-9 * t_b
             and paid
-            and (not structure or gain > self.switch_margin * t_b)
+            and (gain > (self.switch_margin if structure else self.rebalance_margin) * t_b)
         ):
             return (
                 True,
@@ -680,7 +710,7 @@ class LyapunovController:
             if (
                 j_gain > 1e-9 * j_b
                 and j_paid
-                and (not structure or j_gain > self.switch_margin * j_b)
+                and (j_gain > (self.switch_margin if structure else self.rebalance_margin) * j_b)
             ):
                 costs = ", ".join(
                     f"{j} {before.cost[j]:.4g} -> {after.cost[j]:.4g}/iter "
@@ -757,7 +787,7 @@ class LyapunovController:
         # refused: the current structure with re-solved shares, through the same rule
         note = f"kept: {why}"
         if structure:
-            shares, _ = self._rebalance(current, observed)
+            shares, _ = self._rebalance(current, observed, revive=False)
             if _active_key(shares) != _active_key(current):
                 fig = self._predict(shares, observed)
                 t0 = migration_time_s(
@@ -895,7 +925,10 @@ class LyapunovController:
         forced = current is None and repaired is None
         extra: list[Plan] = []
         searched = False
-        if wants and (forced or self._search_allowed(slot, int(available.sum()))):
+        inline = forced or self._search_inline
+        if wants and not inline and self._search_allowed(slot, int(available.sum())):
+            self.search_wanted = (observed, dict(weights))
+        if wants and inline and (forced or self._search_allowed(slot, int(available.sum()))):
             self._search(observed, weights)
             self._ref_available = available.copy()
             self._ref_price = np.asarray(observed.price_per_s, dtype=float).copy()
@@ -916,6 +949,8 @@ class LyapunovController:
         # above ``incremental_above`` devices only when something changed
         cheap = int(available.sum()) <= self.incremental_above and len(self._pool) > 0
         changed = searched or bool(extra) or moved or current is None
+        changed = changed or self._pool_added
+        self._pool_added = False
         if changed or cheap:
             if changed:
                 self._choice_weights = dict(weights)
@@ -1039,8 +1074,12 @@ class LyapunovController:
             self._arrays_cache[key] = arrays
         return arrays
 
-    def _rebalance(self, plan: Plan, state: ClusterState) -> tuple[Plan, float]:
-        """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``."""
+    def _rebalance(
+        self, plan: Plan, state: ClusterState, *, revive: bool = True
+    ) -> tuple[Plan, float]:
+        """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``.
+        With ``single_stage_one_microbatch`` and ``revive`` the plan's idle single-stage groups
+        may take work again (a structure change, which the gate judges as one)."""
         arrays = self._arrays(plan)
         new = rebalance_shares(
             plan,
@@ -1049,12 +1088,13 @@ class LyapunovController:
             self.config.batch,
             self.config.optimizer_state_factor,
             norm_block=self.config.norm_block,
+            one_microbatch_single_stage=self.single_stage_one_microbatch,
+            profile=self.profile if revive else None,
         )
-        if self.config.norm_block is not None and any(
-            new.groups[i].microbatch_size != plan.groups[i].microbatch_size
-            for i in arrays.group_index
-        ):
-            arrays = self._arrays(new)  # μ rounded down to a multiple of the norm block
+        if structure_key(new) != structure_key(plan):
+            # μ rounded down to a multiple of the norm block, μ_g = b_g of a single stage, or
+            # an idle single-stage group given work
+            arrays = self._arrays(new)
         a_g, m_g = arrays.group_timing(state)
         shares = np.array([new.groups[i].batch for i in arrays.group_index], dtype=float)
         n = np.ceil(shares / arrays.microbatch)
@@ -1115,20 +1155,53 @@ class LyapunovController:
     def _search(self, observed: ClusterState, weights: dict[str, float]) -> None:
         """A planner search at ``weights``; the plan found joins the pool (replacing a pooled
         plan of the same structure)."""
+        self.searches += 1
+        self._add_to_pool(self.search_plan(observed, weights))
+
+    def search_plan(
+        self,
+        observed: ClusterState,
+        weights: Mapping[str, float],
+        warm_start: Plan | None = None,
+    ) -> Plan:
+        """The planner's best plan for ``observed`` at the queue ``weights``
+        (:func:`hetrain.planner.best_plan`, warm-started from ``warm_start``, default the
+        current plan; reproducible up to ``exact_search_devices``). Reads the controller,
+        never changes it: it may run in another thread while :meth:`decide` and
+        :meth:`record` go on.
+
+        Raises:
+            NoFeasiblePlanError: the model fits no arrangement of the available devices."""
         from hetrain.planner import best_plan
 
-        self.searches += 1
         budget = self._search_budget(observed)
-        found = best_plan(
+        return best_plan(
             observed,
             self.profile,
             self.config,
             v=self.effective_v,
-            queues=weights or None,
-            warm_start=self._current,
+            queues=dict(weights) or None,
+            warm_start=self._current if warm_start is None else warm_start,
             time_budget_s=budget,
             reproducible=budget is None,
         )
+
+    def add_searched(
+        self, step: int, plan: Plan, observed: ClusterState, weights: Mapping[str, float]
+    ) -> None:
+        """Hand back the plan of a search run outside :meth:`decide` (:meth:`search_plan` on
+        :attr:`search_wanted`'s state and weights): it joins the pool and the search
+        references (availability, prices, weights, the drift reference) move to that state, as
+        after an inline search; the next :meth:`decide` weighs it."""
+        self.searches += 1
+        self._add_to_pool(plan)
+        self._ref_available = np.asarray(observed.available, dtype=bool).copy()
+        self._ref_price = np.asarray(observed.price_per_s, dtype=float).copy()
+        self._ref_weights = dict(weights)
+        self._last_search_slot = int(step)
+        self._pool_added = True
+
+    def _add_to_pool(self, found: Plan) -> None:
         key = found.structure()
         self._pool = [c for c in self._pool if c.plan.structure() != key]
         self._pool.insert(0, _Candidate(found, self._arrays(found)))

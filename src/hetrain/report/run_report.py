@@ -63,8 +63,12 @@ def compare_with_dp_even(
     are
     the same for every plan (Python, optimizer, launch), so dp-even's measured-scale figure is
     its prediction times the run's measured/predicted ratio over the same steps
-    (``dp_even_time_s``); the raw predictions are given too. ``None`` without a slow-down or
-    without controller rows after it.
+    (``dp_even_time_s``); the raw predictions are given too. The speed-up is never stated above
+    what the measured speeds allow: with per-sample speeds ``s_d`` (the controller's estimates
+    at the last row) even data parallelism takes ``(B/D)/min_d s_d`` of compute and a perfect
+    balance ``B/Σ_d s_d``, so the figure is capped at ``Σ_d s_d / (D · min_d s_d)``
+    (``speedup_bound``; 2.5 for one 3x-slow device of four) and ``dp_even_time_s`` with it.
+    ``None`` without a slow-down or without controller rows after it.
     """
     start = slowdown_step(events)
     if start is None:
@@ -81,15 +85,30 @@ def compare_with_dp_even(
     pred = statistics.fmean(float(r["predicted_time_s"]) for r in rows)
     even = statistics.fmean(float(r["dp_even_time_s"]) for r in rows)
     ratio = statistics.fmean(measured[int(r["step"])] for r in rows) / pred if pred > 0 else 1.0
+    speedup = even * ratio / mean_measured if mean_measured > 0 else None
+    bound = speedup_bound(rows[-1].get("speed_flops"))
+    if speedup is not None and bound is not None and speedup > bound:
+        speedup = bound
     return {
         "slowdown_step": start,
         "mean_measured_time_s": mean_measured,
         "mean_predicted_time_s": pred,
         "dp_even_predicted_time_s": even,
         "measured_over_predicted": ratio,
-        "dp_even_time_s": even * ratio,
-        "speedup_over_dp_even": even * ratio / mean_measured if mean_measured > 0 else None,
+        "dp_even_time_s": mean_measured * speedup if speedup is not None else even * ratio,
+        "speedup_over_dp_even": speedup,
+        "speedup_bound": bound,
     }
+
+
+def speedup_bound(speeds_flops: dict[str, float] | None) -> float | None:
+    """``Σ_d s_d / (D · min_d s_d)``: the most any balance of the batch over devices of speeds
+    ``s_d`` (FLOP/s) can gain over equal shares on compute (equal shares wait for the slowest
+    device's ``B/D`` samples; a perfect balance takes ``B/Σ s_d``); None without speeds."""
+    values = [float(v) for v in (speeds_flops or {}).values() if v and float(v) > 0]
+    if not values:
+        return None
+    return sum(values) / (len(values) * min(values))
 
 
 def comparison_line(cmp: dict[str, Any]) -> str:

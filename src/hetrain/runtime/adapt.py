@@ -26,15 +26,17 @@ data, :mod:`hetrain.runtime.ctlwire`, never a pickle):
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
   ``done``: rank 0 finished.
 
-Decisions (:func:`controller_decide`, the one integration point with ``hetrain.control``): the
-policy proposes; a change is applied only when, on the *same* estimates, its predicted
-steady-state iteration time is lower than the current plan's by ``min_gain`` (relative), the
-gain over the expected persistence ``min(steps left, horizon_steps)`` pays its migration time
-(docs/model.md §4, v3: idle groups that become active included), and it looked so on
-``confirm_steps``
-consecutive decisions (noise guard). The controller's state (estimates, policy with its
-queues, plan ids) is a versioned JSON :meth:`PlanController.state_dict`, staged by the
-controller (:func:`controller_state_path`) and copied by rank 0 into the checkpoint of that step
+Decisions (:class:`PlanController`, a thin caller): the measured compute times go to the one
+speed estimator (:class:`hetrain.control.estimates.SpeedEstimates`) and every step asks the one
+decision path, :class:`hetrain.control.lyapunov.LyapunovController` (what ``hetrain simulate``
+runs), with the runtime's options (:func:`policy_options`); its one gate decides (a change is
+applied only when, on the *same* estimates, it is predicted faster than the plan in force by
+``rebalance_margin`` for shares only or ``switch_margin`` for a new structure, and its gain
+over the payback horizon ``min(steps left, horizon_steps)`` pays its migration time). With
+``async_search`` (the service) planner searches run in a thread and every step gets the cheap
+keep-or-rebalance decision on time. The controller's state (estimates, policy with its queues,
+plan ids) is a versioned JSON :meth:`PlanController.state_dict`, staged by the controller
+(:func:`controller_state_path`) and copied by rank 0 into the checkpoint of that step
 (``controller.json``, checksummed in its manifest); it is restored on resume from the
 checkpoint the ranks resume from; the ranks keep their plan meanwhile.
 
@@ -63,7 +65,7 @@ import numpy as np
 
 from hetrain.cluster import ClusterState
 from hetrain.control import make_policy
-from hetrain.control.incremental import StructureArrays, rebalance_shares, trim_excess
+from hetrain.control.estimates import SpeedEstimates
 from hetrain.control.migration import migration_time_s
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import GroupPlan, Plan
@@ -78,105 +80,6 @@ from hetrain.runtime.ctlwire import (
     encode_record,
     merge_records,
 )
-
-# --------------------------------------------------------------------------------------------
-# speed estimates
-# --------------------------------------------------------------------------------------------
-
-
-class SpeedEstimates:
-    """Per-device slow-down estimates from per-iteration compute measurements, and the speeds
-    and fixed costs they give.
-
-    Each iteration of device ``d`` gives the ratio ``r = time_s / t0`` of its measured stage
-    compute time to what its start-up calibration predicts for the same work, ``t0 = flops /
-    s_d + n (κ_d + λ_d Σν_l)`` (docs/model.md §3: each micro-batch of a stage costs ``μ c + κ +
-    λ Σν_l``); the estimate ``r̂_d`` is the median of the last ``window`` ratios, and the
-    device's speed, per-micro-batch overhead and per-layer overhead are ``s_d / r̂_d``,
-    ``κ_d r̂_d`` and ``λ_d r̂_d``: a device that slows down (thermal throttling, a shared or
-    emulated device) is slower at all of its work. (Until this version the overheads were held
-    at their start-up values and the whole change was put on the speed, ``flops / (time_s - n
-    (κ + λ Σν))``: after a 3x slow-down that subtracted one third of the slowed overheads, so
-    a device with a small share, whose step is mostly overhead, looked ever slower the less it
-    was given: w1 "31.7x slower" for a 3x slow-down in the main job.)
-
-    A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
-    time (descheduled) for several steps in a row, which an EWMA carries into the next
-    decisions; the median of 13 ignores up to 6 such steps and follows a lasting change after 7
-    (docs/training.md).
-
-    Args:
-        ids: device ids.
-        speed_flops: start-up speeds ``s_d`` (FLOP/s, > 0), aligned with ``ids``.
-        kappa_s: start-up ``κ_d`` (s, default 0); layer_overhead_s: start-up ``λ_d`` (s per
-            layer unit, default 0).
-        window: measurements kept per device.
-    """
-
-    def __init__(
-        self,
-        ids: Sequence[str],
-        speed_flops: Sequence[float],
-        kappa_s: Sequence[float] | None = None,
-        window: int = 13,
-        layer_overhead_s: Sequence[float] | None = None,
-    ) -> None:
-        self.ids = tuple(ids)
-        self.speed_flops = dict(zip(self.ids, [float(v) for v in speed_flops], strict=True))
-        self.kappa_s = dict(zip(self.ids, kappa_s or [0.0] * len(self.ids), strict=True))
-        self.layer_overhead_s = dict(
-            zip(self.ids, layer_overhead_s or [0.0] * len(self.ids), strict=True)
-        )
-        self.window = int(window)
-        self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
-
-    def observe(
-        self,
-        device: str,
-        flops: float,
-        time_s: float,
-        num_microbatches: int,
-        num_layers: float = 0,
-    ) -> None:
-        """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
-        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers, or its layer
-        units ``Σ ν_l`` (docs/model.md (v3) §3)."""
-        if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
-            return
-        speed = self.speed_flops[device]
-        if not (speed > 0 and math.isfinite(speed)):
-            return
-        overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
-        expected_s = flops / speed + num_microbatches * overhead_s
-        recent = self._samples[device]
-        recent.append(time_s / expected_s)
-        del recent[: -self.window]
-
-    def slowdowns(self) -> dict[str, float]:
-        """``r̂_d``: measured over start-up time for the same work (devices with at least one
-        measurement; 2.0 = twice as slow as at start-up)."""
-        return {d: float(np.median(v)) for d, v in self._samples.items() if v}
-
-    def speeds_flops(self) -> dict[str, float]:
-        """Current speed estimates ``s_d / r̂_d`` (FLOP/s; devices with at least one
-        measurement)."""
-        return {d: self.speed_flops[d] / r for d, r in self.slowdowns().items()}
-
-    def apply(self, state: ClusterState) -> ClusterState:
-        """``state`` with the measured slow-downs: speeds divided by ``r̂_d``, ``κ_d`` and
-        ``λ_d`` multiplied by it (devices with measurements)."""
-        idx = state.index()
-        speed = state.speed_flops.astype(float).copy()
-        kappa = state.kappa_s.astype(float).copy()
-        lam = state.layer_overhead_s.astype(float).copy()
-        for d, r in self.slowdowns().items():
-            if d in idx and r > 0 and math.isfinite(r):
-                i = idx[d]
-                speed[i] = self.speed_flops[d] / r
-                kappa[i] = self.kappa_s[d] * r
-                lam[i] = self.layer_overhead_s[d] * r
-        return state.with_changes(speed_flops=speed, kappa_s=kappa, layer_overhead_s=lam)
-
 
 # --------------------------------------------------------------------------------------------
 # predictions
@@ -205,17 +108,22 @@ def migration_time_estimate_s(
 
 def policy_options() -> dict[str, Any]:
     """Tuning of the runtime's :class:`~hetrain.control.lyapunov.LyapunovController`: measured
-    speeds are noisy (shared CPUs, ±20 % from step to step), so a structure switch must win by
-    20 % and pay its migration within at most 20 steps; a new search runs when the current
-    plan's predicted ``T/T_LB`` drifted by 25 %, or every 50 steps (the search runs in the
-    controller's process, not in a rank); decisions apply one step after the measurements they
-    use (``decision_delay_slots=1``); no wall-clock budget on searches (reproducible)."""
+    speeds are noisy (shared CPUs, ±20 % from step to step, smoothed by the median of 13), so a
+    structure switch must win by 20 % and pay its migration within at most 20 steps, and a
+    shares-only change must win by 3 % (it migrates nothing, so the controller keeps
+    re-balancing until the shares are within 3 % of the best on its estimates); a new search
+    runs when the current plan's predicted ``T/T_LB`` drifted by 25 %, or every 50 steps;
+    decisions apply one step after the measurements they use (``decision_delay_slots=1``);
+    single-stage groups run their share as one micro-batch (the engine's convention,
+    :func:`runtime_plan`); no wall-clock budget on searches (reproducible)."""
     return dict(
         switch_margin=0.2,
+        rebalance_margin=0.03,
         horizon_slots=20.0,
         replan_every=50,
         drift_tolerance=0.25,
         decision_delay_slots=1,
+        single_stage_one_microbatch=True,
     )
 
 
@@ -291,63 +199,43 @@ def device_shares(plan: Plan, devices: Sequence[str] = ()) -> dict[str, int]:
     return out
 
 
-def change_holds(
-    candidate: Plan,
-    current: Plan,
-    state: ClusterState,
-    *,
-    profile: ProfileArrays,
-    config: TrainingConfig,
-    horizon_steps: float,
-    optimizer_state_factor: float,
-    min_gain: float,
-) -> tuple[float, float, float, bool]:
-    """The rule every applied change obeys (issue 10, docs/model.md §4), on one set of estimates.
-
-    Returns:
-        ``(current_time_s, predicted_time_s, migration_time_s, allowed)`` on ``state``;
-        ``allowed`` is False when the candidate is the current plan, is not predicted faster
-        than ``(1 - min_gain)`` x the current one, or its gain over ``horizon_steps`` does not
-        pay its migration.
-    """
-    t_cur = predict_iteration_time_s(current, state, profile, config)
-    t_new = predict_iteration_time_s(candidate, state, profile, config)
-    mig = migration_time_estimate_s(current, candidate, profile, state, optimizer_state_factor)
-    allowed = (
-        not _same_plan(candidate, current)
-        and t_new < (1.0 - min_gain) * t_cur
-        and (t_cur - t_new) * horizon_steps >= mig
-    )
-    return t_cur, t_new, mig, allowed
-
-
-def controller_decide(policy: Any, slot: int, state: ClusterState, current: Plan) -> Any:
+def controller_decide(
+    policy: Any, slot: int, state: ClusterState, current: Plan, **options: Any
+) -> Any:
     """The one integration point with ``hetrain.control``:
-    :meth:`LyapunovController.decide(slot, state, current)
+    :meth:`LyapunovController.decide(slot, state, current, **options)
     <hetrain.control.lyapunov.LyapunovController.decide>`, which returns a
     :class:`hetrain.control.decision.Decision` (plan, reason, figures on the estimates that chose
-    it; its own gain rule: no change predicted slower, structure changes pay their migration over
-    the expected persistence). Pure function of the controller's state and the arguments."""
-    return policy.decide(slot, state, current)
+    it; its one gate: no change predicted slower, shares-only changes gain ``rebalance_margin``,
+    structure changes ``switch_margin`` and pay their migration over the expected
+    persistence)."""
+    return policy.decide(slot, state, current, **options)
 
 
 class PlanController:
-    """The controller's state in its process: speed estimates, the policy, the plan in force.
+    """The controller of a training run in its process: it feeds the measured step times to
+    the one speed estimator (:class:`hetrain.control.estimates.SpeedEstimates`) and asks the
+    one decision path (:class:`hetrain.control.lyapunov.LyapunovController`, the class
+    ``hetrain simulate`` runs) for a decision each step; it applies what that answers as the
+    runtime runs it (:func:`runtime_plan`). No gate, share solver or estimator of its own.
 
     Args:
         base_state: start-up cluster state (ids = the ranks' devices; measured speeds, ``κ``).
         profile: the model profile; config: the training configuration.
         plan: the plan the ranks run now (with its id); steps: the run's total steps.
-        optimizer_state_factor: ``o`` of the migration bytes.
-        min_gain: relative predicted gain a change needs (0.25 = 25 %: on a shared machine a
-            rank's measured speed moves by 2x for several steps; a lasting 3x slow-down of
-            one rank of four gains about 60 %).
-        horizon_steps: steps over which a change must pay its migration.
-        confirm_steps: consecutive decisions on which a change must hold (noise guard).
-        warmup_steps: measured steps before the first decision.
-        async_search: run the policy in a thread of the controller's process and re-balance
-            the shares of the plan in force meanwhile (the service); False: the policy answers
-            every decision synchronously (replays: decisions are a function of the log).
+        optimizer_state_factor: ``o`` of the migration bytes (kept for the caller; the
+            controller uses ``config.optimizer_state_factor``).
+        horizon_steps: cap on the payback horizon of a change (steps; also capped by the
+            steps left).
+        warmup_steps: measured steps before the first decision (7: the short window's median
+            of 13 is then robust to as many stalled steps as it has normal ones).
+        async_search: planner searches run in a thread of the controller's process while
+            every step gets the cheap decision (the current and the known structures
+            re-balanced, through the gate) on time; a search's plan joins the controller's
+            pool at the first decision after it finished. False: searches run inside the
+            decision (replays: decisions are a function of the measurements).
+        options: :class:`~hetrain.control.lyapunov.LyapunovController` keywords over
+            :func:`policy_options`.
     """
 
     def __init__(
@@ -359,30 +247,22 @@ class PlanController:
         steps: int,
         *,
         optimizer_state_factor: float = 2.0,
-        min_gain: float = 0.25,
         horizon_steps: int = 20,
-        confirm_steps: int = 3,
-        warmup_steps: int = 3,
+        warmup_steps: int = 7,
         async_search: bool = False,
+        **options: Any,
     ) -> None:
         self.async_search = bool(async_search)
-        self._source = "policy"
-        self._control_reason = ""
-        self._records: list[tuple[int, float, dict]] = []
         self._pending: Any = None
-        self._policy_answer: Plan | None = None
-        self._searched: tuple[int, np.ndarray] | None = None  # (step, speeds) of the last search
         self.base_state = base_state
         self.profile = profile
         self.config = config
         self.current = plan
         self.steps = int(steps)
         self.optimizer_state_factor = float(optimizer_state_factor)
-        self.min_gain = float(min_gain)
         self.horizon_steps = int(horizon_steps)
-        self.confirm_steps = int(confirm_steps)
         self.warmup_steps = int(warmup_steps)
-        self.policy = make_policy("lyapunov", profile, config, **policy_options())
+        self.policy = make_policy("lyapunov", profile, config, **{**policy_options(), **options})
         self.estimates = SpeedEstimates(
             base_state.ids,
             [float(v) for v in base_state.speed_flops],
@@ -391,9 +271,17 @@ class PlanController:
         )
         self.plans: dict[int, Plan] = {int(plan.plan_id or 0): plan}
         self.next_plan_id = int(plan.plan_id or 0) + 1
+        self._policy_plan: Plan = plan  # the controller's form (idle groups kept)
         self.observed_steps = 0
         self.decisions = 0
-        self._votes = 0
+        self.searches_applied: list[int] = []  # steps at which a thread's search joined
+        # the last decision's search events, for the log: the step whose decision started a
+        # search, and (asked, joined) when a finished search joined the pool at this decision
+        self.search_started: int | None = None
+        self.search_joined: tuple[int, int] | None = None
+        # replays: {asked step: joined step} of the recorded run (searches then run at once
+        # and join at the recorded step instead of when a thread finishes)
+        self.replay_joins: dict[int, int] | None = None
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
@@ -418,10 +306,7 @@ class PlanController:
         ):
             self._observe_step_residual(float(iteration_time_s))
         if iteration_time_s is not None and math.isfinite(iteration_time_s):
-            if self._pending is None:
-                self.policy.record(step, float(iteration_time_s), {})
-            else:  # the controller is deciding in its thread: fed before its next call
-                self._records.append((step, float(iteration_time_s), {}))
+            self.policy.record(step, float(iteration_time_s), {})
         plan = self.plans.get(int(plan_id), self.current)
         flops = self.profile.train_flops
         for group in plan.groups:
@@ -483,230 +368,98 @@ class PlanController:
 
     # ---- decisions ----
     def decide(self, step: int) -> Decision | None:
-        """A plan change for ``step`` (measurements up to ``step - 1`` seen) or None."""
+        """The controller's decision for ``step`` (measurements up to ``step - 1`` seen): a
+        :class:`Decision` when it changes the plan, else None. With ``async_search`` a
+        finished search's plan is handed to the controller first, and a search the decision
+        wants is started in the controller's search thread."""
         if self.observed_steps < self.warmup_steps or step >= self.steps:
             return None
         state = self.observed_state()
-        horizon = float(max(min(self.steps - step, self.horizon_steps), 0))
-        candidate = self._candidate(step, state)
-        if candidate is None:
-            return None
-        t_cur, t_new, mig, allowed = change_holds(
-            candidate,
-            self.current,
-            state,
-            profile=self.profile,
-            config=self.config,
-            horizon_steps=horizon,
-            optimizer_state_factor=self.optimizer_state_factor,
-            min_gain=self.min_gain,
-        )
+        self.search_started = None
+        self.search_joined = None
+        if self.async_search:
+            self._collect_search(step)
+        policy = self.policy
+        policy.horizon_slots = float(max(min(self.steps - step, self.horizon_steps), 1))
+        in_force = self._policy_plan
+        d = controller_decide(policy, step, state, in_force, search=not self.async_search)
+        if self.async_search and policy.search_wanted is not None and self._pending is None:
+            # (warm-started from the plan in force at this decision: the same search whatever
+            # the thread's timing, so a replay reproduces it)
+            observed, weights = policy.search_wanted
+            if self.replay_joins is None:
+                future = _search_executor().submit(policy.search_plan, observed, weights, in_force)
+            else:
+                from concurrent.futures import Future
+
+                future = Future()
+                try:
+                    future.set_result(policy.search_plan(observed, weights, in_force))
+                except Exception as exc:  # raised where the thread's would be
+                    future.set_exception(exc)
+            self._pending = (step, observed, weights, future)
+            self.search_started = int(step)
+        self._policy_plan = d.plan
         self.last_check = {
-            "source": self._source,
-            "current_time_s": t_cur,
-            "predicted_time_s": t_new,
-            "migration_time_s": mig,
-            "allowed": allowed,
-            "votes": self._votes + int(allowed),
+            "reason": d.reason,
+            "current_time_s": d.predicted_time_s_before,
+            "predicted_time_s": d.predicted_time_s_after,
+            "migration_time_s": d.migration_time_s,
+            "note": d.note,
         }
-        if not allowed:
-            self._votes = 0
+        if not d.changed:
             return None
-        # noise guard: a change (not necessarily the same shares: they follow noisy estimates)
-        # must hold on confirm_steps consecutive decisions; the newest candidate is applied
-        self._votes += 1
-        if self._votes < self.confirm_steps:
-            return None
-        self._votes = 0
-        structure = candidate.structure() != self.current.structure()
-        plan = candidate.model_copy(update={"plan_id": self.next_plan_id})
+        plan = runtime_plan(d.plan)
         decision = Decision(
             plan=plan,
-            reason=self._why(structure, state),
+            reason=self._why(d, state),
             decided_after_step=step - 1,
-            current_time_s=t_cur,
-            predicted_time_s=t_new,
-            migration_time_s=mig,
-            horizon_steps=horizon,
-            structure_changed=structure,
+            current_time_s=float(d.predicted_time_s_before or math.nan),
+            predicted_time_s=float(d.predicted_time_s_after),
+            migration_time_s=float(d.migration_time_s),
+            horizon_steps=float(d.persistence_slots),
+            structure_changed=bool(d.structure_changed),
             speeds_flops=dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True)),
             shares_before=device_shares(self.current, self.base_state.ids),
             shares_after=device_shares(plan, self.base_state.ids),
         )
-        self.plans[self.next_plan_id] = plan
-        self.next_plan_id += 1
+        self.plans[int(plan.plan_id)] = plan
+        self.next_plan_id = int(plan.plan_id) + 1
         self.current = plan
-        self._policy_answer = None  # answered for the plan it replaced
-        self._searched = None  # the next step searches from the new plan
         self.decisions += 1
         return decision
 
-    def _candidate(self, step: int, state: ClusterState) -> Plan | None:
-        """The best of the policy's answer and the shares of the plan in force re-solved on the
-        newest estimates (:meth:`_rebalanced`), by predicted iteration time on ``state``
-        (:meth:`_best`). Synchronously, or (``async_search``) with the answer of a policy call
-        that ran in a thread while the previous steps were observed (kept, and re-predicted on
-        each step's estimates, until a plan is applied); while none is there, the re-balanced
-        shares alone."""
-        self._source = "policy"
-        if not self.async_search:
-            answer = self._answer(controller_decide(self.policy, step, state, self.current))
-            return self._best(answer, state)
-        if self._pending is not None and self._pending.done():
-            future, self._pending = self._pending, None
-            answer = self._answer(future.result())
-            if answer is not None and not _same_plan(answer, self.current):
-                self._policy_answer = answer
-        if self._pending is None and self._search_due(step, state):
-            for args in self._records:  # measured steps, fed while the controller was busy
-                self.policy.record(*args)
-            self._records.clear()
-            self._searched = (step, np.asarray(state.speed_flops, dtype=float).copy())
-            self._pending = _search_executor().submit(
-                controller_decide, self.policy, step, state, self.current
-            )
-        return self._best(self._policy_answer, state)
+    def _collect_search(self, step: int) -> None:
+        """Hand a finished search's plan to the controller (its failure is raised here)."""
+        if self._pending is None:
+            return
+        searched_at, observed, weights, future = self._pending
+        if self.replay_joins is not None:
+            if step < self.replay_joins.get(int(searched_at), math.inf):
+                return
+        elif not future.done():
+            return
+        self._pending = None
+        self.policy.add_searched(searched_at, future.result(), observed, weights)
+        self.searches_applied.append(int(step))
+        self.search_joined = (int(searched_at), int(step))
 
-    SEARCH_EVERY_STEPS = 10
-    """``async_search``: a new policy search at most this many steps after the last one when
-    the speed estimates have not moved (each search is 0.1-1.5 s of Python on the launching
-    host, which on a small machine shares its cores with the ranks)."""
-    SEARCH_SPEED_CHANGE = 0.25
-    """``async_search``: relative change of some device's estimated speed since the last
-    search that starts a new one at once."""
+    def wait_for_search(self) -> None:
+        """Block until the search in flight (if any) has finished (tests, replays)."""
+        if self._pending is not None:
+            self._pending[3].result()
 
-    def _search_due(self, step: int, state: ClusterState) -> bool:
-        searched = self._searched
-        if searched is None:
-            return True
-        last_step, speeds = searched
-        if step - last_step >= self.SEARCH_EVERY_STEPS:
-            return True
-        now = np.asarray(state.speed_flops, dtype=float)
-        if now.shape != speeds.shape:
-            return True
-        change = np.abs(now / np.maximum(speeds, 1e-30) - 1.0)
-        return bool(np.max(change, initial=0.0) > self.SEARCH_SPEED_CHANGE)
-
-    def _rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
-        """Shares re-solved on ``state`` for ``plan``'s structure, as the runtime runs them;
-        None when no share assignment fits.
-
-        Data parallelism only (every group one device, the whole model): the runtime runs a
-        share as one micro-batch (:func:`runtime_plan`), so group ``g`` takes ``T_g(b) = κ_g
-        + λ_g L + b c_g`` (docs/model.md §3 ``C_k`` with ``μ_g = b``), and the shares that
-        minimise ``max_g T_g`` are found exactly (:func:`_linear_shares`), every device of
-        the cluster a candidate (an idle device may get work again). Otherwise
-        :func:`hetrain.control.incremental.rebalance_shares` (whole micro-batches of each
-        group's ``μ_g``): with ``μ_g = b_g`` kept it would move whole shares (for one 3x-slow
-        device of four it answered 0/0/32/32 where about 20/4/20/20 is faster, issue 10).
-        """
-        if plan.groups and all(g.num_stages == 1 for g in plan.groups):
-            return self._linear_rebalanced(plan, state)
-        arrays = StructureArrays.build(plan, state.ids, self.profile)
-        out = rebalance_shares(
-            plan,
-            state,
-            arrays,
-            self.config.batch,
-            self.optimizer_state_factor,
-            norm_block=self.config.norm_block,
-        )
-        return None if out is plan else runtime_plan(out)
-
-    def _linear_rebalanced(self, plan: Plan, state: ClusterState) -> Plan | None:
-        num_layers = self.profile.num_layers
-        present = {d for g in plan.groups for d in g.devices}
-        groups = [g.model_copy(update={"batch": 1, "microbatch_size": 1}) for g in plan.groups]
-        groups += [
-            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=1)
-            for d in state.ids
-            if d not in present
-        ]
-        unit = int(self.config.norm_block or 1)
-        units = int(self.config.batch) // unit
-        if units < 1:
-            return None
-        probe = plan.model_copy(update={"groups": tuple(groups)})
-        arrays = StructureArrays.build(probe, state.ids, self.profile)
-        one, _ = arrays.group_timing(state)  # μ = 1: κ + λ L + c
-        two, _ = dataclasses.replace(arrays, microbatch=arrays.microbatch * 2).group_timing(state)
-        per_unit = (two - one) * unit
-        fixed = one - (two - one)
-        # the share solver sees only the groups' compute; terms that grow with the number of
-        # active groups (the all-reduce, the straggler of jittered groups) are judged by the
-        # whole model when this plan is compared with the policy's answer (which may leave
-        # devices out). One solve: the controller decides once per measured step and must
-        # keep up with the ranks
-        counts = _linear_shares(fixed, per_unit, units)
-        if counts is None:
-            return None
-        shares = {int(arrays.group_index[g]): int(counts[g]) * unit for g in range(len(counts))}
-        out = tuple(
-            g.model_copy(
-                update={"batch": shares.get(i, 0), "microbatch_size": max(shares.get(i, 0), unit)}
-            )
-            for i, g in enumerate(groups)
-        )
-        figures = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
-        return runtime_plan(plan.model_copy(update={"groups": out, **figures}))
-
-    def _best(self, answer: Plan | None, state: ClusterState) -> Plan | None:
-        """The policy's answer, or the plan in force with re-balanced shares when that is
-        predicted faster on the same estimates (:func:`predict_iteration_time_s`; it keeps every
-        group of the plan in force, so it migrates nothing).
-
-        The policy's structure search moves whole micro-batches (a single-device group's share
-        is a multiple of its ``μ``), so with few micro-batches per device it may answer, e.g.,
-        16/0/32/16 for one 3x-slow device of four where re-balanced shares, about 3:3:3:1, are
-        faster (bench/runtime_vs_ddp.py, issue 10); the answer's idle groups are dropped by
-        :func:`runtime_plan`, so a later shares-only re-balance could not bring the slow device
-        back."""
-        try:
-            rebalanced = self._rebalanced(self.current, state)
-        except ValueError:
-            rebalanced = None
-        if rebalanced is not None and _same_plan(rebalanced, self.current):
-            rebalanced = None
-        if answer is None or rebalanced is None:
-            if answer is None and rebalanced is not None:
-                self._source = "rebalance"
-            return answer or rebalanced
-        t_answer = predict_iteration_time_s(answer, state, self.profile, self.config)
-        t_rebalanced = predict_iteration_time_s(rebalanced, state, self.profile, self.config)
-        if t_rebalanced < t_answer:
-            self._source = "rebalance"
-            return rebalanced
-        return answer
-
-    def _answer(self, decision: Any) -> Plan | None:
-        """The controller's decision as the runtime runs it (None: it keeps the plan)."""
-        self._control_reason = str(getattr(decision, "reason", ""))
-        if not getattr(decision, "changed", True):
-            return None
-        return runtime_plan(decision.plan)
-
-    def __getstate__(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["_pending"] = None  # a running search is not part of the saved state
-        return out
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_policy_answer", None)  # states saved before they existed
-        state.setdefault("_searched", None)
-        state.setdefault("_step_residuals_s", [])
-        self.__dict__.update(state)
-
-    def _why(self, structure: bool, state: ClusterState) -> str:
-        kind = "re-plan (new groups/stages)" if structure else "rebalance (shares only)"
-        if self._control_reason and self._source == "policy":
-            kind += f" [controller: {self._control_reason}]"
+    def _why(self, d: Any, state: ClusterState) -> str:
+        kind = "re-plan (new groups/stages)" if d.structure_changed else "rebalance (shares only)"
+        kind += f" [controller: {d.reason}]"
         ref = self._first_speeds or {}
         moved = []
-        for d, s in zip(state.ids, state.speed_flops, strict=True):
-            s0 = ref.get(d)
+        for dev, s in zip(state.ids, state.speed_flops, strict=True):
+            s0 = ref.get(dev)
             if s0 and s > 0 and (s0 / s > 1.5 or s / s0 > 1.5):
-                moved.append(f"{d} {s0 / s:.1f}x slower" if s < s0 else f"{d} {s / s0:.1f}x faster")
+                moved.append(
+                    f"{dev} {s0 / s:.1f}x slower" if s < s0 else f"{dev} {s / s0:.1f}x faster"
+                )
         return kind + (f": {', '.join(moved)} than at start" if moved else "")
 
     # ---- checkpoints ----
@@ -715,12 +468,12 @@ class PlanController:
 
     def state_dict(self) -> dict[str, Any]:
         """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
-        speed estimates (start-up speeds, ``κ``, ``λ`` and the recent slow-down ratios per
-        device), the plans by id and the next id, the step counters, the learned step overhead
-        residuals, queued measurements and the policy's own ``state_dict`` (queues,
-        candidate pool). Versioned (``format``, ``version``); restored by
-        :meth:`load_state_dict`. The start-up cluster state, profile and configuration are not
-        in it: a resumed round builds its controller from its own."""
+        speed estimates (start-up speeds, ``κ``, ``λ``, both windows and the recent slow-down
+        ratios per device), the plans by id and the next id, the step counters, the learned step overhead residuals, the steps at
+        which searches joined and the policy's own ``state_dict`` (queues, candidate pool).
+        Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
+        cluster state, profile and configuration are not in it: a resumed round builds its
+        controller from its own."""
         est = self.estimates
         policy = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
         return {
@@ -729,6 +482,7 @@ class PlanController:
             "devices": list(self.base_state.ids),
             "estimates": {
                 "window": est.window,
+                "long_window": est.long_window,
                 "speed_flops": dict(est.speed_flops),
                 "kappa_s": {d: float(v) for d, v in est.kappa_s.items()},
                 "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
@@ -739,16 +493,9 @@ class PlanController:
             "next_plan_id": self.next_plan_id,
             "observed_steps": self.observed_steps,
             "decisions": self.decisions,
-            "votes": self._votes,
             "first_speeds": self._first_speeds,
             "step_residuals_s": list(self._step_residuals_s),
-            "records": [[k, t] for k, t, _ in self._records],
-            "searched": None
-            if self._searched is None
-            else [int(self._searched[0]), np.asarray(self._searched[1]).tolist()],
-            "policy_answer": None
-            if self._policy_answer is None
-            else self._policy_answer.to_json_dict(),
+            "searches_applied": list(self.searches_applied),
             "policy": policy,
         }
 
@@ -788,46 +535,38 @@ class PlanController:
             speed, kappa, lam = (
                 per_device(est[k]) for k in ("speed_flops", "kappa_s", "layer_overhead_s")
             )
-            window = int(est["window"])
-            samples = {d: [float(v) for v in est["samples"][d]][-window:] for d in ids}
+            window, long_window = int(est["window"]), int(est["long_window"])
+            if not 1 <= window <= long_window:
+                raise ValueError(f"windows {window}, {long_window}")
+            samples = {d: [float(v) for v in est["samples"][d]][-long_window:] for d in ids}
             plans = {
                 int(k): plan_from_dict(v, f"controller state: plans.{k}")
                 for k, v in dict(data["plans"]).items()
             }
-            counters = [
-                int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions", "votes")
-            ]
+            counters = [int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions")]
             first = data["first_speeds"]
             first_speeds = None if first is None else {str(d): float(v) for d, v in first.items()}
             residuals = [float(v) for v in data["step_residuals_s"]]
-            records = [(int(k), float(t), {}) for k, t in data["records"]]
-            searched = data["searched"]
-            searched_t = (
-                None
-                if searched is None
-                else (int(searched[0]), np.asarray(searched[1], dtype=float))
-            )
-            answer = data["policy_answer"]
-            answer_plan = None if answer is None else plan_from_dict(answer, "controller state")
+            searches = [int(v) for v in data["searches_applied"]]
             policy = data["policy"]
-        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as exc:
             why = " ".join(str(exc).split())[:200]
             raise ValueError(f"controller state: malformed ({type(exc).__name__}: {why})") from None
         if policy is not None and hasattr(self.policy, "load_state_dict"):
             self.policy.load_state_dict(policy)
-        self.estimates.window = window
+        self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
         self.estimates._samples = samples
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
         self.next_plan_id = max(counters[0], self.next_plan_id)
-        self.observed_steps, self.decisions, self._votes = counters[1:]
+        self.observed_steps, self.decisions = counters[1:]
         self._first_speeds = first_speeds
         self._step_residuals_s = residuals
-        self._records = records
-        self._searched = searched_t
-        self._policy_answer = answer_plan
+        self.searches_applied = searches
+        # the plan in force is the round's (the ranks kept theirs): the policy answers from it
+        self._policy_plan = self.current
 
 
 # --------------------------------------------------------------------------------------------
@@ -906,6 +645,14 @@ def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
                 master_listen_fd=sock.detach(),  # the store's server owns the descriptor now
             )
         )
+
+
+def replay_init_path(log_path: str | Path) -> Path:
+    """Where the start of a round's controller log is kept for replays: the model profile,
+    the start-up state, the configuration, the first plan and the run's steps, as the round's
+    JSON start message (:func:`~hetrain.runtime.ctlwire.encode_init`; ``controller_init.json``
+    beside ``controller.jsonl``)."""
+    return Path(log_path).with_name("controller_init.json")
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
@@ -1006,6 +753,11 @@ class ControllerService:
             Path(init["log_path"]).parent.mkdir(parents=True, exist_ok=True)
             mode = "a" if start > 0 else "w"  # a resumed run appends
             self._log = open(init["log_path"], mode, encoding="utf-8")  # noqa: SIM115
+            if start == 0:  # what a replay rebuilds the controller from (hetrain.sim.replay)
+                blob = encode_init(init)  # JSON (the replay validates it as a round's start)
+                init_path = replay_init_path(init["log_path"])
+                init_path.with_suffix(".tmp").write_bytes(blob)
+                os.replace(init_path.with_suffix(".tmp"), init_path)
 
     def _tick(self) -> bool:
         """One pass; False when there was nothing to do. Costs one store request while no
@@ -1051,11 +803,32 @@ class ControllerService:
                 except OSError:  # a full disk: that checkpoint goes without controller state
                     with contextlib.suppress(OSError):
                         tmp.unlink()
-            if newest - k < DECIDE_BACKLOG_STEPS:
+            decided = newest - k < DECIDE_BACKLOG_STEPS
+            made = None
+            if decided:
                 # one decision per measured step (decisions are a function of the log, the
                 # same on replay), except when behind: then only for the newest steps
-                decision = ctl.decide(k + 1) or decision
+                started = time.perf_counter()
+                made = ctl.decide(k + 1)
+                decide_time_s = time.perf_counter() - started
+                decision = made or decision
             if self._log is not None:
+                # what a replay feeds (hetrain.sim.replay): the raw measurements, whether this
+                # step was decided on, the search events and the decision made
+                row["compute_time_s"] = dict(rec["compute_time_s"])
+                row["decided"] = decided
+                if decided:  # the controller's answer time for this step (wall seconds)
+                    row["decide_time_s"] = decide_time_s
+                if decided and ctl.search_started is not None:
+                    row["search_started"] = ctl.search_started
+                if decided and ctl.search_joined is not None:
+                    row["search_joined"] = list(ctl.search_joined)
+                if made is not None:
+                    row["decision"] = {
+                        "plan_id": int(made.plan.plan_id),
+                        "shares_after": made.shares_after,
+                        "structure_changed": made.structure_changed,
+                    }
                 row["measured_time_s"] = rec.get("iteration_time_s")
                 row["speed_flops"] = ctl.estimates.speeds_flops()
                 row["check"] = ctl.last_check
@@ -1360,39 +1133,6 @@ def even_dp_plan(
     )
 
 
-def _linear_shares(fixed_s: np.ndarray, per_unit_s: np.ndarray, units: int) -> np.ndarray | None:
-    """Integer units ``u_g >= 0`` with ``Σ u_g = units`` minimising ``max_{g: u_g > 0}
-    (fixed_s[g] + u_g per_unit_s[g])`` (seconds; shapes ``(G,)``; a non-finite ``fixed_s``
-    leaves its group out); None when no group can take work. Exact: the optimum is one of
-    the ``G · units`` values ``fixed + u · per_unit``; the smallest ``T`` whose capacities
-    ``Σ_g max(0, ⌊(T - fixed_g) / per_unit_g⌋)`` reach ``units`` is found by bisection
-    over them, and the excess is taken from the groups that finish last."""
-    per = np.maximum(np.asarray(per_unit_s, dtype=float), 1e-300)
-    fixed = np.asarray(fixed_s, dtype=float)
-    usable = np.isfinite(fixed) & np.isfinite(per)
-    if not usable.any() or units < 1:
-        return None
-    u = np.arange(1, units + 1, dtype=float)
-    candidates = np.unique((fixed[usable, None] + u[None, :] * per[usable, None]).ravel())
-    fixed_u = np.where(usable, fixed, 0.0)
-
-    def capacity(t: float) -> np.ndarray:
-        c = np.floor((t - fixed_u) / per + 1e-9)
-        return np.where(usable, np.clip(c, 0, units), 0).astype(np.int64)
-
-    lo, hi = 0, len(candidates) - 1
-    if capacity(candidates[hi]).sum() < units:
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if capacity(candidates[mid]).sum() >= units:
-            hi = mid
-        else:
-            lo = mid + 1
-    counts = capacity(candidates[lo])
-    return trim_excess(counts, int(counts.sum()) - units, fixed_u + counts * per)
-
-
 def runtime_plan(plan: Plan) -> Plan:
     """The plan as the runtime runs it: idle groups (``b_g = 0``) left out, so their devices
     hold nothing and are sent nothing per step (the engine releases their layers; a later plan
@@ -1414,8 +1154,7 @@ def _same_plan(a: Plan, b: Plan) -> bool:
 
 
 if __name__ == "__main__":
-    # run the importable module's copy, so that pickled decisions name
-    # hetrain.runtime.adapt.Decision (not __main__.Decision) for rank 0 to read
+    # run the importable module's copy (one PlanController/Decision class, not __main__'s)
     from hetrain.runtime.adapt import main as _main
 
     sys.exit(_main())

@@ -11,7 +11,10 @@ for :func:`hetrain.trace.write_trace` or :class:`hetrain.trace.Trace`. All rando
   ``rate``, runs at ``slowdown`` of its speed for a geometric number of slots, then recovers;
 * :func:`preemption_rows` — devices leave (``available`` 0) with probability ``rate`` per slot and
   return after a geometric downtime, keeping at least ``min_available`` devices up;
-* :func:`price_rows` — spot prices: a mean-reverting log price per device with jumps.
+* :func:`price_rows` — spot prices: a mean-reverting log price per device with jumps;
+* :func:`link_rows` — link degradation: each slot a device's NIC starts an episode with
+  probability ``rate``, runs at ``factor`` of its bandwidth for a geometric number of slots, then
+  recovers.
 """
 
 from __future__ import annotations
@@ -185,6 +188,47 @@ def price_rows(
     return rows
 
 
+def link_rows(
+    devices: Sequence[str],
+    base_nic_gbps: Sequence[float],
+    slots: int,
+    rng: np.random.Generator,
+    *,
+    rate: float = 0.01,
+    factor: float = 0.1,
+    mean_duration_slots: float = 20.0,
+) -> list[TraceRow]:
+    """Link degradation episodes: a device's NIC falls to ``factor × base_nic_gbps`` (Gbit/s)
+    for a geometric number of slots of mean ``mean_duration_slots``, started with probability
+    ``rate`` per slot while healthy (a congested or rerouted link).
+
+    Raises:
+        ValueError: lengths differ, ``factor`` outside (0, 1], ``rate`` outside [0, 1] or
+            ``mean_duration_slots < 1``.
+    """
+    if len(base_nic_gbps) != len(devices):
+        raise ValueError("base_nic_gbps: expected one bandwidth per device")
+    _check_prob("rate", rate)
+    if not (0 < factor <= 1):
+        raise ValueError(f"factor: expected a number in (0, 1], got {factor!r}")
+    if not (mean_duration_slots >= 1):
+        raise ValueError(f"mean_duration_slots: expected >= 1, got {mean_duration_slots!r}")
+    end_p = 1.0 / float(mean_duration_slots)
+    rows: list[TraceRow] = []
+    for j, dev in enumerate(devices):
+        base = float(base_nic_gbps[j])
+        degraded = False
+        for t in range(1, slots):
+            if not degraded and rng.random() < rate:
+                degraded = True
+                rows.append(TraceRow(slot=t, device=dev, nic_gbps=base * factor))
+            elif degraded and rng.random() < end_p:
+                degraded = False
+                rows.append(TraceRow(slot=t, device=dev, nic_gbps=base))
+    rows.sort(key=lambda r: r.slot)
+    return rows
+
+
 def generate_trace(
     devices: Sequence[str],
     slots: int,
@@ -194,9 +238,11 @@ def generate_trace(
     stragglers: dict | None = None,
     preemption: dict | None = None,
     prices: dict | None = None,
+    links: dict | None = None,
 ) -> list[TraceRow]:
     """Merge the generators enabled by a keyword dict each (their keyword arguments; ``prices``
-    needs ``base_price_per_hour``), seeded by ``seed``, sorted by slot (stable).
+    needs ``base_price_per_hour``, ``links`` ``base_nic_gbps``), seeded by ``seed``, sorted by
+    slot (stable).
 
     Raises:
         ValueError: bad generator arguments.
@@ -213,5 +259,9 @@ def generate_trace(
         p = dict(prices)
         base = p.pop("base_price_per_hour")
         rows += price_rows(devices, base, slots, rng, **p)
+    if links is not None:
+        p = dict(links)
+        base = p.pop("base_nic_gbps")
+        rows += link_rows(devices, base, slots, rng, **p)
     rows.sort(key=lambda r: r.slot)
     return rows

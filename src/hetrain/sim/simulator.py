@@ -166,6 +166,7 @@ def simulate(
     budgets: Mapping[str, float] | None = None,
     keep_plans: bool = False,
     decision_delay: int = 1,
+    search_latency: int | None = None,
 ) -> SimulationResult:
     """Run ``policy`` for ``slots`` slots (default: the timeline's length).
 
@@ -181,6 +182,13 @@ def simulate(
         decision_delay: slots between a decision (taken before slot ``t`` on measurements up
             to ``t − 1``) and the slot it first runs in, ``t + decision_delay`` (default 1,
             the runtime's asynchronous controller; 0: docs/model.md §4's idealised timing).
+        search_latency: None (default): a policy's planner searches run inside its decision.
+            An integer ``L >= 0``: the runtime's controller with its search thread — each
+            decision is the cheap one (``decide(..., search=False)``: the current and the
+            known structures re-balanced, through the gate) and a search it wants joins the
+            policy's pool ``L`` slots after the decision that asked for it (one search in
+            flight at a time), as the search thread's plan joins at the first decision after
+            the search finished. Policies without searches ignore it.
 
     Raises:
         ValueError: a policy emitted a plan that uses an unavailable device, names an unknown
@@ -189,6 +197,25 @@ def simulate(
     """
     if int(decision_delay) < 0:
         raise ValueError(f"decision_delay: expected an integer >= 0, got {decision_delay!r}")
+    if search_latency is not None and int(search_latency) < 0:
+        raise ValueError(f"search_latency: expected an integer >= 0, got {search_latency!r}")
+    threaded = search_latency is not None and hasattr(policy, "search_plan")
+    in_flight: list[tuple[int, int, Plan, ClusterState, dict]] = []
+
+    def decide(t: int, observed: ClusterState) -> Plan:
+        while in_flight and in_flight[0][0] <= t:
+            _, asked, found, state, weights = in_flight.pop(0)
+            policy.add_searched(asked, found, state, weights)
+        if not threaded:
+            return plan_of(policy.decide(t, observed))
+        answer = plan_of(policy.decide(t, observed, search=False))
+        wanted = policy.search_wanted
+        if wanted is not None and not in_flight:
+            with contextlib.suppress(NoFeasiblePlanError):
+                found = policy.search_plan(*wanted)
+                in_flight.append((t + int(search_latency), t, found, wanted[0], wanted[1]))
+        return answer
+
     delay = int(decision_delay)
     if not (math.isfinite(time_noise) and time_noise >= 0):
         raise ValueError(f"time_noise: expected a finite number >= 0, got {time_noise!r}")
@@ -227,13 +254,13 @@ def simulate(
                 # synchronous decision: first slot, or the running plan lost a device
                 pending.clear()
                 running = None
-                running = plan_of(policy.decide(t, observed))
+                running = decide(t, observed)
             elif delay == 0:
-                running = plan_of(policy.decide(t, observed))
+                running = decide(t, observed)
             else:
                 # no feasible answer: keep running the current plan
                 with contextlib.suppress(NoFeasiblePlanError):
-                    pending.append((t + delay, plan_of(policy.decide(t, observed))))
+                    pending.append((t + delay, decide(t, observed)))
             plan = running
         except NoFeasiblePlanError:
             running = None

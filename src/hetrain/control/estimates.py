@@ -1,0 +1,133 @@
+"""The one speed estimator of the controller: per-device slow-downs from measured compute
+times (docs/model.md §3), used by the runtime's controller process
+(``hetrain.runtime.adapt.PlanController``) and by replays of its measurements.
+
+Imports numpy and the cluster state only (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+
+
+class SpeedEstimates:
+    """Per-device slow-down estimates from per-iteration compute measurements, and the speeds
+    and fixed costs they give.
+
+    Each iteration of device ``d`` gives the ratio ``r = time_s / t0`` of its measured stage
+    compute time to what its start-up calibration predicts for the same work, ``t0 = flops /
+    s_d + n (κ_d + λ_d Σν_l)`` (docs/model.md §3: each micro-batch of a stage costs ``μ c + κ +
+    λ Σν_l``); the estimate ``r̂_d`` is the median of the last ``long_window`` ratios while the
+    median of the last ``window`` ratios is within ``change_tolerance`` of it (a steady device:
+    the longer median is the more precise, so that identical ranks look identical), else the
+    median of the last ``window`` (a lasting change, followed after ``window // 2 + 1``
+    steps); and the device's speed, per-micro-batch overhead and per-layer overhead are
+    ``s_d / r̂_d``, ``κ_d r̂_d`` and ``λ_d r̂_d``: a device that slows down (thermal throttling,
+    a shared or emulated device) is slower at all of its work. Putting the whole change on the
+    speed instead, ``flops / (time_s - n (κ + λ Σν))`` with start-up overheads, makes a device
+    with a small share, whose step is mostly overhead, look ever slower the less it is given.
+
+    A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
+    time (descheduled) for several steps in a row, which an EWMA carries into the next
+    decisions; the median of 13 ignores up to 6 such steps and follows a lasting change after 7
+    (docs/training.md).
+
+    Args:
+        ids: device ids.
+        speed_flops: start-up speeds ``s_d`` (FLOP/s, > 0), aligned with ``ids``.
+        kappa_s: start-up ``κ_d`` (s, default 0); layer_overhead_s: start-up ``λ_d`` (s per
+            layer unit, default 0).
+        window: the short window (measurements): its median follows a lasting change.
+        long_window: the long window (default ``3 * window``): its median is the estimate of
+            a steady device.
+        change_tolerance: relative gap between the two medians above which the short one is
+            used.
+    """
+
+    def __init__(
+        self,
+        ids: Sequence[str],
+        speed_flops: Sequence[float],
+        kappa_s: Sequence[float] | None = None,
+        window: int = 13,
+        layer_overhead_s: Sequence[float] | None = None,
+        *,
+        long_window: int | None = None,
+        change_tolerance: float = 0.1,
+    ) -> None:
+        self.ids = tuple(ids)
+        self.speed_flops = dict(zip(self.ids, [float(v) for v in speed_flops], strict=True))
+        self.kappa_s = dict(zip(self.ids, kappa_s or [0.0] * len(self.ids), strict=True))
+        self.layer_overhead_s = dict(
+            zip(self.ids, layer_overhead_s or [0.0] * len(self.ids), strict=True)
+        )
+        self.window = int(window)
+        self.long_window = max(int(long_window or 3 * self.window), self.window)
+        self.change_tolerance = float(change_tolerance)
+        self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
+
+    def observe(
+        self,
+        device: str,
+        flops: float,
+        time_s: float,
+        num_microbatches: int,
+        num_layers: float = 0,
+    ) -> None:
+        """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
+        ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers, or its layer
+        units ``Σ ν_l`` (docs/model.md (v3) §3)."""
+        if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
+            return
+        speed = self.speed_flops[device]
+        if not (speed > 0 and math.isfinite(speed)):
+            return
+        overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
+        expected_s = flops / speed + num_microbatches * overhead_s
+        recent = self._samples[device]
+        recent.append(time_s / expected_s)
+        del recent[: -self.long_window]
+
+    def slowdowns(self) -> dict[str, float]:
+        """``r̂_d``: measured over start-up time for the same work (devices with at least one
+        measurement; 2.0 = twice as slow as at start-up): the long window's median, or the
+        short window's when they differ by more than ``change_tolerance``."""
+        out = {}
+        for d, v in self._samples.items():
+            if not v:
+                continue
+            short = float(np.median(v[-self.window :]))
+            long = float(np.median(v))
+            steady = abs(short - long) <= self.change_tolerance * abs(long)
+            out[d] = long if steady else short
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("long_window", state.get("window", 13))
+        state.setdefault("change_tolerance", 0.1)
+        self.__dict__.update(state)
+
+    def speeds_flops(self) -> dict[str, float]:
+        """Current speed estimates ``s_d / r̂_d`` (FLOP/s; devices with at least one
+        measurement)."""
+        return {d: self.speed_flops[d] / r for d, r in self.slowdowns().items()}
+
+    def apply(self, state: ClusterState) -> ClusterState:
+        """``state`` with the measured slow-downs: speeds divided by ``r̂_d``, ``κ_d`` and
+        ``λ_d`` multiplied by it (devices with measurements)."""
+        idx = state.index()
+        speed = state.speed_flops.astype(float).copy()
+        kappa = state.kappa_s.astype(float).copy()
+        lam = state.layer_overhead_s.astype(float).copy()
+        for d, r in self.slowdowns().items():
+            if d in idx and r > 0 and math.isfinite(r):
+                i = idx[d]
+                speed[i] = self.speed_flops[d] / r
+                kappa[i] = self.kappa_s[d] * r
+                lam[i] = self.layer_overhead_s[d] * r
+        return state.with_changes(speed_flops=speed, kappa_s=kappa, layer_overhead_s=lam)
