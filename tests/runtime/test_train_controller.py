@@ -331,12 +331,11 @@ def test_controller_learns_the_fixed_step_time_for_its_predictions_not_its_decis
         abs=1e-9,
     )
     assert ctl.config.step_overhead_s == 0.0  # decisions compare plans without it
-    # a controller state saved before F existed loads and predicts with F = 0
-    saved = ctl.__getstate__()  # as pickled, less the attribute older states lack
-    del saved["_step_residuals_s"]
-    old = PlanController.__new__(PlanController)
-    old.__setstate__(saved)
-    assert old.step_overhead_s() == 0.0
+    # the learned F travels in the controller's JSON state: a restored controller predicts alike
+    restored = PlanController(ctl.base_state, ctl.profile, ctl.config, ctl.current, ctl.steps)
+    restored.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
+    assert restored.step_overhead_s() == pytest.approx(ctl.step_overhead_s())
+    assert restored.predictions()["predicted_time_s"] == pytest.approx(pred["predicted_time_s"])
 
 
 def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):

@@ -469,8 +469,9 @@ class PlanController:
     def state_dict(self) -> dict[str, Any]:
         """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
         speed estimates (start-up speeds, ``κ``, ``λ``, both windows and the recent slow-down
-        ratios per device), the plans by id and the next id, the step counters, the learned step overhead residuals, the steps at
-        which searches joined and the policy's own ``state_dict`` (queues, candidate pool).
+        ratios per device), the plans by id and the next id, the step counters, the learned
+        step overhead residuals, the steps at which searches joined and the policy's own
+        ``state_dict`` (queues, candidate pool).
         Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
         cluster state, profile and configuration are not in it: a resumed round builds its
         controller from its own."""
