@@ -171,3 +171,53 @@ def test_profile_of_a_factory_module_lists_the_tied_tensor(factories, tmp_path, 
     # a block's boundary carries the hidden states (8 tokens x 64); the position ids and the
     # causal mask come from the inputs alone, so every stage rebuilds them
     assert prof.layers[1].activation_bytes == 8 * 64 * 4
+
+
+class _ScaledBlock(nn.Module):
+    """A block with a parameter of its own (not in a child module), as ConvNeXt's layer
+    scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, h):
+        return h + self.gamma * self.lin(h)
+
+
+class _OwnParams(nn.Module):
+    """A parent with parameters of its own used before and after its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale_in = nn.Parameter(torch.ones(4))
+        self.blocks = nn.ModuleList([_ScaledBlock() for _ in range(3)])
+        self.scale_out = nn.Parameter(torch.ones(4))
+        self.register_buffer("unused_buf", torch.zeros(2))
+
+    def forward(self, x):
+        h = x * self.scale_in
+        for b in self.blocks:
+            h = b(h)
+        return h * self.scale_out
+
+
+def test_each_tensor_is_listed_under_the_layers_that_use_it_only():
+    chain = cut_module(_OwnParams(), torch.randn(2, 4))
+    assert chain.layer_names[1:4] == [f"blocks.{i}:_ScaledBlock" for i in range(3)]
+    assert chain.shared == {}
+    assert chain.layer_tensors[0] == ["scale_in", "unused_buf"]
+    for i in range(3):
+        assert chain.layer_tensors[i + 1] == [
+            f"blocks.{i}.gamma",
+            f"blocks.{i}.lin.weight",
+            f"blocks.{i}.lin.bias",
+        ]
+    assert chain.layer_tensors[4] == ["scale_out"]
+    x = torch.randn(3, 4)
+    ref = chain.module(x)
+    y = None
+    for layer in range(chain.num_layers):
+        y = chain.stage_forward(layer, layer + 1, y, x)
+    assert torch.equal(y, ref)
