@@ -15,17 +15,29 @@ and every micro-batch size keep working):
   last layer is the *suffix* (what runs after the last block).
 
 How a stage ``[s, e)`` of a :class:`ModuleCut` runs: the model's own ``forward`` is called on
-the micro-batch's inputs; what belongs to layers before ``s`` runs on the ``meta`` device (a
-``TorchDispatchMode`` turns every tensor into a shape-only meta tensor, so no weights and no
-compute are needed, and Python control flow still sees the real shapes); at the call of block
-``s - 1`` the tensors of its arguments are replaced by the ones received from the previous stage
-and the forward continues for real; at the call of the block that starts layer ``e`` the tensors
-of its arguments are captured (they are what crosses the stage boundary: hidden states,
-attention masks, position ids, ...) and the forward is stopped. A tensor computed before the
-stage that is not an argument of the boundary block cannot be rebuilt; such a model "cannot be
-captured" at that cut and :class:`CaptureError` names the op (name other cut points with
-``layers=``). This is a home-made but small alternative to ``torch.export`` (which copies no
-weights but bakes ``train()``/``eval()`` and the randomness into the graph); it is not
+the micro-batch's inputs and computes, with real tensors, only the stage's layers:
+
+* the blocks before the stage are skipped: their ``forward`` is swapped, for the call, for a
+  stand-in that returns the tensors received from the previous stage for the outputs the stage
+  uses, and meta look-alikes (shapes only) for the others;
+* the code outside the blocks is followed call by call by a ``TorchFunctionMode`` (:class:`_Track`):
+  before the stage, a call on the micro-batch's inputs alone (or on tensors made from them, or
+  on received tensors) runs for real (masks, position ids, Python checks of their values), a
+  call that reads a weight, a buffer or an earlier layer's result runs on meta copies; from the
+  stage's first layer on, everything runs for real, each received tensor in place of its
+  stand-in;
+* the stage stops at the call of the block that starts layer ``e`` and returns the tensors that
+  cross that boundary.
+
+Which tensors cross each boundary is recorded once, on the example inputs: every tensor made
+outside the blocks (named by the module call that made it: robust to how a module computes
+it, e.g. plan-invariant dropout) or returned by a block, made before the boundary and used at
+or after it, except those computed from the inputs alone (every stage rebuilds them). A forward
+that reads values computed from weights outside the blocks before a later cut (``if h.sum() >
+0``), or uses a block's side output (a tensor it does not return) elsewhere, "cannot be cut"
+there: :class:`CaptureError` names it (name other cut points with ``layers=``). This is a
+home-made but small alternative to ``torch.export`` (which copies no weights but bakes
+``train()``/``eval()`` and the randomness into the graph); it is not
 ``torch.distributed.pipelining.pipeline()``, which copies tied weights into separate stages and
 fixes the micro-batch size.
 
@@ -560,6 +572,7 @@ class ModuleCut(Chain):
         self._meta_model = any(t.device.type == "meta" for t in self.tensors.values())
         self.blocks = [mods[b] for b in blocks]
         self._mod_names = {id(m): n for n, m in mods.items()}
+        self._mods_by_name = mods
         self._record(list(blocks), example_inputs)
         self._block_ids = {id(b) for b in self.blocks}
         self._run: _Run | None = None
@@ -688,6 +701,8 @@ class ModuleCut(Chain):
         self._produced: dict[Key, int] = {}
         self._last_use: dict[Key, int] = {}
         self._closed = True
+        self._module_calls: dict[str, int] = {}
+        self._module_outs: dict[tuple[int, str, int], _BlockRecord] = {}
         self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
         run = _Run(
             start=0,
@@ -854,6 +869,12 @@ class ModuleCut(Chain):
         saved = [b.__dict__.get("forward") for b in skipped]
         for i, b in enumerate(skipped):
             b.forward = self._stand_in(i, run)
+        skipped_mods = [] if run.record else self._skippable_modules(run)
+        saved_mods = [m.__dict__.get("forward") for m, _ in skipped_mods]
+        for m, answers in skipped_mods:
+            m.forward = self._module_stand_in(run, m.forward, answers)
+        skipped += [m for m, _ in skipped_mods]
+        saved += saved_mods
         hooks = [
             nn.modules.module.register_module_forward_pre_hook(self._module_pre(run)),
             nn.modules.module.register_module_forward_hook(self._module_post(run, mode)),
@@ -878,6 +899,39 @@ class ModuleCut(Chain):
                 else:
                     b.forward = f
 
+    def _skippable_modules(self, run: _Run) -> list[tuple[nn.Module, dict]]:
+        """Modules outside the blocks, called once per forward before the stage, without
+        dropout, whose every output is received (rotary tables): they are not run at all."""
+        mods = self._mods_by_name
+        out: dict[str, dict] = {}
+        for (phase, name, c), rec in self._module_outs.items():
+            if phase >= run.start or self._module_calls.get(name) != 1 or name not in mods:
+                continue
+            keys = [(phase, name, c, -1, j) for j in range(len(rec.tensors))]
+            if not all(k in run.received for k in keys):
+                continue
+            if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mods[name].modules()):
+                continue
+            out.setdefault(name, {})[(phase, name, c)] = (rec, keys)
+        return [(mods[name], answers) for name, answers in out.items()]
+
+    @staticmethod
+    def _module_stand_in(run: _Run, forward: Callable, answers: dict) -> Callable:
+        def stand_in(*args: Any, **kwargs: Any) -> Any:
+            if run.depth == 0 and run.frames:
+                name, c = run.frames[-1][:2]
+                hit = answers.get((run.phase, name, c))
+                if hit is not None:
+                    rec, keys = hit
+                    flat = list(rec.flat)
+                    slots = [k for k, a in enumerate(flat) if a is None]
+                    for slot, key in zip(slots, keys, strict=True):
+                        flat[slot] = run.received[key]
+                    return tree_unflatten(flat, rec.spec)
+            return forward(*args, **kwargs)
+
+        return stand_in
+
     def _module_pre(self, run: _Run) -> Callable:
         def hook(mod, args):  # noqa: ANN001
             if run.depth > 0 or id(mod) in self._block_ids:
@@ -899,7 +953,20 @@ class ModuleCut(Chain):
             # what a module makes within one layer is named after the module (robust to how
             # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
             # keeps its name
-            for j, t in enumerate(leaves(out)):
+            flat, spec = tree_flatten(out)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            if run.record:
+                self._module_calls[name] = self._module_calls.get(name, 0) + 1
+                if tensors and all(
+                    run.serial_of.get(id(t), 0) > serial or id(t) not in run.key_of for t in tensors
+                ):
+                    self._module_outs[(phase, name, c)] = _BlockRecord(
+                        spec=spec,
+                        flat=[None if isinstance(a, torch.Tensor) else a for a in flat],
+                        tensors=[(tuple(t.shape), t.dtype, None) for t in tensors],
+                        batch=None,
+                    )
+            for j, t in enumerate(tensors):
                 if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
                     continue
                 k = run.key_of.get(id(t))
