@@ -418,8 +418,9 @@ class _Track(TorchFunctionMode):
             return out
         if not before:
             flat = tree_flatten(self.substitute((args, kwargs), name))[0]
-        # factories placed on a meta tensor's device are made on the stage's device
-        flat = [run.device if isinstance(a, torch.device) and a.type == "meta" else a for a in flat]
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
+            # real tensors (or none) placed on a meta tensor's device: the stage's device
+            flat = [_stage_device(a, run.device) for a in flat]
         args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if run.depth == 0:
@@ -977,12 +978,20 @@ class ModuleCut(Chain):
         return hook
 
     def verify(self, example_inputs: Any) -> None:
-        """Run every layer as its own stage on ``example_inputs`` (no gradients) so that a cut
-        that cannot be run fails here, before any process starts.
+        """Run every layer as its own stage on ``example_inputs`` and on their first sample
+        alone (no gradients; another micro-batch size than the recording's) so that a cut that
+        cannot be run fails here, before any process starts.
 
         Raises:
             CaptureError: naming the stage and what failed.
         """
+        from torch.utils._pytree import tree_map_only
+
+        first = tree_map_only(torch.Tensor, lambda t: t[:1], example_inputs)
+        for inputs in (example_inputs, first):
+            self._verify(inputs)
+
+    def _verify(self, example_inputs: Any) -> None:
         with torch.no_grad():
             x = None
             for layer in range(self.num_layers):
@@ -1038,6 +1047,10 @@ _META = torch.device("meta")
 def _top_function_mode() -> Any:
     n = torch._C._len_torch_function_stack()
     return torch._C._get_function_stack_at(n - 1) if n else None
+
+
+def _stage_device(a: Any, device: torch.device) -> Any:
+    return device if isinstance(a, torch.device) and a.type == "meta" else a
 
 
 def _device_of(inputs: Any) -> torch.device:
