@@ -26,7 +26,9 @@ plain PyTorch, the share that train exactly on a 2-stage pipeline and on a hybri
 >= 90 %), and every other type with its reason.
 
 Usage: ``.venv/bin/python bench/hf_sweep.py [--out FILE] [--types a,b] [--limit N]
-[--timeout-s 120] [--summary-only]``
+[--timeout-s 120] [--memory-gib 6] [--summary-only]``; each type runs in a child process
+capped at ``--memory-gib`` of address space (a default config too big to build is a reason,
+not an out-of-memory kill of the machine).
 """
 
 from __future__ import annotations
@@ -289,6 +291,45 @@ def sweep_one(model_type: str, task: str, timeout_s: float) -> dict:
     return done("ok" if ok else "exact", None if ok else "not equal to the plain loop")
 
 
+def _child(model_type: str, task: str, timeout_s: float, path: str, memory_bytes: int) -> None:
+    import resource
+
+    # a default config too big for a tiny model fails here, not by the machine's OOM killer
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    try:
+        rec = sweep_one(model_type, task, timeout_s)
+    except BaseException as exc:  # noqa: BLE001 - MemoryError and the like: the reason
+        rec = {"type": model_type, "task": task, "stage": "build", "reason": _line(exc)}
+    Path(path).write_text(json.dumps(rec))
+
+
+def sweep_isolated(model_type: str, task: str, timeout_s: float, memory_bytes: int) -> dict:
+    """:func:`sweep_one` in a child process with an address-space limit and a time limit."""
+    import multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "rec.json")
+        proc = mp.get_context("fork").Process(
+            target=_child, args=(model_type, task, timeout_s, path, memory_bytes)
+        )
+        t0 = time.perf_counter()
+        proc.start()
+        proc.join(3 * timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if Path(path).exists():
+            return json.loads(Path(path).read_text())
+        why = "timed out" if proc.exitcode in (None, -9) else f"exit code {proc.exitcode}"
+        return {
+            "type": model_type,
+            "task": task,
+            "stage": "build",
+            "reason": f"the sweep's child process died ({why})",
+            "time_s": round(time.perf_counter() - t0, 1),
+        }
+
+
 def summary(records: list[dict]) -> list[str]:
     plain = [r for r in records if r["stage"] not in ("build", "plain")]
     trained = [r for r in plain if r["stage"] == "ok"]
@@ -325,6 +366,7 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--memory-gib", type=float, default=6.0, help="per-type memory cap")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers.models.auto import modeling_auto as auto
@@ -342,7 +384,7 @@ def main() -> int:
     if not args.summary_only:
         todo = [x for x in todo if x not in seen][: args.limit]
         for model_type, task in todo:
-            rec = sweep_one(model_type, task, args.timeout_s)
+            rec = sweep_isolated(model_type, task, args.timeout_s, int(args.memory_gib * 2**30))
             records.append(rec)
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
