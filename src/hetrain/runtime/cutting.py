@@ -357,6 +357,22 @@ class _Track(TorchFunctionMode):
                 )
         return tree_unflatten(flat, spec) if changed else obj
 
+    def _received_or_valid(self, a: torch.Tensor, name: str) -> torch.Tensor:
+        run = self.run
+        key = run.key_of[id(a)]
+        got = run.received.get(key)
+        if got is not None:
+            return got
+        if key not in run.valid:
+            raise CaptureError(
+                self.cut.source,
+                "layers",
+                f"cannot run {name} in stage {run.start}-{run.end - 1}: it uses a tensor "
+                f"computed before the stage that was not sent to it ({key[1] or 'model'}); "
+                "name other cut points with layers=[...]",
+            )
+        return a
+
     def key_outputs(self, func: Any, first: Any, out: Any, real: bool, rebuild: bool) -> None:
         run = self.run
         name, call = run.frames[-1][:2] if run.frames else ("", 0)
@@ -416,12 +432,20 @@ class _Track(TorchFunctionMode):
             if run.depth == 0:
                 self.key_outputs(func, first, out, real=False, rebuild=False)
             return out
+        changed = False
         if not before:
-            flat = tree_flatten(self.substitute((args, kwargs), name))[0]
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
+            for k, a in enumerate(flat):
+                if isinstance(a, torch.Tensor) and id(a) in run.key_of:
+                    flat[k] = self._received_or_valid(a, name)
+                    changed |= flat[k] is not a
+        if any(isinstance(a, torch.device) and a.type == "meta" for a in flat) and not any(
+            isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat
+        ):
             # real tensors (or none) placed on a meta tensor's device: the stage's device
             flat = [_stage_device(a, run.device) for a in flat]
-        args, kwargs = tree_unflatten(flat, spec)
+            changed = True
+        if changed:
+            args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if run.depth == 0:
             self.key_outputs(func, first, out, real=True, rebuild=before)
