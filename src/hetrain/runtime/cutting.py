@@ -598,6 +598,12 @@ class ModuleCut(Chain):
         self.blocks = [mods[b] for b in blocks]
         self._mod_names = {id(m): n for n, m in mods.items()}
         self._mods_by_name = mods
+        # buffers and tensors kept as plain module attributes: a forward that re-assigns one
+        # (CTRL moves its position table, on meta copies before a stage) is undone after each
+        # stage, so the model keeps the tensors the chain indexes
+        self._plain_attrs = [
+            (m, n) for m in mods.values() for n, v in vars(m).items() if isinstance(v, torch.Tensor)
+        ] + [(m, n) for m in mods.values() for n in m._buffers]
         self._record(list(blocks), example_inputs)
         self._block_ids = {id(b) for b in self.blocks}
         self._run: _Run | None = None
@@ -905,6 +911,7 @@ class ModuleCut(Chain):
             nn.modules.module.register_module_forward_hook(self._module_post(run, mode)),
         ]
         self._run = run
+        attrs = [(m, n, getattr(m, n)) for m, n in self._plain_attrs]
         try:
             with mode:
                 try:
@@ -914,6 +921,9 @@ class ModuleCut(Chain):
                         torch._C._push_on_torch_function_stack(run.suspended)
                         run.suspended = None
         finally:
+            for m, n, v in attrs:
+                if getattr(m, n, None) is not v:
+                    setattr(m, n, v)
             self._run = None
             _MODES.pop(id(run), None)
             for h in hooks:
