@@ -184,6 +184,11 @@ class SequentialChain(Chain):
         return x
 
 
+class _Uncalled(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+
 class _Stop(BaseException):  # noqa: N818 - control flow, not an error
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -579,6 +584,7 @@ class ModuleCut(Chain):
         self.module = module
         self.source = source
         mods = dict(module.named_modules())
+        default = blocks is None
         if blocks is None:
             blocks = default_blocks(module)
             if not blocks:
@@ -596,6 +602,12 @@ class ModuleCut(Chain):
         self._index_tensors()
         self._meta_model = any(t.device.type == "meta" for t in self.tensors.values())
         self.blocks = [mods[b] for b in blocks]
+        try:
+            self._record(list(blocks), example_inputs, default=default)
+        except _Uncalled as called:
+            blocks = called.names
+            self.blocks = [mods[b] for b in blocks]
+            self._record(list(blocks), example_inputs)
         self._mod_names = {id(m): n for n, m in mods.items()}
         self._mods_by_name = mods
         # buffers and tensors kept as plain module attributes: a forward that re-assigns one
@@ -604,7 +616,6 @@ class ModuleCut(Chain):
         self._plain_attrs = [
             (m, n) for m in mods.values() for n, v in vars(m).items() if isinstance(v, torch.Tensor)
         ] + [(m, n) for m in mods.values() for n in m._buffers]
-        self._record(list(blocks), example_inputs)
         self._block_ids = {id(b) for b in self.blocks}
         self._run: _Run | None = None
         for i, block in enumerate(self.blocks):
@@ -613,7 +624,7 @@ class ModuleCut(Chain):
         self._record_boundaries(example_inputs)
 
     # ---------------------------------------------------------------------------- recording
-    def _record(self, names: list[str], example_inputs: Any) -> None:
+    def _record(self, names: list[str], example_inputs: Any, default: bool = False) -> None:
         """Order of the blocks, and the tensors (parameters, buffers) each layer uses."""
         order: list[int] = []
         by_id = {id(b): i for i, b in enumerate(self.blocks)}
@@ -675,6 +686,10 @@ class ModuleCut(Chain):
         if sorted(order) != list(range(n)):
             twice = sorted({names[i] for i in order if order.count(i) > 1})
             missing = [names[i] for i in range(n) if i not in order]
+            if default and order and not twice:
+                # default cut points the forward never calls (a vision tower of a model fed
+                # text only) are not cut points
+                raise _Uncalled([names[i] for i in sorted(set(order))])
             raise InputError(
                 self.source,
                 "layers",
