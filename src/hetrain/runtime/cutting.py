@@ -267,7 +267,7 @@ class _Run:
     serial: int = 0  # keys given so far
     serial_of: dict[int, int] = field(default_factory=dict)
     calls: dict[tuple[int, str], int] = field(default_factory=dict)
-    ords: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    ords: dict[tuple[int, str, int, bool], int] = field(default_factory=dict)
     key_of: dict[int, Key] = field(default_factory=dict)
     obj_of: dict[Key, torch.Tensor] = field(default_factory=dict)
     valid: set[Key] = field(default_factory=set)  # keys holding real values
@@ -293,7 +293,7 @@ class _Track(TorchFunctionMode):
         """True for a tensor every rank computes from the micro-batch's inputs alone."""
         k = self.run.key_of.get(id(t))
         if k is not None:
-            return self.cut._rebuild.get(k, False)
+            return isinstance(k[3], tuple) or self.cut._rebuild.get(k, False)
         if id(t) in self.cut._name_of:
             return False
         if self.run.record:
@@ -392,12 +392,17 @@ class _Track(TorchFunctionMode):
         )
         if not outs and written is None:
             return
-        o = run.ords.get(frame, 0)
-        run.ords[frame] = o + 1
+        # results made from the inputs alone are numbered apart ("r", n): every stage rebuilds
+        # them and their count may depend on the micro-batch (HF's mask code branches on the
+        # batch size), the numbers of the others may not
+        counter = (*frame, rebuild)
+        o = run.ords.get(counter, 0)
+        run.ords[counter] = o + 1
+        ordinal: Any = ("r", o) if rebuild else o
         for j, t in enumerate(outs):
-            self.assign(t, (*frame, o, j), real, rebuild)
+            self.assign(t, (*frame, ordinal, j), real, rebuild)
         if written is not None:
-            self.assign(written, (*frame, o, "w"), real, rebuild)
+            self.assign(written, (*frame, ordinal, "w"), real, rebuild)
 
     # ------------------------------------------------------------------------- events
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -453,7 +458,8 @@ class _Track(TorchFunctionMode):
             args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if run.depth == 0:
-            self.key_outputs(func, first, out, real=True, rebuild=before)
+            rebuild = all(self.rebuildable(t) for t in tensors)
+            self.key_outputs(func, first, out, real=True, rebuild=rebuild)
         return out
 
     def _record_event(self, func, name, args, kwargs, tensors, first):  # noqa: ANN001, ANN202
