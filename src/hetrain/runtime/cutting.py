@@ -483,7 +483,13 @@ class _Track(TorchFunctionMode):
                 )
         rebuild = all(self.rebuildable(t) for t in tensors)
         out = func(*args, **kwargs)
-        if run.depth == 0 and not rebuild and not leaves(out) and run.phase < cut.num_layers - 1:
+        if (
+            run.depth == 0
+            and not rebuild
+            and not leaves(out)
+            and not _mutates(func)  # x[i] = v writes, it does not read
+            and run.phase < cut.num_layers - 1
+        ):
             # Python reads values that a stage starting later has only as shapes
             raise CaptureError(
                 cut.source,
