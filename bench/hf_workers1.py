@@ -1,10 +1,14 @@
-"""``hetrain train --workers 1`` on Hugging Face GPT-2 tiny vs a plain PyTorch loop on the same
-model and data, iterations per second side by side in one run (target: hetrain >= 0.95x).
+"""``hetrain train --workers 1`` on Hugging Face GPT-2 tiny and Llama tiny vs a plain PyTorch loop
+on the same model and data, iterations per second side by side in one run (target: hetrain >=
+0.95x); and the cost of cutting: Llama tiny on a 4-stage pipeline, the sum over its stages of
+the compute time of one step's micro-batches vs the same micro-batches through the whole model
+(target <= 1.10x).
 
-Both train ``GPT2LMHeadModel`` (tiny config, tied head, dropout 0.1 or ``--dropout``) from the
-same seed on the same global batches of the ``gpt2`` example (bytes of ``pydoc_data.topics``,
-context 64, the deterministic sampler), AdamW with the example's learning rate, clipping at 1.0,
-one torch thread, in this process:
+Both loops train ``GPT2LMHeadModel`` (tiny config, tied head) or ``LlamaForCausalLM`` (tiny:
+4 layers, 64 wide, 4 query and 2 key/value heads, rotary embeddings; ``models/hf.py``), dropout
+0.1 or ``--dropout``, from the same seed on the same global batches of the ``gpt2`` example
+(bytes of ``pydoc_data.topics``, context 64, the deterministic sampler), AdamW with the
+example's learning rate, clipping at 1.0, one torch thread, in this process:
 
 - ``plain``: fetch the batch, ``model(x)``, cross-entropy, ``backward``, ``clip_grad_norm_``,
   ``step``;
@@ -19,11 +23,23 @@ end of that plain step to the next fetch: its whole loop (data, engine step, met
 Iterations per second over steps ``warmup .. steps - 2`` (hetrain's last step, which also
 gathers the run's timeline, is left out), wall clock (the target) and this thread's CPU time
 (``time.thread_time``, printed too); ``--repeats`` fresh runs: the ratio is the median of the
-repeats' ratios (hetrain / plain within a repeat), the rates the medians. The last line
-is JSON ``{"plain_it_s", "hetrain_it_s", "ratio", "cpu_ratio", "dropout", "load", "pass"}``.
+repeats' ratios (hetrain / plain within a repeat), the rates the medians. One JSON line per
+model: ``{"model", "plain_it_s", "hetrain_it_s", "ratio", "cpu_ratio", "dropout", "load",
+"pass"}``.
 
-Usage: ``.venv/bin/python bench/hf_workers1.py [--steps 40] [--warmup 5] [--repeats 3]
-[--dropout 0.1]``
+The cost of cutting (``--part cutting``), in this process, no ranks: the cut Llama tiny
+(``cut_module``, default blocks: prefix, 4 decoder layers, suffix), stages ``[0, 2), [2, 3),
+[3, 4), [4, 6)`` (first: embedding and layer 0; last: layer 3 and the head); per repeat, one
+global batch of 32 in micro-batches of 8, alternately (a) each micro-batch through the whole
+model (forward, loss, backward: what ``--workers 1`` computes) and (b) each micro-batch stage by
+stage: each stage's ``stage_forward`` on what the previous one sent (detached, as received),
+then the backward stage by stage with the gradients the next stage returned; the compute time of
+(b) is the sum of every stage's forward and backward time (what the stages' engine timers
+measure), without messages. The ratio (b)/(a) is the median of the repeats' ratios. JSON line:
+``{"model": "llama-cutting", "whole_s", "stages_s", "ratio", "pass"}``.
+
+Usage: ``.venv/bin/python bench/hf_workers1.py [--part all|workers1|cutting] [--model
+all|gpt2|llama] [--steps 40] [--warmup 5] [--repeats 3] [--dropout 0.1]``
 """
 
 from __future__ import annotations
@@ -40,12 +56,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hetrain.models.hf import gpt2_model
+from hetrain.models.hf import gpt2_model, llama_model
 from hetrain.runtime.api import build_job
 from hetrain.runtime.data import HF_CONTEXT, GlobalBatchSampler, example_task, lm_loss
 from hetrain.runtime.worker_main import lr_multiplier, run_worker
 
 TARGET = 0.95
+CUTTING_TARGET = 1.10
 
 
 def _clocks() -> np.ndarray:
@@ -128,56 +145,149 @@ def side_by_side(task, steps: int, warmup: int, folder: str) -> tuple[np.ndarray
     return n / np.sum(source.plain[window], axis=0), n / np.sum(source.hetrain[window], axis=0)
 
 
+def cutting_cost(repeats: int, dropout: float) -> tuple[float, float, float]:
+    """Median over ``repeats`` of ``(whole_s, stages_s, stages_s / whole_s)``: the compute time
+    of one global batch of Llama tiny through the whole model and through its 4 stages
+    (module docstring)."""
+    from torch.utils._pytree import tree_flatten
+
+    from hetrain.runtime.cutting import cut_module
+
+    task = example_task("gpt2", "tiny")
+    torch.manual_seed(0)
+    model = llama_model("tiny", dropout, HF_CONTEXT)
+    sampler = GlobalBatchSampler(len(task.train), 32, 0)
+    chain = cut_module(model, task.train.batch(sampler.indices(0))[0][:2])
+    cuts = [0, 2, 3, 4, chain.num_layers]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def whole(x, y) -> float:
+        t0 = time.perf_counter()
+        lm_loss(chain.stage_forward(0, chain.num_layers, None, x), y).backward()
+        return time.perf_counter() - t0
+
+    def staged(x, y) -> float:
+        spent = 0.0
+        saved = []
+        sent = None
+        for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+            got = None
+            if sent is not None:
+                got = tuple(t.detach().requires_grad_(t.requires_grad) for t in sent)
+            t0 = time.perf_counter()
+            out = chain.stage_forward(s, e, got, x)
+            if e == chain.num_layers:
+                out = lm_loss(out, y)
+            spent += time.perf_counter() - t0
+            saved.append((got, out))
+            sent = out
+        grads = None
+        for got, out in reversed(saved):
+            t0 = time.perf_counter()
+            if grads is None:
+                out.backward()
+            else:
+                pairs = [(t, g) for t, g in zip(tree_flatten(out)[0], grads, strict=True)]
+                pairs = [(t, g) for t, g in pairs if t.requires_grad and g is not None]
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            spent += time.perf_counter() - t0
+            grads = None if got is None else [t.grad for t in got]
+        return spent
+
+    rows = []
+    for r in range(repeats + 1):  # the first repeat warms up
+        x, y = task.train.batch(sampler.indices(r))
+        times = np.zeros(2)
+        for k in range(4):
+            mb = slice(8 * k, 8 * (k + 1))
+            for p in params:
+                p.grad = None
+            times[0] += whole(x[mb], y[mb])
+            for p in params:
+                p.grad = None
+            times[1] += staged(x[mb], y[mb])
+        if r:
+            rows.append((times[0], times[1], times[1] / times[0]))
+    whole_s, stages_s, _ = np.median(rows, axis=0)
+    return float(whole_s), float(stages_s), float(np.median([row[2] for row in rows]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("all", "workers1", "cutting"), default="all")
+    ap.add_argument("--model", choices=("all", "gpt2", "llama"), default="all")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout (example: 0.1)")
+    ap.add_argument("--dropout", type=float, default=0.1, help="the models' dropout")
     args = ap.parse_args()
     if not 0 <= args.warmup < args.steps - 1:
         ap.error("--warmup: expected 0 <= warmup < steps - 1")
     torch.set_num_threads(1)
-    task = example_task("gpt2", "tiny")
-    if args.dropout != 0.1:
-        rate = args.dropout
-        task = dataclasses.replace(task, build_model=lambda: gpt2_model("tiny", rate, HF_CONTEXT))
-    runs = []
-    for r in range(args.repeats):
-        with tempfile.TemporaryDirectory() as folder:
-            runs.append(side_by_side(task, args.steps, args.warmup, folder))
-        (pw, pc), (hw, hc) = runs[-1]
+    builders = {"gpt2": gpt2_model, "llama": llama_model}
+    names = list(builders) if args.model == "all" else [args.model]
+    for name in names if args.part in ("all", "workers1") else []:
+        rate, builder = args.dropout, builders[name]
+        task = dataclasses.replace(
+            example_task("gpt2", "tiny"),
+            build_model=lambda builder=builder, rate=rate: builder("tiny", rate, HF_CONTEXT),
+        )
+        runs = []
+        for r in range(args.repeats):
+            with tempfile.TemporaryDirectory() as folder:
+                runs.append(side_by_side(task, args.steps, args.warmup, folder))
+            (pw, pc), (hw, hc) = runs[-1]
+            print(
+                f"{name} repeat {r}: plain {pw:.3f} it/s ({pc:.3f} per CPU s), "
+                f"hetrain {hw:.3f} it/s ({hc:.3f} per CPU s)"
+            )
+        p, pc = np.median([run[0] for run in runs], axis=0)
+        h, hc = np.median([run[1] for run in runs], axis=0)
+        # each repeat runs the two in lockstep: compare within a repeat, then the median
+        ratio, cpu_ratio = (float(x) for x in np.median([run[1] / run[0] for run in runs], axis=0))
+        load = os.getloadavg()[0]
+        verdict = "PASS" if ratio >= TARGET else "FAIL"
         print(
-            f"repeat {r}: plain {pw:.3f} it/s ({pc:.3f} per CPU s), "
-            f"hetrain {hw:.3f} it/s ({hc:.3f} per CPU s)"
+            f"{name} tiny (dropout {args.dropout}), batch {task.defaults['batch']}: plain "
+            f"{p:.3f} it/s, hetrain --workers 1 {h:.3f} it/s"
         )
-    p, pc = np.median([run[0] for run in runs], axis=0)
-    h, hc = np.median([run[1] for run in runs], axis=0)
-    # each repeat runs the two in lockstep: compare within a repeat, then take the median
-    ratio, cpu_ratio = (float(x) for x in np.median([run[1] / run[0] for run in runs], axis=0))
-    load = os.getloadavg()[0]
-    verdict = "PASS" if ratio >= TARGET else "FAIL"
-    print(
-        f"GPT-2 tiny (dropout {args.dropout}), batch {task.defaults['batch']}: plain {p:.3f} it/s, "
-        f"hetrain --workers 1 {h:.3f} it/s"
-    )
-    print(
-        f"ratio {ratio:.3f} (target >= {TARGET}): {verdict}; CPU-time ratio {cpu_ratio:.3f}; "
-        f"load {load:.1f}"
-    )
-    print(
-        json.dumps(
-            {
-                "plain_it_s": float(p),
-                "hetrain_it_s": float(h),
-                "ratio": ratio,
-                "cpu_ratio": cpu_ratio,
-                "dropout": args.dropout,
-                "load": load,
-                "pass": ratio >= TARGET,
-            }
+        print(
+            f"ratio {ratio:.3f} (target >= {TARGET}): {verdict}; CPU-time ratio "
+            f"{cpu_ratio:.3f}; load {load:.1f}"
         )
-    )
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "plain_it_s": float(p),
+                    "hetrain_it_s": float(h),
+                    "ratio": ratio,
+                    "cpu_ratio": cpu_ratio,
+                    "dropout": args.dropout,
+                    "load": load,
+                    "pass": ratio >= TARGET,
+                }
+            )
+        )
+    if args.part in ("all", "cutting"):
+        whole_s, stages_s, ratio = cutting_cost(args.repeats, args.dropout)
+        verdict = "PASS" if ratio <= CUTTING_TARGET else "FAIL"
+        print(
+            f"llama tiny, 4-stage pipeline, batch 32 in micro-batches of 8: whole model "
+            f"{1e3 * whole_s:.1f} ms, sum over the 4 stages {1e3 * stages_s:.1f} ms; ratio "
+            f"{ratio:.3f} (target <= {CUTTING_TARGET}): {verdict}; load {os.getloadavg()[0]:.1f}"
+        )
+        print(
+            json.dumps(
+                {
+                    "model": "llama-cutting",
+                    "whole_s": whole_s,
+                    "stages_s": stages_s,
+                    "ratio": ratio,
+                    "pass": ratio <= CUTTING_TARGET,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

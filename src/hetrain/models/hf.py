@@ -113,3 +113,38 @@ def resnet_model(size: str = "tiny") -> nn.Module:
     from transformers import ResNetForImageClassification
 
     return ResNetForImageClassification(resnet_config(size))
+
+
+def llama_config(size: str = "tiny", dropout: float = 0.1, context: int = 64) -> Any:
+    """``LlamaConfig`` of ``size``: rotary position embeddings, grouped-query attention (half
+    as many key/value heads as query heads), RMSNorm, SwiGLU; ``tiny``/``small`` read bytes
+    (vocabulary 256), ``base`` is Llama-2 7B's shape (32 layers, 4096 wide, 32 heads,
+    feed-forward 11008, vocabulary 32000, context 4096). ``use_cache=False``; the head is not
+    tied (as Llama's)."""
+    from transformers import LlamaConfig
+
+    shape = {
+        "tiny": {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4},
+        "small": {"num_hidden_layers": 6, "hidden_size": 192, "num_attention_heads": 6},
+        "base": {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32},
+    }[_size(size)]
+    heads = shape["num_attention_heads"]
+    return LlamaConfig(
+        **shape,
+        num_key_value_heads=heads if size == "base" else heads // 2,
+        intermediate_size=11008 if size == "base" else 4 * shape["hidden_size"],
+        vocab_size=32000 if size == "base" else BYTE_VOCAB,
+        max_position_embeddings=4096 if size == "base" else context,
+        attention_dropout=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
+
+
+def llama_model(size: str = "tiny", dropout: float = 0.1, context: int = 64) -> nn.Module:
+    """``LlamaForCausalLM`` with random weights."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(size, dropout, context))

@@ -129,8 +129,9 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
 
     Returns:
         A validated :class:`~hetrain.profile.ModelProfile`: FLOPs and bytes per sample;
-        ``activation_bytes`` counts every tensor crossing the boundary after the layer (masks
-        and position ids included); ``param_bytes`` the layer's own trainable parameters,
+        ``activation_bytes`` counts every tensor crossing the boundary after the layer (hidden
+        states, rotary tables, an encoder's output; not the masks and position ids every stage
+        rebuilds from the inputs); ``param_bytes`` the layer's own trainable parameters,
         ``frozen_param_bytes`` its own parameters without gradient; ``overhead_weight`` its
         ATen operator count over the mean (:func:`overhead_weights`); a tensor used by two or
         more layers (tied weights) is listed once in ``shared`` (docs/model.md §2) and in no

@@ -15,17 +15,29 @@ and every micro-batch size keep working):
   last layer is the *suffix* (what runs after the last block).
 
 How a stage ``[s, e)`` of a :class:`ModuleCut` runs: the model's own ``forward`` is called on
-the micro-batch's inputs; what belongs to layers before ``s`` runs on the ``meta`` device (a
-``TorchDispatchMode`` turns every tensor into a shape-only meta tensor, so no weights and no
-compute are needed, and Python control flow still sees the real shapes); at the call of block
-``s - 1`` the tensors of its arguments are replaced by the ones received from the previous stage
-and the forward continues for real; at the call of the block that starts layer ``e`` the tensors
-of its arguments are captured (they are what crosses the stage boundary: hidden states,
-attention masks, position ids, ...) and the forward is stopped. A tensor computed before the
-stage that is not an argument of the boundary block cannot be rebuilt; such a model "cannot be
-captured" at that cut and :class:`CaptureError` names the op (name other cut points with
-``layers=``). This is a home-made but small alternative to ``torch.export`` (which copies no
-weights but bakes ``train()``/``eval()`` and the randomness into the graph); it is not
+the micro-batch's inputs and computes, with real tensors, only the stage's layers:
+
+* the blocks before the stage are skipped: their ``forward`` is swapped, for the call, for a
+  stand-in that returns the tensors received from the previous stage for the outputs the stage
+  uses, and meta look-alikes (shapes only) for the others;
+* the code outside the blocks is followed call by call by a ``TorchFunctionMode`` (:class:`_Track`):
+  before the stage, a call on the micro-batch's inputs alone (or on tensors made from them, or
+  on received tensors) runs for real (masks, position ids, Python checks of their values), a
+  call that reads a weight, a buffer or an earlier layer's result runs on meta copies; from the
+  stage's first layer on, everything runs for real, each received tensor in place of its
+  stand-in;
+* the stage stops at the call of the block that starts layer ``e`` and returns the tensors that
+  cross that boundary.
+
+Which tensors cross each boundary is recorded once, on the example inputs: every tensor made
+outside the blocks (named by the module call that made it: robust to how a module computes
+it, e.g. plan-invariant dropout) or returned by a block, made before the boundary and used at
+or after it, except those computed from the inputs alone (every stage rebuilds them). A forward
+that reads values computed from weights outside the blocks before a later cut (``if h.sum() >
+0``), or uses a block's side output (a tensor it does not return) elsewhere, "cannot be cut"
+there: :class:`CaptureError` names it (name other cut points with ``layers=``). This is a
+home-made but small alternative to ``torch.export`` (which copies no weights but bakes
+``train()``/``eval()`` and the randomness into the graph); it is not
 ``torch.distributed.pipelining.pipeline()``, which copies tied weights into separate stages and
 fixes the micro-batch size.
 
@@ -36,12 +48,14 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -170,102 +184,337 @@ class SequentialChain(Chain):
         return x
 
 
+class _Uncalled(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+
 class _Stop(BaseException):  # noqa: N818 - control flow, not an error
     def __init__(self, value: Any) -> None:
         self.value = value
 
 
+#: functions that write their first argument in place (``Tensor.add_``, ``x[i] = v``)
+_IN_PLACE_DUNDERS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+    }
+)
+#: functions that read a tensor's metadata only (shape, dtype, device), never its values
+_METADATA_READS = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "ndimension",
+        "stride",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "get_device",
+        "__len__",
+    }
+)
+
+#: a boundary tensor's key: (phase, module name, depth-0 call number of that module in the
+#: phase, ordinal of the producing call in that module call or -1 for the module's own output,
+#: leaf index or "w" for a tensor written in place)
+Key = tuple
+
+
+def _func_name(func: Any) -> str:
+    return getattr(func, "__name__", "")
+
+
+def _mutates(func: Any) -> bool:
+    name = _func_name(func)
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+
+
 @dataclass
 class _Run:
+    """One forward of a :class:`ModuleCut`: the recording pass (``record``) or one stage
+    ``[start, end)`` of one micro-batch."""
+
     start: int
     end: int
-    x: Any
-    meta: bool
-    real_of: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    meta_of: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    grad_enabled: bool
-    device: torch.device = torch.device("cpu")
-    # the model lives on the meta device (a shape-only profile): the outputs of the replay
-    # before the stage, by id (the only meta tensors a stage may not use)
-    replayed: dict[int, torch.Tensor] | None = None
+    record: bool
+    received: dict[Key, torch.Tensor]
+    device: torch.device
+    phase: int = 0
+    depth: int = 0  # > 0 inside a cut-point block
+    block: int = -1  # the cut-point block being run (depth > 0)
+    quiet: bool = False  # a skipped block's stand-in is building its outputs
+    suspended: Any = None  # the tracking mode, popped while a closed block runs for real
+    frames: list[tuple[str, int, int, int]] = field(default_factory=list)  # name, call,
+    # phase and serial at the call
+    serial: int = 0  # keys given so far
+    serial_of: dict[int, int] = field(default_factory=dict)
+    calls: dict[tuple[int, str], int] = field(default_factory=dict)
+    ords: dict[tuple[int, str, int, bool], int] = field(default_factory=dict)
+    key_of: dict[int, Key] = field(default_factory=dict)
+    obj_of: dict[Key, torch.Tensor] = field(default_factory=dict)
+    valid: set[Key] = field(default_factory=set)  # keys holding real values
+    meta_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    block_args: set[int] = field(default_factory=set)
+    inner: dict[int, tuple[Any, int]] = field(default_factory=dict)  # record: id -> (ref, block)
 
 
-class _MetaMode(TorchDispatchMode):
-    """While ``run.meta``: every op runs on meta copies of its tensors (shapes only). Else: ops
-    run for real; a meta argument is replaced by the real tensor received for it, if any."""
+class _Track(TorchFunctionMode):
+    """Follows every tensor made outside the cut-point blocks (a key per tensor) and runs a
+    stage: before the stage, calls that read weights, buffers or earlier blocks' results run
+    on meta copies (shapes only) and calls on the micro-batch's inputs alone run for real;
+    from the stage's first layer on, everything runs for real, with the tensors received from
+    the previous stage in place of the meta ones (see :class:`ModuleCut`)."""
 
     def __init__(self, cut: ModuleCut, run: _Run) -> None:
         super().__init__()
         self.cut = cut
         self.run = run
 
-    def _to_meta(self, t: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------------- helpers
+    def rebuildable(self, t: torch.Tensor) -> bool:
+        """True for a tensor every rank computes from the micro-batch's inputs alone."""
+        k = self.run.key_of.get(id(t))
+        if k is not None:
+            return isinstance(k[3], tuple) or self.cut._rebuild.get(k, False)
+        if id(t) in self.cut._name_of:
+            return False
+        if self.run.record:
+            return self._inner_block(t) is None
+        return t.device.type != "meta" or self.cut._meta_model
+
+    def _inner_block(self, t: torch.Tensor) -> int | None:
+        hit = self.run.inner.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[1]
+
+    def to_meta(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "meta":
             return t
         hit = self.run.meta_of.get(id(t))
         if hit is None:
-            with _disable_current_modes():  # a meta copy, whatever an outer mode does
+            with _disable_current_modes():
                 m = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
             hit = self.run.meta_of[id(t)] = (t, m)
         return hit[1]
 
-    def _to_real(self, func: Any, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            return t
-        hit = self.run.real_of.get(id(t))
-        if hit is None and self.run.replayed is not None and id(t) not in self.run.replayed:
-            return t  # a meta model's tensor, or computed from one within the stage
-        if hit is None or t.requires_grad:
+    def assign(self, t: torch.Tensor, key: Key, real: bool, rebuild: bool) -> None:
+        run = self.run
+        run.serial += 1
+        run.serial_of[id(t)] = run.serial
+        run.key_of[id(t)] = key
+        run.obj_of[key] = t
+        if run.record:
+            self.cut._rebuild[key] = rebuild
+            self.cut._produced.setdefault(key, run.phase)
+            run.inner.pop(id(t), None)
+        elif real:
+            run.valid.add(key)
+
+    def is_real(self, t: torch.Tensor) -> bool:
+        k = self.run.key_of.get(id(t))
+        if k is not None:
+            return k in self.run.valid or k in self.run.received
+        return t.device.type != "meta" or self.cut._meta_model
+
+    def substitute(self, obj: Any, check: str | None) -> Any:
+        """``obj`` with every tensor received from the previous stage in place of its local
+        stand-in; ``check`` (a function name): raise when a tensor computed before the stage
+        and not received is used."""
+        run = self.run
+        flat, spec = tree_flatten(obj)
+        changed = False
+        for k, a in enumerate(flat):
+            if not isinstance(a, torch.Tensor):
+                continue
+            key = run.key_of.get(id(a))
+            if key is None:
+                continue
+            got = run.received.get(key)
+            if got is not None:
+                flat[k] = got
+                changed = True
+            elif check is not None and key not in run.valid:
+                raise CaptureError(
+                    self.cut.source,
+                    "layers",
+                    f"cannot run {check} in stage {run.start}-{run.end - 1}: it uses a tensor "
+                    f"computed before the stage that was not sent to it ({key[1] or 'model'}); "
+                    "name other cut points with layers=[...]",
+                )
+        return tree_unflatten(flat, spec) if changed else obj
+
+    def _received_or_valid(self, a: torch.Tensor, name: str) -> torch.Tensor:
+        run = self.run
+        key = run.key_of[id(a)]
+        got = run.received.get(key)
+        if got is not None:
+            return got
+        if key not in run.valid:
             raise CaptureError(
                 self.cut.source,
                 "layers",
-                f"cannot capture {func} in stage {self.run.start}-{self.run.end - 1}: it uses a "
-                "tensor computed before the stage that is not an argument of the first block of "
-                "the stage; name other cut points with layers=[...]",
+                f"cannot run {name} in stage {run.start}-{run.end - 1}: it uses a tensor "
+                f"computed before the stage that was not sent to it ({key[1] or 'model'}); "
+                "name other cut points with layers=[...]",
             )
-        return hit[1]
+        return a
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def key_outputs(self, func: Any, first: Any, out: Any, real: bool, rebuild: bool) -> None:
+        run = self.run
+        name, call = run.frames[-1][:2] if run.frames else ("", 0)
+        frame = (run.phase, name, call)
+        outs = leaves(out)
+        written = (
+            first
+            if _mutates(func)
+            and isinstance(first, torch.Tensor)
+            and not any(first is t for t in outs)
+            else None
+        )
+        if not outs and written is None:
+            return
+        # results made from the inputs alone are numbered apart ("r", n): every stage rebuilds
+        # them and their count may depend on the micro-batch (HF's mask code branches on the
+        # batch size), the numbers of the others may not
+        counter = (*frame, rebuild)
+        o = run.ords.get(counter, 0)
+        run.ords[counter] = o + 1
+        ordinal: Any = ("r", o) if rebuild else o
+        for j, t in enumerate(outs):
+            self.assign(t, (*frame, ordinal, j), real, rebuild)
+        if written is not None:
+            self.assign(written, (*frame, ordinal, "w"), real, rebuild)
+
+    # ------------------------------------------------------------------------- events
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
-        if (
-            self.run.meta
-            and isinstance(kwargs.get("device"), torch.device)
-            and kwargs["device"].type == "meta"
-            and not any(isinstance(a, torch.Tensor) for a in flat)
-        ):
-            # a factory (arange, ones) placed on the device of a meta tensor: make it real
-            kwargs = {**kwargs, "device": self.run.device}
+        run = self.run
+        name = _func_name(func)
+        if run.quiet or name in _METADATA_READS:
             return func(*args, **kwargs)
-        if self.run.meta and any(
-            isinstance(a, torch.Tensor) and (a.device.type == "meta" or id(a) in self.cut._name_of)
-            for a in flat
-        ):
-            # an op on weights or on what came from them: shapes only. Ops on the inputs alone
-            # (masks, position ids) run for real, so Python checks of their values still work.
-            flat = [self._to_meta(a) if isinstance(a, torch.Tensor) else a for a in flat]
-            args, kwargs = tree_unflatten(flat, spec)
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        first = flat[0] if flat else None
+        if run.record:
+            return self._record_event(func, name, args, kwargs, tensors, first)
+        before = run.phase < run.start and run.depth == 0
+        if before and not all(id(t) not in self.cut._name_of and self.is_real(t) for t in tensors):
+            # before the stage, on weights or results of earlier layers: shapes only
+            flat = [
+                self.to_meta(a)
+                if isinstance(a, torch.Tensor)
+                else _META
+                if isinstance(a, torch.device)
+                else a
+                for a in flat
+            ]
+            margs, mkwargs = tree_unflatten(flat, spec)
             try:
-                # outer modes (a FLOP counter) must not see this shape-only replay
-                with _disable_current_modes():
-                    out = func(*args, **kwargs)
-                if self.run.replayed is not None:
-                    self.run.replayed.update((id(t), t) for t in leaves(out))
-                return out
-            except CaptureError:
-                raise
+                with torch.no_grad(), _disable_current_modes():
+                    out = func(*margs, **mkwargs)
             except Exception as exc:
                 raise CaptureError(
                     self.cut.source,
                     "layers",
-                    f"cannot capture {func} before stage {self.run.start}-{self.run.end - 1} "
-                    f"(it needs tensor values: {str(exc).splitlines()[0][:120]}); name other cut "
-                    "points with layers=[...]",
+                    f"cannot run {name} before stage {run.start}-{run.end - 1} without tensor "
+                    f"values ({str(exc).splitlines()[0][:120]}); name other cut points with "
+                    "layers=[...]",
                 ) from None
-        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
-            flat = [self._to_real(func, a) if isinstance(a, torch.Tensor) else a for a in flat]
+            if run.depth == 0:
+                self.key_outputs(func, first, out, real=False, rebuild=False)
+            return out
+        changed = False
+        if not before:
+            for k, a in enumerate(flat):
+                if isinstance(a, torch.Tensor) and id(a) in run.key_of:
+                    flat[k] = self._received_or_valid(a, name)
+                    changed |= flat[k] is not a
+        if any(isinstance(a, torch.device) and a.type == "meta" for a in flat) and not any(
+            isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat
+        ):
+            # real tensors (or none) placed on a meta tensor's device: the stage's device
+            flat = [_stage_device(a, run.device) for a in flat]
+            changed = True
+        if changed:
             args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if run.depth == 0:
+            rebuild = all(self.rebuildable(t) for t in tensors)
+            self.key_outputs(func, first, out, real=True, rebuild=rebuild)
+        return out
+
+    def _record_event(self, func, name, args, kwargs, tensors, first):  # noqa: ANN001, ANN202
+        run = self.run
+        cut = self.cut
+        for t in tensors:
+            k = run.key_of.get(id(t))
+            if k is not None:
+                cut._last_use[k] = max(cut._last_use.get(k, -1), run.phase)
+                if run.depth > 0 and id(t) not in run.block_args:
+                    cut._closed = False  # a block reads an outside tensor, not via its args
+                continue
+            inner = self._inner_block(t)
+            if inner is not None and (run.depth == 0 or inner != run.block):
+                raise CaptureError(
+                    cut.source,
+                    "layers",
+                    f"{name} uses a tensor that block {cut.block_names[inner]} computed but "
+                    "did not return (a side output of a block cannot cross a stage); name "
+                    "other cut points with layers=[...]",
+                )
+        rebuild = all(self.rebuildable(t) for t in tensors)
+        out = func(*args, **kwargs)
+        if (
+            run.depth == 0
+            and not rebuild
+            and not leaves(out)
+            and not _mutates(func)  # x[i] = v writes, it does not read
+            and run.phase < cut.num_layers - 1
+        ):
+            # Python reads values that a stage starting later has only as shapes
+            raise CaptureError(
+                cut.source,
+                "layers",
+                f"cannot cut after layer {run.phase} ({cut.layer_names[run.phase]}): the "
+                f"forward reads tensor values there ({name}) computed from weights, which a "
+                "later stage does not compute; name other cut points with layers=[...]",
+            )
+        if run.depth == 0:
+            self.key_outputs(func, first, out, real=True, rebuild=rebuild)
+        else:
+            for t in leaves(out):
+                if run.key_of.get(id(t)) is None:
+                    run.inner[id(t)] = (weakref.ref(t), run.block)
+        return out
+
+
+@dataclass
+class _BlockRecord:
+    """What a block returned in the recording pass (a skipped block returns look-alikes)."""
+
+    spec: Any
+    flat: list[Any]  # non-tensor leaves as returned; None where a tensor was
+    tensors: list[tuple[tuple[int, ...], torch.dtype, int | None]]  # shape, dtype, same-shape arg
+    batch: int | None  # dim 0 of the block's first tensor argument
 
 
 def _call_inputs(module: nn.Module, inputs: Any) -> Any:
@@ -324,14 +573,16 @@ class ModuleCut(Chain):
         module: the model; ``module(inputs)`` (a tensor), ``module(*inputs)`` (tuple) or
             ``module(**inputs)`` (dict) is its forward.
         example_inputs: a small batch of model inputs (2+ samples) used to record which
-            tensors each layer uses and the order of the blocks.
+            tensors each layer uses, the order of the blocks and which tensors cross each
+            boundary.
         blocks: module names of the cut points (default :func:`default_blocks`).
         source: where the model came from (error messages).
 
     Raises:
         InputError: a cut point that names no module (near names listed), no blocks found,
             or blocks not called exactly once each per forward.
-        CaptureError: the forward cannot be recorded.
+        CaptureError: the forward cannot be recorded, or a block's side output (a tensor it
+            computes but does not return) is used outside it.
     """
 
     def __init__(
@@ -345,6 +596,7 @@ class ModuleCut(Chain):
         self.module = module
         self.source = source
         mods = dict(module.named_modules())
+        default = blocks is None
         if blocks is None:
             blocks = default_blocks(module)
             if not blocks:
@@ -362,14 +614,30 @@ class ModuleCut(Chain):
         self._index_tensors()
         self._meta_model = any(t.device.type == "meta" for t in self.tensors.values())
         self.blocks = [mods[b] for b in blocks]
-        self._record(list(blocks), example_inputs)
+        try:
+            self._record(list(blocks), example_inputs, default=default)
+        except _Uncalled as called:
+            blocks = called.names
+            self.blocks = [mods[b] for b in blocks]
+            self._record(list(blocks), example_inputs)
+        self._mod_names = {id(m): n for n, m in mods.items()}
+        self._mods_by_name = mods
+        # buffers and tensors kept as plain module attributes: a forward that re-assigns one
+        # (CTRL moves its position table, on meta copies before a stage) is undone after each
+        # stage, so the model keeps the tensors the chain indexes
+        self._plain_attrs = [
+            (m, n) for m in mods.values() for n, v in vars(m).items() if isinstance(v, torch.Tensor)
+        ] + [(m, n) for m in mods.values() for n in m._buffers]
+        self._block_ids = {id(b) for b in self.blocks}
         self._run: _Run | None = None
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True)
             block.register_forward_hook(self._post_hook(i))
+        self._record_boundaries(example_inputs)
 
     # ---------------------------------------------------------------------------- recording
-    def _record(self, names: list[str], example_inputs: Any) -> None:
+    def _record(self, names: list[str], example_inputs: Any, default: bool = False) -> None:
+        """Order of the blocks, and the tensors (parameters, buffers) each layer uses."""
         order: list[int] = []
         by_id = {id(b): i for i, b in enumerate(self.blocks)}
         phase = [0]
@@ -405,7 +673,10 @@ class ModuleCut(Chain):
         mod_phase: dict[int, set[int]] = {}
 
         def any_pre(mod, args):  # noqa: ANN001
-            mod_phase.setdefault(id(mod), set()).add(phase[0])
+            # a block's own call belongs to its layer (the global hook runs before ``pre``)
+            i = by_id.get(id(mod))
+            p = len(order) + 1 if i is not None and depth[0] == 0 else phase[0]
+            mod_phase.setdefault(id(mod), set()).add(p)
 
         for b in self.blocks:
             module_hooks.append(b.register_forward_pre_hook(pre))
@@ -427,6 +698,10 @@ class ModuleCut(Chain):
         if sorted(order) != list(range(n)):
             twice = sorted({names[i] for i in order if order.count(i) > 1})
             missing = [names[i] for i in range(n) if i not in order]
+            if default and order and not twice:
+                # default cut points the forward never calls (a vision tower of a model fed
+                # text only) are not cut points
+                raise _Uncalled([names[i] for i in sorted(set(order))])
             raise InputError(
                 self.source,
                 "layers",
@@ -451,12 +726,15 @@ class ModuleCut(Chain):
         layer_sets: list[set[str]] = [set() for _ in range(num_layers)]
         for p, names_used in used.items():
             layer_sets[p] |= names_used
-        # tensors of modules called in a phase (buffers read without an op, unused params)
+        seen = set().union(*layer_sets)
+        # tensors no op reads (buffers read without an op, unused parameters): the layers
+        # that call their module
         for mod in self.module.modules():
             for p in mod_phase.get(id(mod), ()):
                 for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
-                    if id(t) in self._name_of:
-                        layer_sets[p].add(self._name_of[id(t)])
+                    name = self._name_of.get(id(t))
+                    if name is not None and name not in seen:
+                        layer_sets[p].add(name)
         # never-used tensors: the layer of their block (or the prefix)
         seen = set().union(*layer_sets)
         for name in self.tensors:
@@ -473,6 +751,51 @@ class ModuleCut(Chain):
             for p in mod_phase.get(id(mod), ()):
                 self._layer_module_names[p].append(mname)
 
+    def _record_boundaries(self, example_inputs: Any) -> None:
+        """Which tensors each boundary carries: every tensor made outside the blocks (or
+        returned by a block) before the boundary and used at or after it, except those
+        computed from the micro-batch's inputs alone (every stage rebuilds them)."""
+        self._rebuild: dict[Key, bool] = {}
+        self._produced: dict[Key, int] = {}
+        self._last_use: dict[Key, int] = {}
+        self._closed = True
+        self._module_calls: dict[str, int] = {}
+        self._module_outs: dict[tuple[int, str, int], _BlockRecord] = {}
+        self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
+        run = _Run(
+            start=0,
+            end=self.num_layers,
+            record=True,
+            received={},
+            device=_device_of(example_inputs),
+        )
+        try:
+            with torch.no_grad():
+                out = self._forward(run, example_inputs)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise CaptureError(
+                self.source, "forward", f"the model's forward failed: {type(exc).__name__}: {exc}"
+            ) from None
+        for t in leaves(out):  # the model's outputs are used at its end
+            k = run.key_of.get(id(t))
+            if k is not None:
+                self._last_use[k] = self.num_layers
+        self._live: list[list[Key]] = [
+            [
+                k
+                for k, p in self._produced.items()
+                if not self._rebuild[k] and p < b <= self._last_use.get(k, -1)
+            ]
+            for b in range(self.num_layers + 1)
+        ]
+
+    def boundary_keys(self, boundary: int) -> list[Key]:
+        """The tensors that cross the boundary before layer ``boundary`` (``1 <= boundary <
+        num_layers``), in the order a stage sends them."""
+        return list(self._live[boundary])
+
     def layer_modules(self, layer: int) -> list[nn.Module]:
         mods = dict(self.module.named_modules())
         if 1 <= layer <= len(self.blocks):
@@ -483,27 +806,22 @@ class ModuleCut(Chain):
     def _pre_hook(self, i: int) -> Callable:
         def hook(mod, args, kwargs):  # noqa: ANN001
             run = self._run
-            if run is None:
+            if run is None or run.depth > 0:
                 return None
             phase = i + 1
-            if phase == run.end:
-                raise _Stop(leaves((args, kwargs)))
-            if phase == run.start:
-                args, kwargs = self._inject((args, kwargs), run.x, run)
-                run.meta = False
-                torch.set_grad_enabled(run.grad_enabled)
-                return args, kwargs
-            if not run.meta:
-                flat, spec = tree_flatten((args, kwargs))
-                if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat):
-                    flat = [
-                        run.real_of[id(a)][1]
-                        if isinstance(a, torch.Tensor) and id(a) in run.real_of
-                        else a
-                        for a in flat
-                    ]
-                    return tree_unflatten(flat, spec)
-            return None
+            if not run.record and phase == run.end:
+                raise _Stop(self._boundary(run, phase))
+            run.phase, run.depth, run.block = phase, 1, i
+            if run.record:
+                run.block_args = {id(t) for t in leaves((args, kwargs))}
+                return None
+            if phase < run.start:
+                return None  # skipped: its stand-in answers
+            mode = _MODES.get(id(run))
+            args, kwargs = mode.substitute((args, kwargs), None)
+            if self._closed and _top_function_mode() is mode:
+                run.suspended = torch._C._pop_torch_function_stack()
+            return args, kwargs
 
         return hook
 
@@ -512,75 +830,292 @@ class ModuleCut(Chain):
 
         def hook(mod, args, output):  # noqa: ANN001
             run = self._run
-            if run is None or not last:
+            if run is None or run.depth != 1 or run.block != i:
+                return None
+            if run.suspended is not None:
+                torch._C._push_on_torch_function_stack(run.suspended)
+                run.suspended = None
+            run.depth, run.block = 0, -1
+            mode = _MODES[id(run)]
+            real = run.record or i + 1 >= run.start
+            flat, spec = tree_flatten(output)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            for j, t in enumerate(tensors):
+                key = (i + 1, "", -1, -1, j)
+                mode.assign(t, key, real or key in run.received, rebuild=False)
+            if run.record:
+                arg_leaves = leaves((args,))
+                shapes = [tuple(a.shape) for a in arg_leaves]
+                self._block_records[i] = _BlockRecord(
+                    spec=spec,
+                    flat=[None if isinstance(a, torch.Tensor) else a for a in flat],
+                    tensors=[
+                        (
+                            tuple(t.shape),
+                            t.dtype,
+                            shapes.index(tuple(t.shape)) if tuple(t.shape) in shapes else None,
+                        )
+                        for t in tensors
+                    ],
+                    batch=shapes[0][0] if shapes and shapes[0] else None,
+                )
+            if not last:
                 return None
             suffix = len(self.blocks) + 1
+            run.phase = suffix
+            if run.record:
+                return None
             if run.end == suffix:
-                raise _Stop(leaves(output))
-            if run.start == suffix:
-                output = self._inject(output, run.x, run)
-                run.meta = False
-                torch.set_grad_enabled(run.grad_enabled)
-                return output
+                raise _Stop(self._boundary(run, suffix))
             return None
 
         return hook
 
-    def _inject(self, local: Any, received: Any, run: _Run) -> Any:
-        flat, spec = tree_flatten(local)
-        got = list(received) if isinstance(received, list | tuple) else [received]
-        slots = [k for k, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        if len(slots) != len(got):
-            raise CaptureError(
-                self.source,
-                "layers",
-                f"stage starting at layer {run.start} received {len(got)} tensors but the cut "
-                f"point takes {len(slots)}; the forward differs between stages",
-            )
-        for k, t in zip(slots, got, strict=True):
-            run.real_of[id(flat[k])] = (flat[k], t)
-            flat[k] = t
-        return tree_unflatten(flat, spec)
+    def _stand_in(self, i: int, run: _Run) -> Callable:
+        """The forward of skipped block ``i``: the received tensors for the outputs the
+        stage uses, meta look-alikes (shapes only) for the others; no compute."""
+        rec = self._block_records[i]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            run.quiet = True
+            try:
+                cur = leaves((args,)) or leaves(kwargs)
+                floats = [c.dtype for c in cur if c.is_floating_point()]
+                flat = list(rec.flat)
+                slots = [k for k, a in enumerate(flat) if a is None]
+                for j, (shape, dtype, match) in enumerate(rec.tensors):
+                    got = run.received.get((i + 1, "", -1, -1, j))
+                    if got is None:
+                        if match is not None and match < len(cur):
+                            shape = tuple(cur[match].shape)
+                        elif shape and rec.batch is not None and shape[0] == rec.batch and cur:
+                            shape = (cur[0].shape[0], *shape[1:])
+                        if dtype.is_floating_point and floats:
+                            dtype = floats[0]
+                        got = torch.empty(shape, dtype=dtype, device="meta")
+                    flat[slots[j]] = got
+                return tree_unflatten(flat, rec.spec)
+            finally:
+                run.quiet = False
+
+        return forward
+
+    def _boundary(self, run: _Run, boundary: int) -> tuple[torch.Tensor, ...]:
+        out = []
+        for key in self._live[boundary]:
+            t = run.received.get(key)
+            if t is None:
+                t = run.obj_of.get(key)
+                if t is None or key not in run.valid:
+                    raise CaptureError(
+                        self.source,
+                        "layers",
+                        f"stage {run.start}-{run.end - 1} cannot send a tensor of "
+                        f"{key[1] or 'the model'} that the next stage needs: the forward took "
+                        "another path than when it was recorded; name other cut points with "
+                        "layers=[...]",
+                    )
+            out.append(t)
+        return tuple(out)
+
+    def _forward(self, run: _Run, inputs: Any) -> Any:
+        """The model's forward under ``run`` (stand-ins for the skipped blocks, the tracking
+        mode, the module hooks that name each tensor's producer)."""
+        mode = _Track(self, run)
+        _MODES[id(run)] = mode
+        skipped = [] if run.record else self.blocks[: max(run.start - 1, 0)]
+        saved = [b.__dict__.get("forward") for b in skipped]
+        for i, b in enumerate(skipped):
+            b.forward = self._stand_in(i, run)
+        skipped_mods = [] if run.record else self._skippable_modules(run)
+        saved_mods = [m.__dict__.get("forward") for m, _ in skipped_mods]
+        for m, answers in skipped_mods:
+            m.forward = self._module_stand_in(run, m.forward, answers)
+        skipped += [m for m, _ in skipped_mods]
+        saved += saved_mods
+        hooks = [
+            nn.modules.module.register_module_forward_pre_hook(self._module_pre(run)),
+            nn.modules.module.register_module_forward_hook(self._module_post(run, mode)),
+        ]
+        self._run = run
+        attrs = [(m, n, getattr(m, n)) for m, n in self._plain_attrs]
+        try:
+            with mode:
+                try:
+                    return _call_inputs(self.module, inputs)
+                finally:
+                    if run.suspended is not None:
+                        torch._C._push_on_torch_function_stack(run.suspended)
+                        run.suspended = None
+        finally:
+            for m, n, v in attrs:
+                if getattr(m, n, None) is not v:
+                    setattr(m, n, v)
+            self._run = None
+            _MODES.pop(id(run), None)
+            for h in hooks:
+                h.remove()
+            for b, f in zip(skipped, saved, strict=True):
+                if f is None:
+                    del b.forward
+                else:
+                    b.forward = f
+
+    def _skippable_modules(self, run: _Run) -> list[tuple[nn.Module, dict]]:
+        """Modules outside the blocks, called once per forward before the stage, without
+        dropout, whose every output is received (rotary tables): they are not run at all."""
+        mods = self._mods_by_name
+        out: dict[str, dict] = {}
+        for (phase, name, c), rec in self._module_outs.items():
+            if phase >= run.start or self._module_calls.get(name) != 1 or name not in mods:
+                continue
+            keys = [(phase, name, c, -1, j) for j in range(len(rec.tensors))]
+            if not all(k in run.received for k in keys):
+                continue
+            if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mods[name].modules()):
+                continue
+            out.setdefault(name, {})[(phase, name, c)] = (rec, keys)
+        return [(mods[name], answers) for name, answers in out.items()]
+
+    @staticmethod
+    def _module_stand_in(run: _Run, forward: Callable, answers: dict) -> Callable:
+        def stand_in(*args: Any, **kwargs: Any) -> Any:
+            if run.depth == 0 and run.frames:
+                name, c = run.frames[-1][:2]
+                hit = answers.get((run.phase, name, c))
+                if hit is not None:
+                    rec, keys = hit
+                    flat = list(rec.flat)
+                    slots = [k for k, a in enumerate(flat) if a is None]
+                    for slot, key in zip(slots, keys, strict=True):
+                        flat[slot] = run.received[key]
+                    return tree_unflatten(flat, rec.spec)
+            return forward(*args, **kwargs)
+
+        return stand_in
+
+    def _module_pre(self, run: _Run) -> Callable:
+        def hook(mod, args):  # noqa: ANN001
+            if run.depth > 0 or id(mod) in self._block_ids:
+                return
+            name = self._mod_names.get(id(mod), type(mod).__name__)
+            c = run.calls.get((run.phase, name), 0)
+            run.calls[(run.phase, name)] = c + 1
+            run.frames.append((name, c, run.phase, run.serial))
+
+        return hook
+
+    def _module_post(self, run: _Run, mode: _Track) -> Callable:
+        def hook(mod, args, out):  # noqa: ANN001
+            if run.depth > 0 or id(mod) in self._block_ids or not run.frames:
+                return
+            name, c, phase, serial = run.frames.pop()
+            if phase != run.phase:
+                return  # a module around cut points (its outputs keep their names)
+            # what a module makes within one layer is named after the module (robust to how
+            # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
+            # keeps its name
+            flat, spec = tree_flatten(out)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            if run.record:
+                self._module_calls[name] = self._module_calls.get(name, 0) + 1
+                if tensors and all(
+                    run.serial_of.get(id(t), 0) > serial or id(t) not in run.key_of for t in tensors
+                ):
+                    self._module_outs[(phase, name, c)] = _BlockRecord(
+                        spec=spec,
+                        flat=[None if isinstance(a, torch.Tensor) else a for a in flat],
+                        tensors=[(tuple(t.shape), t.dtype, None) for t in tensors],
+                        batch=None,
+                    )
+            for j, t in enumerate(tensors):
+                if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
+                    continue
+                k = run.key_of.get(id(t))
+                real = mode.is_real(t)
+                rebuild = self._rebuild.get(k, False) if k is not None else mode.rebuildable(t)
+                mode.assign(t, (run.phase, name, c, -1, j), real, rebuild)
+
+        return hook
 
     def verify(self, example_inputs: Any) -> None:
-        """Run every layer as its own stage on ``example_inputs`` (no gradients) so that a cut
-        that cannot be captured fails here, before any process starts.
+        """Run every layer as its own stage on ``example_inputs`` and on their first sample
+        alone (no gradients; another micro-batch size than the recording's) so that a cut that
+        cannot be run fails here, before any process starts.
 
         Raises:
-            CaptureError: naming the op and the stage.
+            CaptureError: naming the stage and what failed.
         """
+        from torch.utils._pytree import tree_map_only
+
+        first = tree_map_only(torch.Tensor, lambda t: t[:1], example_inputs)
+        for inputs in (example_inputs, first):
+            self._verify(inputs)
+
+    def _verify(self, example_inputs: Any) -> None:
         with torch.no_grad():
             x = None
             for layer in range(self.num_layers):
-                x = self.stage_forward(layer, layer + 1, x, example_inputs)
+                try:
+                    x = self.stage_forward(layer, layer + 1, x, example_inputs)
+                except InputError:
+                    raise
+                except Exception as exc:
+                    raise CaptureError(
+                        self.source,
+                        "layers",
+                        f"layer {layer} ({self.layer_names[layer]}) cannot run as its own "
+                        f"stage: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; name "
+                        "other cut points with layers=[...]",
+                    ) from None
 
     def stage_forward(self, start: int, end: int, x: Any, inputs: Any) -> Any:
+        if start == 0 and end == self.num_layers:
+            return _call_inputs(self.module, inputs)
+        received: dict[Key, torch.Tensor] = {}
+        if start > 0:
+            got = list(x) if isinstance(x, list | tuple) else [x]
+            keys = self._live[start]
+            if len(got) != len(keys):
+                raise CaptureError(
+                    self.source,
+                    "layers",
+                    f"stage starting at layer {start} received {len(got)} tensors but the "
+                    f"boundary carries {len(keys)}; the forward differs between stages",
+                )
+            received = dict(zip(keys, got, strict=True))
         run = _Run(
             start=start,
             end=end,
-            x=x,
-            meta=start > 0,
-            real_of={},
-            meta_of={},
-            grad_enabled=torch.is_grad_enabled(),
-            device=next(iter(leaves(inputs)), torch.empty(0)).device,
-            replayed={} if self._meta_model else None,
+            record=False,
+            received=received,
+            device=_device_of(inputs),
         )
-        self._run = run
         try:
-            if start == 0:
-                return _call_inputs(self.module, inputs)
-            with torch.no_grad(), _MetaMode(self, run):
-                try:
-                    out = _call_inputs(self.module, inputs)
-                finally:
-                    torch.set_grad_enabled(run.grad_enabled)
-            return out
+            out = self._forward(run, inputs)
         except _Stop as stop:
-            return tuple(stop.value)
-        finally:
-            torch.set_grad_enabled(run.grad_enabled)
-            self._run = None
+            return stop.value
+        if start == 0:
+            return out
+        mode = _Track(self, run)
+        return mode.substitute(out, None)
+
+
+_MODES: dict[int, _Track] = {}
+_META = torch.device("meta")
+
+
+def _top_function_mode() -> Any:
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n else None
+
+
+def _stage_device(a: Any, device: torch.device) -> Any:
+    return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+
+def _device_of(inputs: Any) -> torch.device:
+    return next(iter(leaves(inputs)), torch.empty(0)).device
 
 
 def cut_module(
