@@ -297,3 +297,31 @@ def test_a_fork_waits_for_a_store_call_in_progress():
     os.waitpid(pid, 0)
     caller.join()
     assert seen == ["k"]
+
+
+def test_device_kinds_and_measured_times_reach_the_controller():
+    """The controller plans with the profile's measured per-layer times per device kind
+    (docs/model.md §3): the round's start carries the kinds, nominal speeds and times."""
+    import dataclasses
+
+    from hetrain.costmodel import evaluate_plan
+    from hetrain.profile import MeasuredTimes
+
+    init = _init()
+    ids = init["base_state"].ids
+    kinds = tuple("v100" if i % 2 else "a100" for i in range(len(ids)))
+    state = dataclasses.replace(init["base_state"], kinds=kinds)
+    n = init["profile"].num_layers
+    sizes = np.array([1.0, 4.0])
+    times = MeasuredTimes("v100", sizes, np.full((2, n), 2e-3) * [[1], [3]], np.full((2, n), 5e-3))
+    profile = dataclasses.replace(init["profile"], measured=(times,))
+    back = decode_init(encode_init({**init, "base_state": state, "profile": profile}))
+    assert back["base_state"].kinds == state.kinds
+    np.testing.assert_array_equal(back["base_state"].nominal_speed_flops, state.nominal_speed_flops)
+    (got,) = back["profile"].measured
+    assert got.kind == "v100"
+    np.testing.assert_array_equal(got.fwd_s, times.fwd_s)
+    np.testing.assert_array_equal(got.microbatch_sizes, sizes)
+    before = evaluate_plan(init["plan"], state, profile, init["config"]).iteration_time_s
+    after = evaluate_plan(init["plan"], back["base_state"], back["profile"], init["config"])
+    assert after.iteration_time_s == before

@@ -36,7 +36,7 @@ from hetrain.cluster import ClusterState
 from hetrain.costmodel import TrainingConfig
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
-from hetrain.profile import ProfileArrays, SharedTensor
+from hetrain.profile import MeasuredTimes, ProfileArrays, SharedTensor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 """Largest message accepted (bytes); a profile of 10^5 layers is about 10 MB."""
@@ -148,6 +148,8 @@ def state_to_json(state: ClusterState) -> dict[str, Any]:
         "intra_node_bytes_per_s": float(state.intra_node_bytes_per_s),
         "latency_s": float(state.latency_s),
         "layer_overhead_s": [float(v) for v in state.layer_overhead_s],
+        "kinds": list(state.kinds),
+        "nominal_speed_flops": [float(v) for v in state.nominal_speed_flops],
     }
 
 
@@ -175,8 +177,14 @@ def state_from_json(value: Any, what: str = "base_state") -> ClusterState:
             "layer_overhead_s",
         )
     }
+    kinds = _field(value, "kinds", what)
+    if not isinstance(kinds, list) or len(kinds) != n or not all(isinstance(k, str) for k in kinds):
+        raise WireError(f"{what}.kinds: expected {n} strings")
+    nominal = _array(_field(value, "nominal_speed_flops", what), n, f"{what}.nominal_speed_flops")
     return ClusterState(
         ids=tuple(ids),
+        kinds=tuple(kinds),
+        nominal_speed_flops=nominal,
         node=_array(_field(value, "node", what), n, f"{what}.node", int),
         available=_array(_field(value, "available", what), n, f"{what}.available", bool),
         intra_node_bytes_per_s=_float(
@@ -206,6 +214,15 @@ def profile_to_json(profile: ProfileArrays) -> dict[str, Any]:
     out["shared"] = [
         {"name": t.name, "bytes": float(t.bytes), "layers": list(t.layers), "frozen": t.frozen}
         for t in profile.shared
+    ]
+    out["measured"] = [
+        {
+            "kind": m.kind,
+            "microbatch_sizes": [float(v) for v in m.microbatch_sizes],
+            "fwd_s": np.asarray(m.fwd_s, dtype=float).tolist(),
+            "bwd_s": np.asarray(m.bwd_s, dtype=float).tolist(),
+        }
+        for m in profile.measured
     ]
     return out
 
@@ -248,7 +265,29 @@ def profile_from_json(value: Any, what: str = "profile") -> ProfileArrays:
                 frozen,
             )
         )
-    return ProfileArrays(names=tuple(names), shared=tuple(shared), **arrays)
+    measured_raw = _field(value, "measured", what)
+    if not isinstance(measured_raw, list):
+        raise WireError(f"{what}.measured: expected a list")
+    measured = []
+    for i, m in enumerate(measured_raw):
+        w = f"{what}.measured[{i}]"
+        if not isinstance(m, dict):
+            raise WireError(f"{w}: expected an object")
+        sizes_raw = _field(m, "microbatch_sizes", w)
+        if not isinstance(sizes_raw, list) or not sizes_raw:
+            raise WireError(f"{w}.microbatch_sizes: expected a non-empty list")
+        sizes = _array(sizes_raw, len(sizes_raw), f"{w}.microbatch_sizes")
+        rows = {}
+        for key in ("fwd_s", "bwd_s"):
+            raw = _field(m, key, w)
+            if not isinstance(raw, list) or len(raw) != len(sizes):
+                raise WireError(f"{w}.{key}: expected one row per micro-batch size")
+            rows[key] = np.stack([_array(r, n, f"{w}.{key}") for r in raw])
+        kind = _str(_field(m, "kind", w), f"{w}.kind")
+        measured.append(MeasuredTimes(kind, sizes, rows["fwd_s"], rows["bwd_s"]))
+    return ProfileArrays(
+        names=tuple(names), shared=tuple(shared), measured=tuple(measured), **arrays
+    )
 
 
 def config_to_json(config: TrainingConfig) -> dict[str, Any]:
