@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.control.decision import state_to_dict
 from hetrain.costmodel import TrainingConfig
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
@@ -134,23 +135,9 @@ def _plan(value: Any, what: str) -> Plan:
 
 
 def state_to_json(state: ClusterState) -> dict[str, Any]:
-    """A :class:`ClusterState` as JSON data (arrays as lists)."""
-    return {
-        "ids": list(state.ids),
-        "node": [int(v) for v in state.node],
-        "speed_flops": [float(v) for v in state.speed_flops],
-        "memory_bytes": [float(v) for v in state.memory_bytes],
-        "nic_bytes_per_s": [float(v) for v in state.nic_bytes_per_s],
-        "power_w": [float(v) for v in state.power_w],
-        "price_per_s": [float(v) for v in state.price_per_s],
-        "kappa_s": [float(v) for v in state.kappa_s],
-        "available": [bool(v) for v in state.available],
-        "intra_node_bytes_per_s": float(state.intra_node_bytes_per_s),
-        "latency_s": float(state.latency_s),
-        "layer_overhead_s": [float(v) for v in state.layer_overhead_s],
-        "kinds": list(state.kinds),
-        "nominal_speed_flops": [float(v) for v in state.nominal_speed_flops],
-    }
+    """A :class:`ClusterState` as JSON data (arrays as lists; the controller's own encoding,
+    :func:`hetrain.control.decision.state_to_dict`)."""
+    return state_to_dict(state)
 
 
 def state_from_json(value: Any, what: str = "base_state") -> ClusterState:
