@@ -790,7 +790,9 @@ class Worker:
                     grad_sync.disarm()  # no stale hooks if the step fails
                     raise
         p2p.wait_sends()
-        got_grad = self._local_grad_flags()  # before the sync fills zeros
+        # which tensors got a gradient here, read before the sync fills zeros; under pure data
+        # parallelism the last bucket carries them (:meth:`_carried_sums`)
+        got_grad = None if self._sums_in_gradients else self._local_grad_flags()
         self._step_sums = (loss_part, count_part, sum_mode)
         sync_time_s, sync_bytes = grad_sync.finish()
         self._sync_norm_stats(group is not None and group.active)
@@ -803,6 +805,8 @@ class Worker:
             local_sq = values[1] = self._local_sqnorm()
         else:
             local_sq = self._sqnorm_canonical()
+            if got_grad is None:  # no bucket carried them: nothing was filled in
+                got_grad = self._local_grad_flags()
             sums = self._sums_vector(loss_part, count_part, sum_mode, local_sq, got_grad)
             if self.world_size > 1 and (
                 self.grad_clip_norm is not None

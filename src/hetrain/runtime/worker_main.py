@@ -172,15 +172,14 @@ class NonFiniteError(RuntimeError):
 
 
 def _nonfinite_line(job: TrainJob, step: int, result: Any, table: list[list[float]]) -> str:
-    """The one line of :class:`NonFiniteError` (see there); ``table`` rows are the step's
-    all-gathered measurements (column 6: the rank's own part was not finite; 7, 8: its group
-    and stage index, -1 when unused)."""
+    """The one line of :class:`NonFiniteError` (see there); ``table`` has one row per rank:
+    ``[own part not finite (0/1), group index, stage index]`` (indices -1 when unused)."""
     what = []
     if not math.isfinite(result.loss):
         what.append(f"loss {result.loss}")
     if not math.isfinite(result.grad_norm):
         what.append(f"gradient norm {result.grad_norm}")
-    seen = sorted((int(row[7]), int(row[8]), r) for r, row in enumerate(table) if row[6] > 0)
+    seen = sorted((int(row[1]), int(row[2]), r) for r, row in enumerate(table) if row[0] > 0)
     where = ""
     if seen:
         g, k, r = seen[0]
@@ -943,8 +942,7 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             if world > 1:
                 rows = [torch.zeros(3, dtype=torch.float64, device=coll) for _ in range(world)]
                 dist.all_gather(rows, rows[0].new_tensor(where))
-            table = [[0.0] * 6 + r.tolist() for r in rows]
-            line = _nonfinite_line(job, done.step, done, table)
+            line = _nonfinite_line(job, done.step, done, [r.tolist() for r in rows])
             flush_lines()
             if lead:
                 metrics.write("nonfinite", done.step, action="stop", message=line)
