@@ -113,6 +113,15 @@ def _array(value: Any, n: int, what: str, dtype: Any = float) -> np.ndarray:
     return np.asarray([_float(v, what) for v in value], dtype=float)
 
 
+def _str_list(value: Any, what: str, n: int | None = None) -> list[str]:
+    """A non-empty list of strings (of length ``n`` when given), else :class:`WireError`."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise WireError(f"{what}: expected a non-empty list of strings")
+    if n is not None and len(value) != n:
+        raise WireError(f"{what}: expected {n} strings")
+    return value
+
+
 def _number_map(value: Any, what: str, kind: Any = float) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected an object")
@@ -148,9 +157,7 @@ def state_from_json(value: Any, what: str = "base_state") -> ClusterState:
     """
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected an object")
-    ids = _field(value, "ids", what)
-    if not isinstance(ids, list) or not ids or not all(isinstance(d, str) for d in ids):
-        raise WireError(f"{what}.ids: expected a non-empty list of strings")
+    ids = _str_list(_field(value, "ids", what), f"{what}.ids")
     n = len(ids)
     arrays = {
         key: _array(_field(value, key, what), n, f"{what}.{key}")
@@ -164,9 +171,7 @@ def state_from_json(value: Any, what: str = "base_state") -> ClusterState:
             "layer_overhead_s",
         )
     }
-    kinds = _field(value, "kinds", what)
-    if not isinstance(kinds, list) or len(kinds) != n or not all(isinstance(k, str) for k in kinds):
-        raise WireError(f"{what}.kinds: expected {n} strings")
+    kinds = _str_list(_field(value, "kinds", what), f"{what}.kinds", n)
     nominal = _array(_field(value, "nominal_speed_flops", what), n, f"{what}.nominal_speed_flops")
     return ClusterState(
         ids=tuple(ids),
@@ -222,9 +227,7 @@ def profile_from_json(value: Any, what: str = "profile") -> ProfileArrays:
     """
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected an object")
-    names = _field(value, "names", what)
-    if not isinstance(names, list) or not names or not all(isinstance(v, str) for v in names):
-        raise WireError(f"{what}.names: expected a non-empty list of strings")
+    names = _str_list(_field(value, "names", what), f"{what}.names")
     n = len(names)
     arrays = {k: _array(_field(value, k, what), n, f"{what}.{k}") for k in _PROFILE_ARRAYS}
     shared_raw = _field(value, "shared", what)
