@@ -11,8 +11,9 @@ import pytest
 from hetrain.cli import main
 from hetrain.commands.profile import HF_EXAMPLES
 from hetrain.models.registry import EXAMPLES as PROFILE_EXAMPLES
-from hetrain.runtime.data import EXAMPLES as TRAIN_EXAMPLES
-from hetrain.runtime.data import example_task, task_chain
+from hetrain.runtime.data import task_chain
+from hetrain.runtime.examples import EXAMPLES as TRAIN_EXAMPLES
+from hetrain.runtime.examples import example_task
 
 
 def test_every_train_example_can_be_profiled() -> None:

@@ -14,7 +14,7 @@ from hetrain.control.lyapunov import LyapunovController
 from hetrain.costmodel import TrainingConfig, evaluate_plan
 from hetrain.plan import check_norm_block, plan_from_dict
 from hetrain.profile import profile_from_dict
-from hetrain.runtime.adapt import even_dp_plan
+from hetrain.runtime.ctldecision import even_dp_plan
 
 NUM_LAYERS = 8
 

@@ -85,7 +85,7 @@ def test_runtime_rebalance_of_one_slow_device_of_four_is_the_solver_optimum():
     # ms) and w1 4-5 (18-21 ms); 19 each and 7 on w1 would be 27 ms
     from hetrain.control.incremental import StructureArrays, rebalance_shares
     from hetrain.profile import ProfileArrays
-    from hetrain.runtime.adapt import even_dp_plan
+    from hetrain.runtime.ctldecision import even_dp_plan
     from hetrain.runtime.worker_main import local_cluster_state
 
     f = np.full(8, 1e-3 * 1e10 / 3 / 8)

@@ -17,7 +17,8 @@ from hetrain.cli import main
 from hetrain.costmodel import TrainingConfig
 from hetrain.profile import ProfileArrays
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.adapt import PlanController, even_dp_plan
+from hetrain.runtime.ctlcontroller import PlanController
+from hetrain.runtime.ctldecision import even_dp_plan
 from hetrain.runtime.worker_main import local_cluster_state
 
 DEVICES = ["w0", "w1", "w2", "w3"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetrain.runtime.adapt import SpeedEstimates
+from hetrain.control.estimates import SpeedEstimates
 from hetrain.runtime.worker_main import local_cluster_state
 
 SPEED = 1e10  # FLOP/s at start-up

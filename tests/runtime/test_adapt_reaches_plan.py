@@ -1,7 +1,8 @@
 """The runtime's controller reaches the plan its planner gives (issue 19), pure logic: a
 synthetic measurement stream of the issue's case (8 equal MLP blocks, 4 ranks, B = 64, w1 3x
 slower at all of its work, ±15 % noise per measurement) fed to
-:class:`hetrain.runtime.adapt.PlanController` step by step, its decisions applied at once."""
+:class:`~hetrain.runtime.ctlcontroller.PlanController` step by step, its decisions applied
+at once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from hetrain.costmodel import TrainingConfig
 from hetrain.planner import best_plan
 from hetrain.profile import ProfileArrays
-from hetrain.runtime.adapt import PlanController, even_dp_plan, predict_iteration_time_s
+from hetrain.runtime.ctlcontroller import PlanController
+from hetrain.runtime.ctldecision import even_dp_plan, predict_iteration_time_s
 from hetrain.runtime.worker_main import local_cluster_state
 
 DEVICES = ["w0", "w1", "w2", "w3"]

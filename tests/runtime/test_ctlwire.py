@@ -17,13 +17,9 @@ from hypothesis import strategies as st
 
 from hetrain.costmodel import TrainingConfig
 from hetrain.profile import ProfileArrays, SharedTensor
-from hetrain.runtime.adapt import (
-    PREFIX,
-    ControllerLink,
-    ControllerThread,
-    Decision,
-    even_dp_plan,
-)
+from hetrain.runtime.adapt import ControllerThread
+from hetrain.runtime.ctldecision import Decision, even_dp_plan
+from hetrain.runtime.ctlstore import PREFIX, ControllerLink
 from hetrain.runtime.ctlwire import (
     WireError,
     decode_decision,
@@ -276,7 +272,7 @@ def test_a_fork_waits_for_a_store_call_in_progress():
     import os
     import threading
 
-    from hetrain.runtime.adapt import _ForkSafeStore
+    from hetrain.runtime.ctlstore import _ForkSafeStore
 
     started, done = threading.Event(), []
 

@@ -15,11 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten
 
-from hetrain.runtime.stages import (
-    P2P,
+from hetrain.runtime.stages import P2P, Timers
+from hetrain.runtime.stagewire import (
     TAG_PAYLOAD,
     StageMessageError,
-    Timers,
     decode_structure,
     encode_structure,
 )

@@ -12,16 +12,15 @@ import pytest
 from hetrain.cli import main
 from hetrain.costmodel import TrainingConfig
 from hetrain.profile import ProfileArrays
-from hetrain.runtime.adapt import (
-    ControllerLink,
-    ControllerThread,
+from hetrain.runtime.adapt import ControllerThread, controller_state_path
+from hetrain.runtime.ctlcontroller import PlanController
+from hetrain.runtime.ctldecision import (
     Decision,
-    PlanController,
-    controller_state_path,
     even_dp_plan,
     policy_options,
     predict_iteration_time_s,
 )
+from hetrain.runtime.ctlstore import ControllerLink
 from hetrain.runtime.metrics import read_metrics
 from hetrain.runtime.worker_main import local_cluster_state
 
@@ -342,7 +341,7 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
     """A round whose rank 0 died (a restart) may still have a search running in the controller;
     its decision, written after the next round's start, is ignored by the new round's rank 0
     (it named plan ids and estimates of the old round); the new round's own decision is read."""
-    from hetrain.runtime.adapt import PREFIX, _store
+    from hetrain.runtime.ctlstore import PREFIX, _store
     from hetrain.runtime.ctlwire import encode_decision
 
     store = _store("127.0.0.1", 0, master=True)

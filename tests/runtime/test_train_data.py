@@ -6,11 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetrain.runtime.data import (
-    GlobalBatchSampler,
-    charlm_vocab,
-    encode_chars,
-)
+from hetrain.runtime.data import GlobalBatchSampler
+from hetrain.runtime.examples import charlm_vocab, encode_chars
 
 
 @settings(max_examples=40, deadline=None)

@@ -14,7 +14,8 @@ from torch.nn import functional as F
 import hetrain
 from hetrain.cli import main
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.data import GlobalBatchSampler, example_task
+from hetrain.runtime.data import GlobalBatchSampler
+from hetrain.runtime.examples import example_task
 from hetrain.runtime.launch import RANK_ERRORS_FILE, LaunchError
 from hetrain.runtime.metrics import read_metrics
 

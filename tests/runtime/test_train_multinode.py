@@ -16,7 +16,8 @@ import torch
 
 import hetrain
 from hetrain.models import digits_cnn
-from hetrain.runtime.data import GlobalBatchSampler, digits_loss, digits_task
+from hetrain.runtime.data import GlobalBatchSampler
+from hetrain.runtime.examples import digits_loss, digits_task
 
 STEPS = 3
 PLAN = {

@@ -648,7 +648,7 @@ def test_the_example_models_change_no_buffer_but_batchnorm_statistics(name):
     """No false alarm over the examples' models (tiny sizes): a training forward changes no
     buffer of GPT-2, BERT, the character LM or the digits CNN, and only BatchNorm statistics of
     ResNet; the model is left as it was."""
-    from hetrain.runtime.data import example_task
+    from hetrain.runtime.examples import example_task
     from hetrain.runtime.startup import check_forward_buffers, forward_changed_buffers
 
     task = example_task(name)

@@ -1,6 +1,6 @@
 """The one speed estimator of the controller: per-device slow-downs from measured compute
 times (docs/model.md §3), used by the runtime's controller process
-(``hetrain.runtime.adapt.PlanController``) and by replays of its measurements.
+(``hetrain.runtime.ctlcontroller.PlanController``) and by replays of its measurements.
 
 Imports numpy and the cluster state only (no torch).
 """

@@ -185,7 +185,7 @@ class LyapunovController:
             shares-only change is not applied (0: any predicted gain; the runtime uses a few
             percent against noise in measured speeds).
         single_stage_one_microbatch: a single-stage group runs its share as one micro-batch
-            (the runtime's engine convention, ``hetrain.runtime.adapt.runtime_plan``): its
+            (the runtime's engine convention, ``hetrain.runtime.ctldecision.runtime_plan``): its
             shares are re-solved with ``μ_g = b_g``
             (:func:`~hetrain.control.incremental.rebalance_shares`) and every plan the
             controller emits has ``μ_g = b_g`` for such groups.

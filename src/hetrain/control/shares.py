@@ -9,7 +9,7 @@ controller process is an instance of one problem: group ``g`` finishes ``b`` sam
 micro-batch, at most ``n_g`` micro-batches in memory), and the shares minimise
 ``max_{g: b_g > 0} T_g(b_g)`` subject to ``Σ_g b_g = B``, ``b_g ≥ 0`` integer. A single-device
 group that runs its share as one micro-batch (the runtime's convention,
-``hetrain.runtime.adapt.runtime_plan``) is the case ``μ_g = 1``, ``A_g = κ + λΣν + c``,
+``hetrain.runtime.ctldecision.runtime_plan``) is the case ``μ_g = 1``, ``A_g = κ + λΣν + c``,
 ``M_g = c``: ``T_g(b) = κ + λΣν + b c``.
 
 The solver is exact and vectorised over the groups (one ``(G,)`` array per quantity, so a

@@ -419,7 +419,7 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def encode_decision(round_id: str, decision: Any) -> bytes:
-    """A decision (a dataclass with a ``plan`` field, :class:`hetrain.runtime.adapt.Decision`)
+    """A decision (a dataclass with a ``plan`` field, :class:`hetrain.runtime.ctldecision.Decision`)
     of round ``round_id`` as JSON bytes."""
     body = {}
     for f in dataclasses.fields(decision):

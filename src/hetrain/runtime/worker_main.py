@@ -49,7 +49,9 @@ from hetrain.plan import Plan, plan_from_dict
 from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
-from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
+from hetrain.runtime.adapt import spawn_controller_process
+from hetrain.runtime.ctldecision import Decision, even_dp_plan
+from hetrain.runtime.ctlstore import ControllerLink
 from hetrain.runtime.data import (
     GlobalBatchSampler,
     Task,

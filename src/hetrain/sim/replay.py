@@ -8,7 +8,7 @@ decision started a planner search in the search thread, and the step at which a 
 search joined the controller's pool) and the decision it made; and, once per run,
 ``controller_init.json`` beside it (profile, start-up state, configuration, first plan, steps).
 
-:func:`replay_run` rebuilds :class:`hetrain.runtime.adapt.PlanController` from those, feeds
+:func:`replay_run` rebuilds :class:`hetrain.runtime.ctlcontroller.PlanController` from those, feeds
 the same measurements in the same order, decides at the same steps, runs each search at the
 step that started it and hands its plan in at the step it joined in the run, and returns every
 decision; with searches reproducible (up to 16 devices, docs/controller.md) they are the run's
@@ -73,7 +73,7 @@ def replay_run(run: str | Path) -> list[dict[str, Any]]:
     Raises:
         InputError: see :func:`read_controller_log`.
     """
-    from hetrain.runtime.adapt import PlanController
+    from hetrain.runtime.ctlcontroller import PlanController
 
     init, rows = read_controller_log(run)
     ctl = PlanController(

@@ -1,0 +1,416 @@
+"""The controller's decisions (docs/model.md §4-§5), :class:`PlanController`: measured step
+times -> speed estimates -> :class:`~hetrain.control.lyapunov.LyapunovController` -> plan changes
+that hold.
+
+The measured compute times go to the one speed estimator
+(:class:`hetrain.control.estimates.SpeedEstimates`) and every step asks the one decision path,
+:class:`hetrain.control.lyapunov.LyapunovController` (what ``hetrain simulate`` runs), with the
+runtime's options (:func:`~hetrain.runtime.ctldecision.policy_options`); its one gate decides (a
+change is applied only when, on the *same* estimates, it is predicted faster than the plan in
+force by ``rebalance_margin`` for shares only or ``switch_margin`` for a new structure, and its
+gain over the payback horizon ``min(steps left, horizon_steps)`` pays its migration time). With
+``async_search`` (the service, :class:`hetrain.runtime.adapt.ControllerService`) planner searches
+run in a thread and every step gets the cheap keep-or-rebalance decision on time. The
+controller's state (estimates, policy with its queues, plan ids) is a versioned JSON
+:meth:`PlanController.state_dict`, staged by the service
+(:func:`hetrain.runtime.adapt.controller_state_path`) and copied by rank 0 into the checkpoint of
+that step (``controller.json``, checksummed in its manifest); it is restored on resume from the
+checkpoint the ranks resume from; the ranks keep their plan meanwhile.
+
+Imports numpy and the planning modules only; no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from hetrain.cluster import ClusterState
+from hetrain.control import make_policy
+from hetrain.control.estimates import SpeedEstimates
+from hetrain.costmodel import TrainingConfig
+from hetrain.plan import Plan
+from hetrain.profile import ProfileArrays
+from hetrain.runtime.ctldecision import (
+    Decision,
+    controller_decide,
+    device_shares,
+    even_dp_plan,
+    policy_options,
+    predict_iteration_time_s,
+    runtime_plan,
+)
+
+_SEARCH_EXECUTOR: Any = None
+
+
+def _search_executor():
+    """One thread of the controller's process for policy calls (created on first use)."""
+    global _SEARCH_EXECUTOR
+    if _SEARCH_EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _SEARCH_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-policy")
+    return _SEARCH_EXECUTOR
+
+
+class PlanController:
+    """The controller of a training run in its process: it feeds the measured step times to
+    the one speed estimator (:class:`hetrain.control.estimates.SpeedEstimates`) and asks the
+    one decision path (:class:`hetrain.control.lyapunov.LyapunovController`, the class
+    ``hetrain simulate`` runs) for a decision each step; it applies what that answers as the
+    runtime runs it (:func:`runtime_plan`). No gate, share solver or estimator of its own.
+
+    Args:
+        base_state: start-up cluster state (ids = the ranks' devices; measured speeds, ``κ``).
+        profile: the model profile; config: the training configuration.
+        plan: the plan the ranks run now (with its id); steps: the run's total steps.
+        optimizer_state_factor: ``o`` of the migration bytes (kept for the caller; the
+            controller uses ``config.optimizer_state_factor``).
+        horizon_steps: cap on the payback horizon of a change (steps; also capped by the
+            steps left).
+        warmup_steps: measured steps before the first decision (7: the short window's median
+            of 13 is then robust to as many stalled steps as it has normal ones).
+        async_search: planner searches run in a thread of the controller's process while
+            every step gets the cheap decision (the current and the known structures
+            re-balanced, through the gate) on time; a search's plan joins the controller's
+            pool at the first decision after it finished. False: searches run inside the
+            decision (replays: decisions are a function of the measurements).
+        options: :class:`~hetrain.control.lyapunov.LyapunovController` keywords over
+            :func:`policy_options`.
+    """
+
+    def __init__(
+        self,
+        base_state: ClusterState,
+        profile: ProfileArrays,
+        config: TrainingConfig,
+        plan: Plan,
+        steps: int,
+        *,
+        optimizer_state_factor: float = 2.0,
+        horizon_steps: int = 20,
+        warmup_steps: int = 7,
+        async_search: bool = False,
+        **options: Any,
+    ) -> None:
+        self.async_search = bool(async_search)
+        self._pending: Any = None
+        self.base_state = base_state
+        self.profile = profile
+        self.config = config
+        self.current = plan
+        self.steps = int(steps)
+        self.optimizer_state_factor = float(optimizer_state_factor)
+        self.horizon_steps = int(horizon_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.policy = make_policy("lyapunov", profile, config, **{**policy_options(), **options})
+        self.estimates = SpeedEstimates(
+            base_state.ids,
+            [float(v) for v in base_state.speed_flops],
+            [float(k) for k in base_state.kappa_s],
+            layer_overhead_s=[float(lam) for lam in base_state.layer_overhead_s],
+        )
+        self.plans: dict[int, Plan] = {int(plan.plan_id or 0): plan}
+        self.next_plan_id = int(plan.plan_id or 0) + 1
+        self._policy_plan: Plan = plan  # the controller's form (idle groups kept)
+        self.observed_steps = 0
+        self.decisions = 0
+        self.searches_applied: list[int] = []  # steps at which a thread's search joined
+        # the last decision's search events, for the log: the step whose decision started a
+        # search, and (asked, joined) when a finished search joined the pool at this decision
+        self.search_started: int | None = None
+        self.search_joined: tuple[int, int] | None = None
+        # replays: {asked step: joined step} of the recorded run (searches then run at once
+        # and join at the recorded step instead of when a thread finishes)
+        self.replay_joins: dict[int, int] | None = None
+        self._first_speeds: dict[str, float] | None = None
+        self.last_check: dict[str, Any] = {}
+        self._step_residuals_s: list[float] = []
+
+    # ---- measurements ----
+    def observe(
+        self,
+        step: int,
+        plan_id: int,
+        compute_time_s: Mapping[str, float],
+        iteration_time_s: float | None = None,
+    ) -> None:
+        """Step ``step`` ran under plan ``plan_id``; ``compute_time_s[device]`` = the measured
+        compute seconds of its stage (emulated slow-down included); ``iteration_time_s`` the
+        step's measured time (fed to the controller's ``record``: ``T_ref``, queues; and,
+        for the plan in force, the fixed step time ``F`` of :meth:`step_overhead_s`)."""
+        if (
+            iteration_time_s is not None
+            and math.isfinite(iteration_time_s)
+            and int(plan_id) == int(self.current.plan_id or 0)
+            and self.observed_steps > 0
+        ):
+            self._observe_step_residual(float(iteration_time_s))
+        if iteration_time_s is not None and math.isfinite(iteration_time_s):
+            self.policy.record(step, float(iteration_time_s), {})
+        plan = self.plans.get(int(plan_id), self.current)
+        flops = self.profile.train_flops
+        for group in plan.groups:
+            if group.batch <= 0:
+                continue
+            for d, (start, end) in zip(group.devices, group.stages, strict=True):
+                t = compute_time_s.get(d)
+                if t is None:
+                    continue
+                work = float(flops[start:end].sum()) * group.batch
+                units = self.profile.layer_units(start, end)
+                self.estimates.observe(d, work, t, group.num_microbatches, units)
+        self.observed_steps += 1
+        if self._first_speeds is None and self.observed_steps >= self.estimates.window:
+            self._first_speeds = self.estimates.speeds_flops()
+
+    def _observe_step_residual(self, iteration_time_s: float) -> None:
+        """Residual of one step of the plan in force against its prediction with ``F = 0``
+        on the estimates before the step's compute is fed; ``F`` = the median of the last
+        ``estimates.window`` residuals, floored at 0 (a median like the speeds: one stalled
+        step does not move it; docs/profiling.md §6). Used by :meth:`predictions` (the logged
+        predicted time, the report's predicted-vs-measured plot); decisions compare plans on
+        :attr:`config`, where a time common to every plan changes no ranking."""
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        state = self.observed_state()
+        predicted = predict_iteration_time_s(self.current, state, self.profile, bare)
+        recent = self._step_residuals_s
+        recent.append(iteration_time_s - predicted)
+        del recent[: -self.estimates.window]
+
+    def step_overhead_s(self) -> float:
+        """The learned fixed time per iteration ``F`` (s, ``TrainingConfig.step_overhead_s``):
+        median of the recent residuals of the plan in force, ``>= 0``; 0 before any."""
+        recent = self._step_residuals_s
+        return max(0.0, float(np.median(recent))) if recent else 0.0
+
+    def observed_state(self) -> ClusterState:
+        """The base state with the measured speeds."""
+        return self.estimates.apply(self.base_state)
+
+    def predictions(self) -> dict[str, float]:
+        """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
+        docs/model.md §6) on the current estimates, both with the learned fixed step time
+        ``F`` (:meth:`step_overhead_s`, also returned)."""
+        state = self.observed_state()
+        even = even_dp_plan(
+            self.base_state.ids,
+            self.profile.num_layers,
+            self.config.batch,
+            1,
+            norm_block=self.config.norm_block,
+        )
+        config = dataclasses.replace(self.config, step_overhead_s=self.step_overhead_s())
+        return {
+            "predicted_time_s": predict_iteration_time_s(self.current, state, self.profile, config),
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
+            "step_overhead_s": config.step_overhead_s,
+        }
+
+    # ---- decisions ----
+    def decide(self, step: int) -> Decision | None:
+        """The controller's decision for ``step`` (measurements up to ``step - 1`` seen): a
+        :class:`Decision` when it changes the plan, else None. With ``async_search`` a
+        finished search's plan is handed to the controller first, and a search the decision
+        wants is started in the controller's search thread."""
+        if self.observed_steps < self.warmup_steps or step >= self.steps:
+            return None
+        state = self.observed_state()
+        self.search_started = None
+        self.search_joined = None
+        if self.async_search:
+            self._collect_search(step)
+        policy = self.policy
+        policy.horizon_slots = float(max(min(self.steps - step, self.horizon_steps), 1))
+        in_force = self._policy_plan
+        d = controller_decide(policy, step, state, in_force, search=not self.async_search)
+        if self.async_search and policy.search_wanted is not None and self._pending is None:
+            # (warm-started from the plan in force at this decision: the same search whatever
+            # the thread's timing, so a replay reproduces it)
+            observed, weights = policy.search_wanted
+            if self.replay_joins is None:
+                future = _search_executor().submit(policy.search_plan, observed, weights, in_force)
+            else:
+                from concurrent.futures import Future
+
+                future = Future()
+                try:
+                    future.set_result(policy.search_plan(observed, weights, in_force))
+                except Exception as exc:  # raised where the thread's would be
+                    future.set_exception(exc)
+            self._pending = (step, observed, weights, future)
+            self.search_started = int(step)
+        self._policy_plan = d.plan
+        self.last_check = {
+            "reason": d.reason,
+            "current_time_s": d.predicted_time_s_before,
+            "predicted_time_s": d.predicted_time_s_after,
+            "migration_time_s": d.migration_time_s,
+            "note": d.note,
+        }
+        if not d.changed:
+            return None
+        plan = runtime_plan(d.plan)
+        decision = Decision(
+            plan=plan,
+            reason=self._why(d, state),
+            decided_after_step=step - 1,
+            current_time_s=float(d.predicted_time_s_before or math.nan),
+            predicted_time_s=float(d.predicted_time_s_after),
+            migration_time_s=float(d.migration_time_s),
+            horizon_steps=float(d.persistence_slots),
+            structure_changed=bool(d.structure_changed),
+            speeds_flops=dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True)),
+            shares_before=device_shares(self.current, self.base_state.ids),
+            shares_after=device_shares(plan, self.base_state.ids),
+        )
+        self.plans[int(plan.plan_id)] = plan
+        self.next_plan_id = int(plan.plan_id) + 1
+        self.current = plan
+        self.decisions += 1
+        return decision
+
+    def _collect_search(self, step: int) -> None:
+        """Hand a finished search's plan to the controller (its failure is raised here)."""
+        if self._pending is None:
+            return
+        searched_at, observed, weights, future = self._pending
+        if self.replay_joins is not None:
+            if step < self.replay_joins.get(int(searched_at), math.inf):
+                return
+        elif not future.done():
+            return
+        self._pending = None
+        self.policy.add_searched(searched_at, future.result(), observed, weights)
+        self.searches_applied.append(int(step))
+        self.search_joined = (int(searched_at), int(step))
+
+    def wait_for_search(self) -> None:
+        """Block until the search in flight (if any) has finished (tests, replays)."""
+        if self._pending is not None:
+            self._pending[3].result()
+
+    def _why(self, d: Any, state: ClusterState) -> str:
+        kind = "re-plan (new groups/stages)" if d.structure_changed else "rebalance (shares only)"
+        kind += f" [controller: {d.reason}]"
+        ref = self._first_speeds or {}
+        moved = []
+        for dev, s in zip(state.ids, state.speed_flops, strict=True):
+            s0 = ref.get(dev)
+            if s0 and s > 0 and (s0 / s > 1.5 or s / s0 > 1.5):
+                moved.append(
+                    f"{dev} {s0 / s:.1f}x slower" if s < s0 else f"{dev} {s / s0:.1f}x faster"
+                )
+        return kind + (f": {', '.join(moved)} than at start" if moved else "")
+
+    # ---- checkpoints ----
+    STATE_FORMAT = "hetrain.controller"
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
+        speed estimates (start-up speeds, ``κ``, ``λ``, both windows and the recent slow-down
+        ratios per device), the plans by id and the next id, the step counters, the learned
+        step overhead residuals, the steps at which searches joined and the policy's own
+        ``state_dict`` (queues, candidate pool).
+        Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
+        cluster state, profile and configuration are not in it: a resumed round builds its
+        controller from its own."""
+        est = self.estimates
+        policy = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
+        return {
+            "format": self.STATE_FORMAT,
+            "version": self.STATE_VERSION,
+            "devices": list(self.base_state.ids),
+            "estimates": {
+                "window": est.window,
+                "long_window": est.long_window,
+                "speed_flops": dict(est.speed_flops),
+                "kappa_s": {d: float(v) for d, v in est.kappa_s.items()},
+                "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
+                "samples": {d: list(v) for d, v in est._samples.items()},
+            },
+            "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
+            "current_plan_id": int(self.current.plan_id or 0),
+            "next_plan_id": self.next_plan_id,
+            "observed_steps": self.observed_steps,
+            "decisions": self.decisions,
+            "first_speeds": self._first_speeds,
+            "step_residuals_s": list(self._step_residuals_s),
+            "searches_applied": list(self.searches_applied),
+            "policy": policy,
+        }
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into this controller (built for the resumed
+        round). The plan in force and the run's steps stay this controller's (the round's plan
+        joins the known plans); the next plan id is the larger of both.
+
+        Raises:
+            ValueError: one line: not a controller state, another version, other devices than
+                this controller's, or a malformed field (nothing is changed then).
+        """
+        from hetrain.plan import plan_from_dict
+
+        if not isinstance(data, Mapping) or data.get("format") != self.STATE_FORMAT:
+            raise ValueError("controller state: not a hetrain controller state")
+        if data.get("version") != self.STATE_VERSION:
+            raise ValueError(
+                f"controller state: expected version {self.STATE_VERSION}, got "
+                f"{data.get('version')!r}"
+            )
+        if list(data.get("devices") or []) != list(self.base_state.ids):
+            raise ValueError(
+                f"controller state: devices {data.get('devices')!r} differ from this round's "
+                f"{list(self.base_state.ids)}"
+            )
+        try:
+            ids = list(self.base_state.ids)
+            est = data["estimates"]
+
+            def per_device(raw: Any) -> dict[str, float]:
+                out = {d: float(raw[d]) for d in ids}
+                if not all(math.isfinite(v) and v >= 0 for v in out.values()):
+                    raise ValueError("expected finite numbers >= 0")
+                return out
+
+            speed, kappa, lam = (
+                per_device(est[k]) for k in ("speed_flops", "kappa_s", "layer_overhead_s")
+            )
+            window, long_window = int(est["window"]), int(est["long_window"])
+            if not 1 <= window <= long_window:
+                raise ValueError(f"windows {window}, {long_window}")
+            samples = {d: [float(v) for v in est["samples"][d]][-long_window:] for d in ids}
+            plans = {
+                int(k): plan_from_dict(v, f"controller state: plans.{k}")
+                for k, v in dict(data["plans"]).items()
+            }
+            counters = [int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions")]
+            first = data["first_speeds"]
+            first_speeds = None if first is None else {str(d): float(v) for d, v in first.items()}
+            residuals = [float(v) for v in data["step_residuals_s"]]
+            searches = [int(v) for v in data["searches_applied"]]
+            policy = data["policy"]
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as exc:
+            why = " ".join(str(exc).split())[:200]
+            raise ValueError(f"controller state: malformed ({type(exc).__name__}: {why})") from None
+        if policy is not None and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(policy)
+        self.estimates.window, self.estimates.long_window = window, long_window
+        self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
+        self.estimates.layer_overhead_s = lam
+        self.estimates._samples = samples
+        plans[int(self.current.plan_id or 0)] = self.current
+        self.plans = plans
+        self.next_plan_id = max(counters[0], self.next_plan_id)
+        self.observed_steps, self.decisions = counters[1:]
+        self._first_speeds = first_speeds
+        self._step_residuals_s = residuals
+        self.searches_applied = searches
+        # the plan in force is the round's (the ranks kept theirs): the policy answers from it
+        self._policy_plan = self.current
