@@ -307,12 +307,12 @@ class Trainer(TrainerSetup):
         new_plan = plan_from_dict(box[0], "<re-plan>")
         migration = self.worker.apply_plan(new_plan)
         if self.lead:
+            if self.job.checkpoint_dir:  # recorded before any line names it
+                ckpt.record_plan_id(self.job.checkpoint_dir, int(new_plan.plan_id))
             _report_replan(self.metrics, self.progress, decision, step + 1, self.plan, migration)
             self.metrics.write(
                 "plan", step + 1, plan_id=new_plan.plan_id, plan=new_plan.to_json_dict()
             )
-            if self.job.checkpoint_dir:
-                ckpt.record_plan_id(self.job.checkpoint_dir, int(new_plan.plan_id))
         self.plan = new_plan
         self.replans += 1
 
