@@ -58,3 +58,15 @@ def test_resumed_round_takes_a_new_plan_id_without_the_metrics(tmp_path, metrics
     assert restarts[-1]["step"] == 4 and restarts[-1]["plan_id"] == 2
     assert _plan_ids(metrics)[-1] == 2
     assert ckpt.load_latest(tmp_path / "ck").plan.plan_id == 2
+
+
+def test_plan_id_record_is_the_last_written_and_a_bad_one_counts_as_none(tmp_path):
+    assert ckpt.max_plan_id(tmp_path / "ck", None) == -1  # no folder yet
+    ckpt.record_plan_id(tmp_path / "ck", 3)
+    ckpt.record_plan_id(tmp_path / "ck", 7)
+    assert ckpt.max_plan_id(tmp_path / "ck", None) == 7
+    assert not list((tmp_path / "ck").glob("*.part"))
+    record = tmp_path / "ck" / ckpt.PLAN_IDS_FILE
+    for bad in ("{", "[]", '{"format": 1, "max_plan_id": "7"}', '{"max_plan_id": 7}'):
+        record.write_text(bad)
+        assert ckpt.max_plan_id(tmp_path / "ck", None) == -1, bad
