@@ -8,6 +8,8 @@ Layout of a checkpoint folder ``D``::
                                "world_size", "seed", "batch", "example"}
         *.distcp, .metadata   DCP files (keys "layers.{l}.{param}", "optim.{l}.{param}.{state}")
     D/.tmp-step-000040/       while being written; renamed to step-000040 when complete
+    D/plan-ids.json           {"format", "max_plan_id"}: the run's highest plan id in force,
+                              also after the newest checkpoint (:func:`record_plan_id`)
 
 :func:`save` is collective (every rank calls it); rank 0 writes the manifest into the temporary
 folder and renames it (``os.replace``: atomic on POSIX), so a crash never leaves a half
@@ -19,13 +21,10 @@ worker **under any plan and world size**: each rank reads exactly the keys of th
 owns in its current plan, whatever rank wrote them. On several nodes ``D`` must be a shared
 file system.
 
-Atomicity (:func:`save`, every rank calls it): rank 0 removes a stale ``.tmp-step-N`` left by a
-crash; all ranks meet; ``dcp.save`` writes every rank's tensors into ``.tmp-step-N`` (files
-fsynced); rank 0 hashes every file, writes ``manifest.json`` last (``.part`` + fsync +
-rename), renames the folder to ``step-N`` (atomic on POSIX) and fsyncs ``D``; then deletes
-checkpoints older than the newest ``keep``; all ranks meet again. A crash at any point leaves
-the previous checkpoints untouched and a ``.tmp-*`` folder that is never loaded, or the new
-complete checkpoint.
+Atomicity (:func:`save`): ``dcp.save`` writes every rank's tensors into ``.tmp-step-N``
+(fsynced); rank 0 hashes every file, writes ``manifest.json`` last and renames the folder to
+``step-N``, then deletes checkpoints older than the newest ``keep``. A crash at any point leaves
+the previous checkpoints and a ``.tmp-*`` folder that is never loaded, or the new checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hetrain.errors import InputError
 from hetrain.plan import Plan, plan_from_dict
+from hetrain.runtime.fs_errors import write_failure_text
 
 MANIFEST = "manifest.json"
 CONTROLLER_FILE = "controller.json"
@@ -144,8 +145,6 @@ def _sha256(path: Path) -> str:
 @contextlib.contextmanager
 def _quiet_single_process():
     """Silence DCP's "assuming the intent is to save in a single process" warning (intended)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         yield
@@ -208,57 +207,6 @@ class CheckpointWriteError(RuntimeError):
     one line naming the checkpoint folder and the OS error (``No space left on device``). The
     partial folder has been removed; every earlier checkpoint is intact. Raised on every rank
     alike (the ranks agree on the outcome of each phase)."""
-
-
-def _os_error_line(exc: BaseException) -> str | None:
-    """``strerror`` of the first ``OSError`` in ``exc``'s chain, DCP's per-rank failures
-    included (``CheckpointException.failures``), or None."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and (e.strerror or e.errno):
-            return e.strerror or os.strerror(e.errno)
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            for f in failures.values():
-                # DCP's WRAPPED_EXCEPTION: (exception, traceback summary)
-                inner = f[0] if isinstance(f, tuple) and f else f
-                if isinstance(inner, BaseException):
-                    todo.append(inner)
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None
-
-
-def _probe_error(folder: Path) -> str | None:
-    """``strerror`` of writing 1 MiB into ``folder`` (None if that works): tells a full disk
-    from other failures when a writer reported no ``OSError`` (torch's zip writer says only
-    ``unexpected pos ...``)."""
-    probe = folder / f".probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as fh:
-            fh.write(b"\0" * (1 << 20))
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
-
-
-def _failure_text(exc: BaseException, folder: Path) -> str:
-    """One line for a failed write: the OS error, else a probe of the folder, else the
-    exception's type and first line (clipped)."""
-    line = _os_error_line(exc) or _probe_error(folder)
-    if line:
-        return line
-    first = (str(exc).strip().splitlines() or [""])[0][:200]
-    return f"{type(exc).__name__}: {first}"
 
 
 def _agree(error: str | None) -> str | None:
@@ -337,7 +285,7 @@ def save(
     except (Exception, CheckpointException) as exc:
         # any rank's write failure: DCP raises CheckpointException (a BaseException) on every
         # rank
-        error = _failure_text(exc, root)
+        error = write_failure_text(exc, root)
     error = _agree(error)
     if error:
         raise fail(error)
@@ -457,6 +405,36 @@ def load_latest(
             if not fallback or exc.field == "model_fingerprint":
                 raise
     return None
+
+
+PLAN_IDS_FILE = "plan-ids.json"
+
+
+def record_plan_id(directory: str | Path, plan_id: int) -> None:
+    """Rank 0, when a plan id comes into force (a round's first plan, a re-plan): record it
+    in ``directory /`` :data:`PLAN_IDS_FILE` (fsync + ``os.replace``) for :func:`max_plan_id`.
+    A failed write (full disk) is skipped: no training state, the next checkpoint says why."""
+    root = Path(directory)
+    part = root / (PLAN_IDS_FILE + ".part")
+    with contextlib.suppress(OSError):
+        root.mkdir(parents=True, exist_ok=True)
+        with open(part, "w", encoding="utf-8") as fh:
+            json.dump({"format": FORMAT, "max_plan_id": int(plan_id)}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(part, root / PLAN_IDS_FILE)
+
+
+def max_plan_id(directory: str | Path, checkpoint: Checkpoint | None) -> int:
+    """The run's highest plan id so far (-1: none): of ``checkpoint``'s plan and of the
+    :data:`PLAN_IDS_FILE` record of ``directory`` (plans put in force after that checkpoint);
+    a missing, unreadable or malformed record counts as none."""
+    ids = [int(checkpoint.plan.plan_id or 0)] if checkpoint is not None else [-1]
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, RecursionError):
+        data = json.loads((Path(directory) / PLAN_IDS_FILE).read_text(encoding="utf-8"))
+        if data.get("format") == FORMAT and type(data.get("max_plan_id")) is int:
+            ids.append(data["max_plan_id"])
+    return max(ids)
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:

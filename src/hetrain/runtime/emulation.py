@@ -5,6 +5,9 @@ Nothing here burns CPU: a slowed device *sleeps* ``(factor - 1) x`` the measured
 its compute operations (forward or backward of one micro-batch on one stage), and a link sleeps
 so that a transfer of ``n`` bytes takes at least ``n / bandwidth + latency`` seconds. The
 launcher may replace a worker's :class:`Emulation` before any step (e.g. from a trace).
+:class:`EmulationSchedule` gives the training loop the :class:`Emulation` of each step
+(``--slowdown``, ``--trace``, ``--cluster``); :func:`local_cluster_state` is the nominal
+cluster of the local ranks.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hetrain.cluster import ClusterSpec, ClusterState, cluster_from_dict
+
+if TYPE_CHECKING:
+    from hetrain.runtime.worker_main import TrainJob
 
 
 @dataclass(frozen=True)
@@ -182,3 +192,105 @@ def slow_down(
     t0 = time.perf_counter()
     sleep_s(extra)
     return time.perf_counter() - t0
+
+
+def local_cluster_state(devices: list[str], speeds_flops: list[float]) -> ClusterState:
+    """A cluster of the local ranks: each its own node (so a trace's ``nic_gbps`` limits its
+    links), measured speeds, 16 GiB each, 20 Gbit/s NICs, 20 µs latency (nominal loopback)."""
+    spec = cluster_from_dict(
+        {
+            "links": {"intra_node_gbps": 20.0, "latency_us": 20.0},
+            "devices": [
+                {"id": d, "tflops": max(s, 1.0) / 1e12, "memory_gib": 16.0, "nic_gbps": 20.0}
+                for d, s in zip(devices, speeds_flops, strict=True)
+            ],
+        },
+        "<local ranks>",
+    )
+    return spec.state()
+
+
+def base_slowdowns(
+    devices: list[str], slowdown: dict[str, float], cluster: ClusterSpec | None
+) -> dict[str, float]:
+    """``base_d`` of :class:`EmulationSchedule` (dimensionless, ``>= 1`` per device of
+    ``devices``): ``--slowdown``'s factor times, with ``--cluster``, ``max_e tflops_e /
+    tflops_d`` (the local ranks emulate the cluster's relative speeds)."""
+    base = {d: float(slowdown.get(d, 1.0)) for d in devices}
+    if cluster is not None:
+        top = max(dv.tflops for dv in cluster.devices)
+        for dv in cluster.devices:
+            if dv.id in base:
+                base[dv.id] *= top / dv.tflops
+    return base
+
+
+class EmulationSchedule:
+    """Per-step emulation: ``slowdown_d(t) = base_d / speed_factor_d(t)`` and NIC bandwidth from
+    the trace (docs/model.md §7: one slot = one step); ``base_d`` from :func:`base_slowdowns`
+    (the local ranks emulate the cluster's relative speeds and its links)."""
+
+    def __init__(self, job: TrainJob) -> None:
+        """``job``: the run's ``TrainJob`` (``devices``, ``cluster``, ``slowdown``, ``trace_rows``,
+        ``steps``)."""
+        self.devices = list(job.devices)
+        self.cluster: ClusterSpec | None = None
+        if job.cluster is not None:
+            self.cluster = cluster_from_dict(job.cluster, "--cluster")
+        self.base = base_slowdowns(self.devices, dict(job.slowdown), self.cluster)
+        self.timeline = None
+        if job.trace_rows:
+            from hetrain.trace import Trace
+
+            spec = self.cluster or local_cluster_spec(self.devices)
+            self.timeline = Trace(tuple(job.trace_rows), "--trace").timeline(spec, job.steps)
+        self._key: Any = None
+        self._emulation = None
+
+    def factors(self, step: int) -> dict[str, float]:
+        """Slow-down factor of every device at ``step``."""
+        out = dict(self.base)
+        if self.timeline is not None:
+            ids = self.timeline.base.ids
+            s = min(step, self.timeline.num_slots - 1)
+            for i, d in enumerate(ids):
+                if d in out and s >= 0:
+                    out[d] = out[d] / float(self.timeline.speed_factor[s, i])
+        return {d: max(f, 1.0) for d, f in out.items()}
+
+    def emulation(self, step: int) -> Emulation:
+        """The engine's ``Emulation`` for ``step`` (the same object while nothing changes)."""
+        factors = self.factors(step)
+        nic = None
+        state = None
+        if self.timeline is not None:
+            state = self.timeline.state_at(step)
+            nic = tuple(float(v) for v in state.nic_bytes_per_s)
+        elif self.cluster is not None:
+            state = self.cluster.state()
+        key = (tuple(sorted(factors.items())), nic)
+        if key != self._key:
+            self._key = key
+            if state is not None and (self.cluster is not None or self._trace_sets_nic()):
+                self._emulation = Emulation.from_cluster_state(state, factors)
+            else:
+                self._emulation = Emulation(slowdown=factors)
+        return self._emulation
+
+    def _trace_sets_nic(self) -> bool:
+        return self.timeline is not None and bool(
+            np.any(self.timeline.nic_bytes_per_s != self.timeline.nic_bytes_per_s[:1])
+        )
+
+
+def local_cluster_spec(devices: list[str]) -> ClusterSpec:
+    """The nominal cluster file of the local ranks (see :func:`local_cluster_state`)."""
+    return cluster_from_dict(
+        {
+            "links": {"intra_node_gbps": 20.0, "latency_us": 20.0},
+            "devices": [
+                {"id": d, "tflops": 1.0, "memory_gib": 16.0, "nic_gbps": 20.0} for d in devices
+            ],
+        },
+        "<local ranks>",
+    )
