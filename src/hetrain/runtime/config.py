@@ -339,7 +339,7 @@ class RunConfig:
                 put(name, check_int(n(name), getattr(self, name), maximum=MAX_BATCH))
         put("seed", check_seed("--seed", self.seed))
         if self.norm_block is not None:
-            put("norm_block", check_int(n("norm_block"), self.norm_block))
+            put("norm_block", check_int(n("norm_block"), self.norm_block, maximum=MAX_BATCH))
         _check_choice(n("schedule"), self.schedule, (None, *SCHEDULES))
         if callable(self.optimizer):
             for name in ("lr", "weight_decay"):
