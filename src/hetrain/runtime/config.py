@@ -231,6 +231,11 @@ class RunConfig:
         cli_type=list[str] | None,
     )
     trace: Path | None = option(None, "trace CSV of device dynamics, 1 slot = 1 step")
+    adaptive: bool | None = option(
+        None,
+        "re-plan online, starting from --plan when given (default: only without --plan)",
+        flag="--adaptive/--no-adaptive",
+    )
     # ---- the iterations ----
     steps: int | None = option(
         None, "iterations to run (default: the example's; 100 for your own model)"
@@ -373,6 +378,8 @@ class RunConfig:
         _check_choice(n("dtype"), self.dtype, DTYPE_NAMES)
         for name in ("bf16", "exact", "report", "tensorboard"):
             _check_bool(n(name), getattr(self, name))
+        if self.adaptive is not None:
+            _check_bool(n("adaptive"), self.adaptive)
         put(
             "checkpoint_every",
             check_int(n("checkpoint_every"), self.checkpoint_every, 0, MAX_BATCH),

@@ -405,7 +405,6 @@ def build_job(
     nnodes: int = 1,
     devices: Sequence[str] | None = None,
     progress: bool = False,
-    adaptive: bool | None = None,
     param_groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> TrainJob:
     """The :class:`TrainJob` every rank runs: ``config`` resolved against ``task`` (its
@@ -420,7 +419,6 @@ def build_job(
             ``w0 … w{workers * nnodes - 1}``.
         devices: the device id of every rank (under ``torchrun``), overriding the others.
         progress: rank 0 shows a progress bar.
-        adaptive: re-plan online; default: without a fixed plan (and with more than one rank).
         param_groups: parameter groups ``[{"params": [names], **options}, ...]`` of the task's
             model (``hetrain.train``'s; the factory's are ``task.param_groups``).
 
@@ -511,8 +509,8 @@ def build_job(
                 f"expected the plan to name every rank's device (world size {len(device_ids)}: "
                 f"{', '.join(device_ids)}); missing {', '.join(missing)}",
             )
-    if adaptive is None:
-        adaptive = plan_obj is None
+    # re-plan online: by default without a fixed plan (and always only with more than one rank)
+    adaptive = config.adaptive if config.adaptive is not None else plan_obj is None
     if config.microbatch_size is not None and plan_obj is not None and not adaptive:
         # μ of the plans chosen online; a fixed plan's groups set theirs (was silently ignored)
         raise InputError(
