@@ -180,7 +180,8 @@ def _with_run_options(fn: Callable[..., Any]) -> None:
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     lines = ["", "    Run options (keywords; ``hetrain train`` flags with the same defaults):"]
     for f in dataclasses.fields(RunConfig):
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default))
+        kind = inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
         text = f"{f.name}: {f.metadata['help']} (default {f.default!r})"
         lines.append(textwrap.fill(text, 96, initial_indent=" " * 8, subsequent_indent=" " * 12))
     fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]

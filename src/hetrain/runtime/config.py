@@ -25,6 +25,8 @@ from hetrain._io import MAX_BATCH, check_seed
 from hetrain.errors import InputError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hetrain.cluster import ClusterSpec
+    from hetrain.plan import Plan
     from hetrain.runtime.data import Task
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -215,17 +217,18 @@ class RunConfig:
     workers: int | None = option(
         None, "local ranks w0..w{N-1} (default 4, or one per device of --cluster)"
     )
-    cluster: Any = option(
+    cluster: "ClusterSpec | Mapping[str, Any] | Path | None" = option(
         None,
         "cluster file (YAML/JSON) whose devices the local ranks emulate, one rank each",
         cli_type=Path | None,
     )
-    plan: Any = option(
+    plan: "Plan | Mapping[str, Any] | Path | None" = option(
         None,
-        "fixed plan file (JSON; no re-planning); default: plans chosen online",
+        "plan file (JSON): the run's fixed plan, or its first with --adaptive; default: chosen "
+        "online",
         cli_type=Path | None,
     )
-    slowdown: Any = option(
+    slowdown: Sequence[str] | Mapping[str, float] | tuple[tuple[str, float], ...] | None = option(
         None,
         "emulated slow-down DEVICE=FACTOR, e.g. w1=3 (repeatable)",
         cli_type=list[str] | None,
@@ -258,7 +261,7 @@ class RunConfig:
     )
     exact: bool = option(False, "refuse random ops whose values would depend on the plan")
     # ---- the optimizer ----
-    optimizer: Any = option(
+    optimizer: str | Callable[[list[dict[str, Any]]], Any] | None = option(
         None,
         "sgd or adamw (default: the example's, else adamw); hetrain.train also takes your own "
         "param groups -> torch.optim.Optimizer",

@@ -415,8 +415,8 @@ def build_job(
     Args:
         task: the model, data and defaults.
         config: the run's options (already checked value by value by its constructor).
-        nnodes: nodes of the run; without ``devices`` or a cluster the devices are
-            ``w0 … w{workers * nnodes - 1}``.
+        nnodes: nodes of the run (``CommandOptions.nnodes``, checked there); without
+            ``devices`` or a cluster the devices are ``w0 … w{workers * nnodes - 1}``.
         devices: the device id of every rank (under ``torchrun``), overriding the others.
         progress: rank 0 shows a progress bar.
         param_groups: parameter groups ``[{"params": [names], **options}, ...]`` of the task's
@@ -461,7 +461,7 @@ def build_job(
         user_optimizer = config.optimizer
     cluster_spec = _load_cluster(config.cluster)
     plan_obj, plan_source = _load_plan(config.plan)
-    device_ids = _device_ids(config, check_int("--nnodes", nnodes), cluster_spec, devices)
+    device_ids = _device_ids(config, nnodes, cluster_spec, devices)
     if plan_obj is not None and plan_obj.global_batch == 0:
         raise InputError(plan_source, "groups[].batch", "expected a global batch > 0")
     # the None defaults: the task's (then the plan's batch); dataclasses.replace runs the one
