@@ -21,10 +21,10 @@ from hetrain.errors import InputError
 from hetrain.runtime.config import (
     CommandOptions,
     RunConfig,
-    TrainJob,
     cli_type,
     flag_of,
 )
+from hetrain.runtime.trainjob import TrainJob
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 COMMAND_FIELDS = {f.name: f for f in dataclasses.fields(CommandOptions)}

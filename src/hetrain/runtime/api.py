@@ -38,17 +38,17 @@ from hetrain.runtime.config import (
     MAX_WEIGHT_DECAY,
     OPTIMIZERS,
     RunConfig,
-    TrainJob,
 )
 from hetrain.runtime.data import DEFAULT_TARGET_KEY
 from hetrain.runtime.job import (
     MAX_EMULATED_SLOWDOWN,
-    REPORT_FILES,
     build_job,
     check_trace_steps,
     parse_slowdown,
 )
 from hetrain.runtime.launch import launch
+from hetrain.runtime.run_outputs import REPORT_FILES
+from hetrain.runtime.trainjob import TrainJob
 from hetrain.runtime.usertask import (
     FACTORY_KEYS,
     load_model_factory,

@@ -49,7 +49,6 @@ from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
-from hetrain.runtime.config import TrainJob, lr_multiplier  # noqa: F401  (re-exported)
 from hetrain.runtime.data import (
     GlobalBatchSampler,
     Task,
@@ -61,6 +60,7 @@ from hetrain.runtime.data import (
 from hetrain.runtime.metrics import MetricsWriter, TensorBoardSink, read_metrics
 from hetrain.runtime.optim import OptimizerSpec
 from hetrain.runtime.startup import unchanged
+from hetrain.runtime.trainjob import TrainJob, lr_multiplier  # noqa: F401  (re-exported)
 from hetrain.runtime.watchdog import Watchdog, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
