@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.models.hf import gpt2_model, llama_model
-from hetrain.runtime.api import build_job
+from hetrain.runtime.api import RunConfig, build_job
 from hetrain.runtime.data import HF_CONTEXT, GlobalBatchSampler, example_task, lm_loss
 from hetrain.runtime.worker_main import lr_multiplier, run_worker
 
@@ -125,13 +125,12 @@ def plain_loop(task, job) -> Callable[[int], None]:
 
 def side_by_side(task, steps: int, warmup: int, folder: str) -> tuple[np.ndarray, np.ndarray]:
     """``(plain, hetrain)`` iterations per ``[wall, CPU]`` second, run in lockstep."""
-    job = build_job(
-        task, workers=1, steps=steps, metrics_out=os.path.join(folder, "m.jsonl"), run_dir=folder
-    )
-    job.adaptive = False
+    config = RunConfig(workers=1, steps=steps, metrics_out=os.path.join(folder, "m.jsonl"),
+                       run_dir=folder)  # fmt: skip
+    job = dataclasses.replace(build_job(task, config), adaptive=False)
     sampler = GlobalBatchSampler(len(task.train), job.batch, job.seed)
     source = _Lockstep(task.train, sampler, steps, plain_loop(task, job))
-    job.task = dataclasses.replace(job.task, train=source)
+    job = dataclasses.replace(job, task=dataclasses.replace(job.task, train=source))
     store = dist.FileStore(os.path.join(folder, "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

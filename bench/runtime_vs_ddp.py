@@ -175,13 +175,12 @@ def _hetrain_rank(rank: int, store: str, job, out) -> None:
 def run_hetrain(
     steps: int, batch: int, slow: bool, base: float, tmpdir: str
 ) -> tuple[list[float], dict]:
-    from hetrain.runtime.api import build_job
+    from hetrain.runtime.api import RunConfig, build_job
     from hetrain.runtime.data import charlm_task
     from hetrain.runtime.metrics import read_metrics
 
     metrics = os.path.join(tmpdir, f"hetrain-{'slow' if slow else 'equal'}.jsonl")
-    job = build_job(
-        charlm_task(),
+    config = RunConfig(
         workers=WORLD,
         steps=steps,
         batch=batch,
@@ -189,7 +188,7 @@ def run_hetrain(
         optimizer="adamw",
         warmup_steps=0,
         lr_schedule="constant",
-        grad_clip_norm=None,
+        grad_clip_norm=0.0,  # off
         weight_decay=0.0,
         slowdown={
             f"w{r}": base * (SLOW_FACTOR if (slow and f"w{r}" == SLOW_DEVICE) else 1.0)
@@ -197,6 +196,7 @@ def run_hetrain(
         },
         metrics_out=metrics,
     )
+    job = build_job(charlm_task(), config)
     # the controller runs in this (launching) process, as under ``hetrain train``
     from hetrain.runtime.adapt import ControllerThread
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -284,200 +284,37 @@ def simulate(
 # --------------------------------------------------------------------------------------------
 
 
-@app.command()
-def train(
-    example: Annotated[
-        str, typer.Option("--example", help="gpt2 (default), bert, resnet, charlm or digits")
-    ] = "gpt2",
-    workers: Annotated[
-        int | None,
-        typer.Option("--workers", help="local ranks w0..w{N-1} (default 4, or the cluster size)"),
-    ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="iterations to run")] = None,
-    plan: Annotated[Path | None, typer.Option("--plan", help="fixed plan (no re-planning)")] = None,
-    seed: Annotated[
-        int, typer.Option("--seed", help="seed of the initial weights and the data order")
-    ] = 0,
-    batch: Annotated[
-        int | None,
-        typer.Option("--batch", help="global batch B, samples per iteration (default: example's)"),
-    ] = None,
-    lr: Annotated[
-        float | None,
-        typer.Option("--lr", help="peak learning rate (default: the example's, e.g. 3e-3 charlm)"),
-    ] = None,
-    optimizer: Annotated[
-        str | None, typer.Option("--optimizer", help="sgd or adamw (default: the example's)")
-    ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 or float64")] = "float32",
-    slowdown: Annotated[
-        list[str] | None, typer.Option("--slowdown", help="DEVICE=FACTOR (repeatable)")
-    ] = None,
-    trace: Annotated[
-        Path | None, typer.Option("--trace", help="trace CSV, 1 slot = 1 step")
-    ] = None,
-    cluster: Annotated[
-        Path | None, typer.Option("--cluster", help="cluster file the local ranks emulate")
-    ] = None,
-    metrics_out: Annotated[Path | None, typer.Option("--metrics-out", help="JSONL file")] = None,
-    checkpoint_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--checkpoint-dir", help="folder of the checkpoints; a run resumes from its latest"
-        ),
-    ] = None,
-    checkpoint_every: Annotated[
-        int,
-        typer.Option("--checkpoint-every", help="checkpoint every N steps (0 = never)"),
-    ] = 0,
-    checkpoint_keep: Annotated[
-        int,
-        typer.Option(
-            "--checkpoint-keep",
-            help="complete checkpoints kept; older ones are deleted once a new one is complete",
-        ),
-    ] = 3,
-    on_nonfinite: Annotated[
-        str,
-        typer.Option(
-            "--on-nonfinite",
-            help="a NaN/inf loss or gradient norm: stop (default) the run, or skip the update",
-        ),
-    ] = "stop",
-    rdzv_timeout: Annotated[
-        float,
-        typer.Option(
-            "--rdzv-timeout", help="seconds to join the rendezvous before failing (default 60)"
-        ),
-    ] = 60.0,
-    max_restarts: Annotated[
-        int,
-        typer.Option(
-            "--max-restarts", help="restart the ranks this often after a failure (elastic)"
-        ),
-    ] = 0,
-    hang_timeout: Annotated[
-        float | None,
-        typer.Option("--hang-timeout", help="seconds without a finished step = rank failed"),
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option("--model", help="your model and data: pkg.module:factory")
-    ] = None,
-    data: Annotated[
-        Path | None, typer.Option("--data", help="text file for --example charlm")
-    ] = None,
-    norm_block: Annotated[
-        int | None,
-        typer.Option("--norm-block", help="BatchNorm statistics over blocks of G samples"),
-    ] = None,
-    exact: Annotated[
-        bool, typer.Option("--exact", help="refuse random ops that depend on the plan")
-    ] = False,
-    schedule: Annotated[str | None, typer.Option("--schedule", help="1f1b or gpipe")] = None,
-    microbatch_size: Annotated[
-        int | None, typer.Option("--microbatch-size", help="μ of the plans chosen online")
-    ] = None,
-    grad_clip_norm: Annotated[
-        float | None, typer.Option("--grad-clip-norm", help="clip the global gradient norm")
-    ] = None,
-    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 autocast of forward passes")] = False,
-    lr_schedule: Annotated[
-        str, typer.Option("--lr-schedule", help="cosine (to 10% at the end) or constant")
-    ] = "cosine",
-    warmup_steps: Annotated[
-        int | None, typer.Option("--warmup-steps", help="linear LR warm-up steps")
-    ] = None,
-    weight_decay: Annotated[
-        float | None,
-        typer.Option("--weight-decay", help="weight decay (default: the example's)"),
-    ] = None,
-    momentum: Annotated[float, typer.Option("--momentum", help="SGD momentum")] = 0.0,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="nodes (each runs this command)")] = 1,
-    rdzv_endpoint: Annotated[
-        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
-    ] = None,
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="job id shared by nodes")] = None,
-    run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", help="folder for metrics, report, model")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option("--out", help="export the trained state_dict here")
-    ] = None,
-    demo_slowdown: Annotated[
-        bool,
-        typer.Option(
-            "--demo-slowdown/--no-demo-slowdown",
-            help="example runs: w1 becomes 3x slower at step steps//3",
-        ),
-    ] = True,
-    report: Annotated[bool, typer.Option("--report/--no-report", help="plots at the end")] = True,
-    progress: Annotated[
-        bool, typer.Option("--progress/--no-progress", help="show a progress bar")
-    ] = True,
-    tensorboard: Annotated[
-        bool,
-        typer.Option(
-            "--tensorboard",
-            help="also write TensorBoard event files next to metrics.jsonl "
-            "(needs pip install 'hetrain[tensorboard]')",
-        ),
-    ] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
-    size: Annotated[
-        str | None,
-        typer.Option("--size", help="tiny (default), small or base (--example gpt2, bert, resnet)"),
-    ] = None,
-) -> None:
+def train(**values: Any) -> None:
     """Train a model on local worker processes (or torchrun nodes) under adaptive plans."""
     from hetrain.commands.train import run_train
+    from hetrain.runtime.config import split_cli_values
 
-    raise typer.Exit(
-        run_train(
-            size=size,
-            example=example,
-            workers=workers,
-            steps=steps,
-            plan=plan,
-            seed=seed,
-            batch=batch,
-            lr=lr,
-            optimizer=optimizer,
-            dtype=dtype,
-            slowdown=slowdown or [],
-            trace=trace,
-            cluster=cluster,
-            metrics_out=metrics_out,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            checkpoint_keep=checkpoint_keep,
-            on_nonfinite=on_nonfinite,
-            rdzv_timeout_s=rdzv_timeout,
-            max_restarts=max_restarts,
-            hang_timeout_s=hang_timeout,
-            norm_block=norm_block,
-            exact=exact,
-            model=model,
-            data=data,
-            schedule=schedule,
-            microbatch_size=microbatch_size,
-            grad_clip_norm=grad_clip_norm,
-            bf16=bf16,
-            lr_schedule=lr_schedule,
-            warmup_steps=warmup_steps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint,
-            rdzv_id=rdzv_id,
-            run_dir=run_dir,
-            out=out,
-            demo_slowdown=demo_slowdown,
-            report=report,
-            progress=progress,
-            json_out=json_out,
-            tensorboard=tensorboard,
+    config, command = split_cli_values(values)
+    raise typer.Exit(run_train(config, command))
+
+
+def _train_signature() -> None:
+    """``train``'s typer parameters, one per field of ``RunConfig`` and ``CommandOptions``
+    (hetrain.runtime.config): flag, type, default and help come from the field."""
+    import inspect
+
+    from hetrain.runtime.config import cli_parameters
+
+    params, annotations = [], {}
+    for name, type_, default, flag, help_ in cli_parameters():
+        annotation = Annotated[type_, typer.Option(*flag.split(" "), help=help_)]
+        annotations[name] = annotation
+        params.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+            )
         )
-    )
+    train.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    train.__annotations__ = {**annotations, "return": None}
+
+
+_train_signature()
+app.command()(train)
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,9 +101,9 @@ def test_tensorboard_is_off_by_default() -> None:
     import inspect
 
     assert inspect.signature(hetrain.train).parameters["tensorboard"].default is False
-    from hetrain.commands.train import run_train
+    from hetrain.runtime.config import RunConfig
 
-    assert inspect.signature(run_train).parameters["tensorboard"].default is False
+    assert RunConfig().tensorboard is False
 
 
 def _hide_tensorboard(monkeypatch) -> None:

@@ -410,7 +410,7 @@ def test_parameter_groups_follow_their_parameters_through_plan_changes(tmp_path)
 def test_what_the_optimizer_cannot_honour_is_refused_naming_it(kw, message):
     """Bad optimizers and groups are one InputError (exit 2) before any rank starts."""
     from hetrain.errors import InputError
-    from hetrain.runtime.api import build_job, task_from_objects
+    from hetrain.runtime.api import RunConfig, build_job, task_from_objects
 
     torch.manual_seed(0)
     model = TinyLM()
@@ -421,7 +421,7 @@ def test_what_the_optimizer_cannot_honour_is_refused_naming_it(kw, message):
         task = task_from_objects(
             model, token_dicts(), token_loss, collate_fn=pad_collate, param_groups=param_groups
         )
-        build_job(task, workers=1, steps=1, batch=4, optimizer=optimizer, **kw)
+        build_job(task, RunConfig(workers=1, steps=1, batch=4, optimizer=optimizer, **kw))
 
 
 def test_a_group_option_the_optimizer_does_not_know_is_refused():
@@ -559,11 +559,11 @@ def test_forward_updated_buffers_are_named_in_a_warning_and_refused_by_exact(cap
     statistics under a norm block are not named; without a norm block ``exact`` refuses them
     too."""
     from hetrain.errors import InputError
-    from hetrain.runtime.api import build_job, task_from_objects
+    from hetrain.runtime.api import RunConfig, build_job, task_from_objects
 
     def job(model, **kw):
         task = task_from_objects(model, _bn_data(), F.cross_entropy)
-        return build_job(task, workers=2, steps=1, batch=8, **kw)
+        return build_job(task, RunConfig(workers=2, steps=1, batch=8, **kw))
 
     job(_bn_model(), norm_block=2)
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,7 +1,9 @@
 """Body of ``hetrain train``: validate in the parent, launch the ranks, print the report.
 
-Everything that can be wrong with the input (plan, world size, files, ``--slowdown``) is checked
-here before any process starts (:func:`hetrain.runtime.api.build_job`): one line, exit 2.
+The options arrive checked value by value (:class:`~hetrain.runtime.config.RunConfig` and
+:class:`~hetrain.runtime.config.CommandOptions`, built by the CLI); what needs the model, the
+files or the world (plan, world size, outputs, ``--slowdown`` devices) is checked here once
+before any process starts (:func:`hetrain.runtime.job.build_job`): one line, exit 2.
 A failed rank exits 1 with one line naming the rank and the cause. Under ``torchrun`` (the
 environment has ``TORCHELASTIC_RUN_ID`` and ``RANK``) this process *is* a rank and trains
 directly.
@@ -9,6 +11,7 @@ directly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -17,6 +20,7 @@ from typing import Any
 
 from hetrain._text import plural
 from hetrain.errors import InputError
+from hetrain.runtime.config import CommandOptions, RunConfig
 
 DEMO_SLOWDOWN_FACTOR = 3.0
 
@@ -62,135 +66,43 @@ def _task(
     return example_task(example, size or "tiny")
 
 
-def run_train(
-    *,
-    size: str | None = None,
-    example: str = "gpt2",
-    workers: int | None = None,
-    steps: int | None = None,
-    plan: Path | None = None,
-    seed: int = 0,
-    batch: int | None = None,
-    lr: float | None = None,
-    optimizer: str | None = None,
-    dtype: str = "float32",
-    slowdown: list[str] | None = None,
-    trace: Path | None = None,
-    cluster: Path | None = None,
-    metrics_out: Path | None = None,
-    checkpoint_dir: Path | None = None,
-    checkpoint_every: int = 0,
-    checkpoint_keep: int = 3,
-    on_nonfinite: str = "stop",
-    rdzv_timeout_s: float = 60.0,
-    max_restarts: int = 0,
-    hang_timeout_s: float | None = None,
-    norm_block: int | None = None,
-    exact: bool = False,
-    model: str | None = None,
-    data: Path | None = None,
-    schedule: str | None = None,
-    microbatch_size: int | None = None,
-    grad_clip_norm: float | None = None,
-    bf16: bool = False,
-    lr_schedule: str = "cosine",
-    warmup_steps: int | None = None,
-    weight_decay: float | None = None,
-    momentum: float = 0.0,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_id: str | None = None,
-    run_dir: Path | None = None,
-    out: Path | None = None,
-    demo_slowdown: bool = True,
-    report: bool = True,
-    progress: bool = True,
-    json_out: bool = False,
-    tensorboard: bool = False,
-) -> int:
-    """Run ``hetrain train``; returns the exit status (0 ok, 1 a rank failed, 2 bad input is
-    raised as :class:`InputError`)."""
-    from hetrain._io import check_seed
+def run_train(config: RunConfig, command: CommandOptions) -> int:
+    """Run ``hetrain train`` with the run's options ``config`` and the command's own
+    ``command``; returns the exit status (0 ok, 1 a rank failed; bad input is raised as
+    :class:`InputError`, exit 2)."""
     from hetrain.runtime.api import build_job, run_job
     from hetrain.runtime.launch import LaunchError, RunStopped, torchrun_world, under_torchrun
 
-    check_seed("--seed", seed)  # before a --model factory is seeded with it
-    task = _task(example, model, data, size, seed)
-    name = task.name if model is None else "model"
-    run_dir = run_dir or Path("runs") / name
-    metrics_out = metrics_out or run_dir / "metrics.jsonl"
-    sources = []  # input files a run must not overwrite (the others are checked by build_job)
-    if data is not None:
-        sources.append(("--data", data))
-    if model is not None:  # the factory's own source file (a --out there replaced the code)
-        module = sys.modules.get(model.partition(":")[0])
-        if getattr(module, "__file__", None):
-            sources.append(("--model", Path(module.__file__)))
-    for source_option, source in sources:
-        for option, path in (
-            ("--out", out or run_dir / "model.pt"),
-            ("--metrics-out", metrics_out),
-        ):
-            if path.resolve() == source.resolve():
-                raise InputError(
-                    f"{option} and {source_option}",
-                    "",
-                    f"expected a file other than the {source_option} input, got {path}",
-                )
-    options: dict[str, Any] = dict(
-        steps=steps,
-        batch=batch,
-        seed=seed,
-        lr=lr,
-        optimizer=optimizer,
-        dtype=dtype,
-        bf16=bf16,
-        lr_schedule=lr_schedule,
-        warmup_steps=warmup_steps,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        schedule=schedule,
-        plan=plan,
-        microbatch_size=microbatch_size,
-        cluster=cluster,
-        slowdown=slowdown,
-        trace=trace,
-        metrics_out=metrics_out,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        checkpoint_keep=checkpoint_keep,
-        on_nonfinite=on_nonfinite,
-        out=out,
-        hang_timeout_s=hang_timeout_s,
-        norm_block=norm_block,
-        exact=exact,
-        tensorboard=tensorboard,
-    )
-    if grad_clip_norm is not None:
-        options["grad_clip_norm"] = grad_clip_norm
+    model, data = command.model, command.data
+    task = _task(command.example, model, data, command.size, config.seed)
+    config = config.with_output_defaults(task.name if model is None else "model")
+    _check_sources(config, model, data)
 
     if under_torchrun():
         # this process is one rank of a torchrun job: devices are the plan's (plan order) or
-        # w0..w{W-1}; validation runs on every rank (same inputs, same answer, no hang)
+        # w0..w{W-1}; the job is built on every rank (same inputs, same answer, no hang)
         from hetrain.plan import load_plan
         from hetrain.runtime.elastic import elastic_device_ids_given, gather_device_ids
         from hetrain.runtime.worker_main import run_worker
 
         rank, world = torchrun_world()
+        plan = config.plan
         devices = load_plan(plan).devices if plan is not None else [f"w{i}" for i in range(world)]
         if elastic_device_ids_given():
             # elastic: one torchrun agent per device (hetrain.runtime.elastic); the devices of
             # this round are the agents present, whatever joined or left since the last one.
             # --cluster is restricted to them; --plan is used while it names exactly them
-            # (else the round starts from even shares and the controller re-plans)
-            devices = gather_device_ids(hang_timeout_s)
-            if cluster is not None:
-                options["cluster"] = _cluster_subset(cluster, devices)
-            if plan is not None and set(load_plan(plan).devices) != set(devices):
-                options["plan"] = None
-            if slowdown:  # factors of devices that are not in this round do not apply
-                options["slowdown"] = [s for s in slowdown if s.split("=", 1)[0] in devices]
+            # (else the round starts from even shares and the controller re-plans); factors of
+            # devices that are not in this round do not apply
+            devices = gather_device_ids(config.hang_timeout_s)
+            config = dataclasses.replace(
+                config,
+                cluster=_cluster_subset(config.cluster, devices)
+                if config.cluster is not None
+                else None,
+                plan=plan if plan is None or set(load_plan(plan).devices) == set(devices) else None,
+                slowdown=tuple((d, f) for d, f in config.slowdown if d in devices),
+            )
         if len(devices) != world:
             raise InputError(
                 str(plan),
@@ -198,7 +110,7 @@ def run_train(
                 f"expected {plural(world, 'device')} (torchrun world size), the plan names "
                 f"{len(devices)}",
             )
-        job = build_job(task, devices=devices, progress=progress and rank == 0, **options)
+        job = build_job(task, config, devices=devices, progress=command.progress and rank == 0)
         try:
             summary = run_worker(job)
         except SystemExit:  # a graceful stop (SIGTERM): exit status 143 or 75
@@ -209,37 +121,23 @@ def run_train(
             record_rank_error(job, exc)
             raise
         if summary is not None:
-            _print_summary(summary, job, report, json_out)
+            _print_summary(summary, job, config.report, command.json_out)
         return 0
 
-    job = build_job(task, workers=workers, nnodes=nnodes, progress=progress, **options)
-    # the launch options are checked before anything is printed (one line on bad input)
-    if nnodes > 1 and rdzv_endpoint is None:
-        raise InputError("--rdzv-endpoint", "", "expected HOST:PORT with --nnodes > 1")
-    if rdzv_endpoint is not None:
-        # torch's rendezvous raised a ValueError traceback (exit 1) on a bad port
-        host, sep, port = rdzv_endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InputError(
-                "--rdzv-endpoint",
-                str(rdzv_endpoint),
-                "expected HOST:PORT with a port from 1 to 65535",
-            )
-    if max_restarts < 0:
-        raise InputError("--max-restarts", "", f"expected an integer >= 0, got {max_restarts}")
+    job = build_job(task, config, nnodes=command.nnodes, progress=command.progress)
     if (
-        demo_slowdown
+        command.demo_slowdown
         and model is None
-        and plan is None
-        and trace is None
-        and not slowdown
-        and cluster is None
+        and config.plan is None
+        and config.trace is None
+        and not config.slowdown
+        and config.cluster is None
         and len(job.devices) > 1
     ):
         from hetrain.runtime.api import check_trace_steps
 
         check_trace_steps(job.steps, len(job.devices), "the demo slow-down (--no-demo-slowdown)")
-        job.trace_rows = demo_trace_rows(job.devices, job.steps)
+        job = dataclasses.replace(job, trace_rows=demo_trace_rows(job.devices, job.steps))
         print(
             f"hetrain: demo dynamics: {job.devices[1]} computes {DEMO_SLOWDOWN_FACTOR:g}x slower "
             f"from step {job.steps // 3} on (--no-demo-slowdown to turn off)",
@@ -249,11 +147,11 @@ def run_train(
     try:
         summary = run_job(
             job,
-            nnodes=nnodes,
-            rdzv_endpoint=rdzv_endpoint,
-            run_id=rdzv_id,
-            max_restarts=max_restarts,
-            rdzv_timeout_s=rdzv_timeout_s,
+            nnodes=command.nnodes,
+            rdzv_endpoint=command.rdzv_endpoint,
+            run_id=command.rdzv_id,
+            max_restarts=config.max_restarts,
+            rdzv_timeout_s=config.rdzv_timeout_s,
         )
     except RunStopped as exc:
         # SIGTERM / Ctrl-C: one line (step, checkpoint), 0 when the stop checkpoint was written
@@ -265,8 +163,36 @@ def run_train(
         return 2 if "failed: InputError: " in str(exc) else 1
     if summary:
         summary["launch_wall_time_s"] = time.perf_counter() - t0
-        _print_summary(summary, job, report, json_out)
+        _print_summary(summary, job, config.report, command.json_out)
     return 0
+
+
+def _check_sources(config: RunConfig, model: str | None, data: Path | None) -> None:
+    """The files a run writes are not its ``--data`` input or its ``--model`` factory's source
+    file (an ``--out`` there replaced the code); the other inputs are checked by
+    :func:`hetrain.runtime.job.build_job`.
+
+    Raises:
+        InputError: naming both options.
+    """
+    sources = []
+    if data is not None:
+        sources.append(("--data", data))
+    if model is not None:
+        module = sys.modules.get(model.partition(":")[0])
+        if getattr(module, "__file__", None):
+            sources.append(("--model", Path(module.__file__)))
+    for source_option, source in sources:
+        for option, path in (
+            ("--out", config.out or config.run_dir / "model.pt"),
+            ("--metrics-out", config.metrics_out),
+        ):
+            if path.resolve() == source.resolve():
+                raise InputError(
+                    f"{option} and {source_option}",
+                    "",
+                    f"expected a file other than the {source_option} input, got {path}",
+                )
 
 
 def _cluster_subset(cluster: Path, devices: list[str]) -> dict:

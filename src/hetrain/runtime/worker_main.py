@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,6 +63,7 @@ from hetrain.runtime.stop import (  # noqa: F401  (re-exported: launch, tests)
     StopRequest,
     TrainingStopped,
 )
+from hetrain.runtime.trainjob import TrainJob, lr_multiplier  # noqa: F401  (re-exported)
 from hetrain.runtime.watchdog import process_group_timeout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -73,111 +72,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CALIBRATION_REPEATS = 5  # start-up measurements per micro-batch size (median)
 
 
-@dataclass
-class TrainJob:
-    """Everything a rank needs (validated by the parent before launching; passed by ``fork``).
-
-    Attributes:
-        task: model factory, data, loss, evaluation (:class:`~hetrain.runtime.data.Task`).
-        devices: device id of every rank (index = global rank).
-        steps, batch, seed: iterations, global batch ``B``, seed of weights and sampler.
-        optimizer, lr, weight_decay, momentum: optimizer (``sgd`` or ``adamw``), or
-            ``user``: ``optimizer_factory`` (``param groups -> torch.optim.Optimizer``; ``lr``
-            its first group's learning rate).
-        param_groups: parameter groups by name with their options
-            (:attr:`hetrain.runtime.optim.OptimizerSpec.param_groups`); empty: one group.
-        optimizer_state_factor: optimizer state bytes per parameter byte (measured by
-            :func:`hetrain.runtime.optim.check_factory`); None: from ``optimizer``.
-        warmup_steps: linear warm-up; then cosine decay to ``min_lr_ratio * lr``
-            (``lr_schedule="cosine"``) or constant (``"constant"``).
-        grad_clip_norm: clip the global gradient norm (None = off).
-        dtype: ``float32`` or ``float64``; ``bf16``: bf16 autocast of forward passes.
-        plan: the fixed (``adaptive=False``) or first plan; None = chosen at start.
-        microbatch_size: μ of the plans chosen here.
-        cluster: cluster file contents (SI conversion here) or None (local ranks).
-        slowdown: constant emulated slow-down factor per device.
-        trace_rows: docs/model.md §7 trace rows (slot = step) or None.
-        metrics_out: JSONL metrics file; run_dir: folder for the report and export.
-        checkpoint_dir / checkpoint_every: DCP checkpoints (0 = never); resume from the latest.
-        checkpoint_keep: complete checkpoints kept (older ones are deleted once a new one is
-            complete); None keeps all.
-        on_nonfinite: a non-finite loss or gradient norm ``"stop"``s the run at that step
-            (:class:`NonFiniteError`) or the update is ``"skip"``ped on every rank.
-        out: where to export the trained ``state_dict`` (``torch.save``); None = run_dir.
-        progress: show a rich progress bar on rank 0.
-        norm_block: BatchNorm norm block ``G`` (ghost batch norm) or None (per micro-batch);
-        exact: refuse random ops that cannot be made plan-invariant (docs/runtime.md).
-        hang_timeout_s: a rank that finishes no step for this long is failed (exit 124, see
-            :mod:`hetrain.runtime.watchdog`), and collectives time out after it; None = off.
-        controller_endpoint: ``host:port`` of the controller's store
-            (:class:`~hetrain.runtime.adapt.ControllerThread` of the launching process); None
-            under ``torchrun``: rank 0 then starts the controller process itself.
-        tensorboard: rank 0 also writes TensorBoard event files next to ``metrics_out``
-            (:class:`hetrain.runtime.metrics.TensorBoardSink`).
-    """
-
-    task: Task
-    devices: list[str]
-    steps: int
-    batch: int
-    seed: int = 0
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    optimizer_factory: Any = None
-    param_groups: tuple = ()
-    optimizer_state_factor: float | None = None
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    grad_clip_norm: float | None = None
-    dtype: str = "float32"
-    bf16: bool = False
-    schedule: str | None = None
-    plan: dict | None = None
-    adaptive: bool = True
-    microbatch_size: int = 8
-    cluster: dict | None = None
-    slowdown: dict[str, float] = field(default_factory=dict)
-    trace_rows: list | None = None
-    metrics_out: str | None = None
-    run_dir: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int | None = 3
-    on_nonfinite: str = "stop"
-    out: str | None = None
-    progress: bool = False
-    timeline_steps: int = 1
-    example: str | None = None
-    hang_timeout_s: float | None = None
-    norm_block: int | None = None
-    exact: bool = False
-    controller_endpoint: str | None = None
-    tensorboard: bool = False
-
-
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def lr_multiplier(job: TrainJob):
-    """``step -> factor`` of the learning rate: linear warm-up over ``warmup_steps``, then
-    cosine decay from 1 to ``min_lr_ratio`` at the last step (``lr_schedule="cosine"``)."""
-    warm, total, floor, kind = job.warmup_steps, job.steps, job.min_lr_ratio, job.lr_schedule
-
-    def factor(step: int) -> float:
-        if warm > 0 and step < warm:
-            return (step + 1) / warm
-        if kind == "constant":
-            return 1.0
-        span = max(total - warm, 1)
-        progress = min(max(step - warm, 0) / span, 1.0)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _profile(model: nn.Sequential, sample: torch.Tensor) -> ProfileArrays:
