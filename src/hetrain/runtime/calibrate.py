@@ -1,12 +1,17 @@
 """The runtime's start-up calibration (collective: every rank calls it at once, before the
 first step): this rank's speed ``s``, per-micro-batch overhead ``κ``, per-layer overhead ``λ``
-and jitter ``σ`` (:func:`_measure_device`, fitted by :func:`_fit_device`), and the weight
-update's seconds per parameter byte ``ω`` (:func:`_measure_update_s_per_byte`)
-(docs/model.md §3, docs/profiling.md §6)."""
+and jitter ``σ`` (:func:`_measure_device`, fitted by :func:`_fit_device`), the weight
+update's seconds per parameter byte ``ω`` (:func:`_measure_update_s_per_byte`), and the
+forward and backward seconds of every layer on this rank's device
+(:func:`measure_layer_times`), which :func:`with_layer_times` hands to the controller as the
+measured times of the device's kind (docs/model.md §3 "Measured times", docs/runtime.md
+"Start-up calibration")."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetrain.cluster import ClusterState
+from hetrain.profile import MeasuredTimes, ProfileArrays
 from hetrain.runtime.data import Task, call_model, cast_inputs
 from hetrain.runtime.optim import OptimizerSpec
 
@@ -25,6 +32,14 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: t.to(device), obj)
+
+
+def calibration_sizes(batch: int, sample_unit: int = 1) -> list[int]:
+    """The micro-batch sizes the start-up calibration runs (samples, increasing): ``u``,
+    ``4u`` and ``16u`` (``u = sample_unit``, at most ``batch``), each capped at ``batch`` and
+    rounded down to a multiple of ``u``; duplicates dropped."""
+    unit = max(1, min(int(sample_unit), int(batch)))
+    return sorted({max(unit, min(k * unit, batch) // unit * unit) for k in (1, 4, 16)})
 
 
 def _measure_update_s_per_byte(model: nn.Module, spec: OptimizerSpec) -> float:
@@ -83,9 +98,7 @@ def _measure_device(
     (``TrainingConfig.group_time_jitter``, docs/profiling.md §6)."""
     from hetrain.calibration import relative_jitter
 
-    batch = len(indices)
-    unit = max(1, min(int(sample_unit), batch))
-    sizes = sorted({max(unit, min(k * unit, batch) // unit * unit) for k in (1, 4, 16)})
+    sizes = calibration_sizes(len(indices), sample_unit)
     num_layers = len(model) if isinstance(model, nn.Sequential) else 1
     half = -(-num_layers // 2)
     device = device or torch.device("cpu")
@@ -171,3 +184,152 @@ def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[flo
         pass
     kappa = min(cap, max(times[0] - (times[-1] - times[0]) / (sizes[-1] - sizes[0]), 0.0))
     return flops_per_sample * sizes[-1] / max(times[-1] - kappa, 1e-9), kappa, 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayerTimes:
+    """Measured per-layer times of one rank's device (emulated slow-down included):
+    ``microbatch_sizes`` (shape ``(m,)``, samples, increasing) and ``fwd_s``, ``bwd_s`` (shape
+    ``(m, L)``, seconds per micro-batch of each size, per layer)."""
+
+    microbatch_sizes: np.ndarray
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+
+
+def measure_layer_times(
+    task: Task,
+    chain: Any,
+    dtype: torch.dtype,
+    indices: np.ndarray,
+    factor: float,
+    *,
+    device: torch.device | None = None,
+    sample_unit: int = 1,
+    repeats: int = CALIBRATION_REPEATS,
+    warmup: int = 1,
+) -> list[RankLayerTimes]:
+    """Forward and backward seconds of every layer of ``chain`` (a
+    :class:`~hetrain.runtime.cutting.Chain`, layer ``l`` run as the stage ``[l, l + 1)`` as in
+    training) on this rank's device, at the calibration's micro-batch sizes
+    (:func:`calibration_sizes` of ``len(indices)`` and ``sample_unit``; samples taken from
+    ``indices``, the sampler's first global batch), gathered from every rank (collective:
+    every rank calls it; the same sizes and layers everywhere).
+
+    Timing is :func:`hetrain.profiler.timing.time_layers` (what ``hetrain profile --measure``
+    writes): ``warmup`` untimed passes, then the median of ``repeats`` per layer and size;
+    a barrier starts every pass, so all ranks time their layers at once, as they compute in
+    training. The emulated slow-down ``factor`` (>= 1) multiplies the times: the engine
+    stretches every compute operation of the device to ``factor`` x its measured time
+    (docs/model.md §5). Uses the rank's current torch threads.
+
+    Returns:
+        One :class:`RankLayerTimes` per rank, index = rank.
+    """
+    from hetrain.profiler.timing import time_layers
+
+    sizes = calibration_sizes(len(indices), sample_unit)
+    device = device or torch.device("cpu")
+    inputs = {}
+    for mu in sizes:
+        x, _ = task.train.batch(np.asarray(indices[:mu]))
+        inputs[mu] = _to_device(cast_inputs(x, dtype), device)
+    times = time_layers(
+        chain,
+        inputs.__getitem__,
+        sizes,
+        warmup=warmup,
+        repeats=repeats,
+        threads=None,
+        before_pass=dist.barrier,
+    )
+    mine = np.stack([times.fwd_s, times.bwd_s]) * float(factor)  # (2, m, L)
+    coll = device if device.type == "cuda" else torch.device("cpu")
+    local = torch.as_tensor(mine, dtype=torch.float64, device=coll)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    sizes_arr = np.asarray(sizes, dtype=float)
+    return [
+        RankLayerTimes(sizes_arr, t[0].cpu().numpy().copy(), t[1].cpu().numpy().copy())
+        for t in gathered
+    ]
+
+
+def with_layer_times(
+    state: ClusterState,
+    profile: ProfileArrays,
+    devices: Sequence[str],
+    times: Sequence[RankLayerTimes],
+    *,
+    own_kinds: bool,
+) -> tuple[ClusterState, ProfileArrays]:
+    """The start-up state and profile the controller plans with, given every rank's measured
+    layer times (docs/model.md §3 "Measured times", docs/runtime.md "Start-up calibration").
+
+    Kinds: with ``own_kinds`` (local ranks, no cluster file) every device is its own kind
+    (its id), so that a device emulated slower never shares times with a faster one; else
+    the kinds of ``state`` (the cluster file's ``kind``, default its id's prefix), and the
+    times of a kind are the per-layer, per-size median over its measured devices. A device's
+    ``nominal_speed_flops`` becomes its ``speed_flops`` times the ratio of its own total time
+    (all layers, forward + backward, at the largest size) to its kind's, so that at start-up
+    it runs the kind's times scaled to its own (``ClusterState.measured_time_scale``: 1 for a
+    device alone in its kind) and the controller's later speed estimates scale them from
+    there. Measured times the profile already has for other kinds are kept; those of a
+    measured kind are replaced.
+
+    Args:
+        state: the start-up cluster state (measured ``speed_flops``; every id of ``devices``
+            in it).
+        profile: the model's profile (``L`` layers).
+        devices: device id of every rank (index = rank), aligned with ``times``.
+        times: :func:`measure_layer_times` of every rank (same sizes, ``L`` layers each).
+
+    Returns:
+        ``(state, profile)``: ``state`` with ``kinds`` and ``nominal_speed_flops`` set,
+        ``profile`` with one :class:`~hetrain.profile.MeasuredTimes` per measured kind.
+
+    Raises:
+        ValueError: ``devices`` and ``times`` of different lengths, a device not in
+            ``state``, or times of another number of layers or other sizes than the first.
+    """
+    if len(devices) != len(times):
+        raise ValueError(f"with_layer_times: {len(devices)} devices but {len(times)} times")
+    idx = state.index()
+    missing = [d for d in devices if d not in idx]
+    if missing:
+        raise ValueError(f"with_layer_times: devices {missing} are not in the state")
+    kinds = list(state.kinds)
+    if own_kinds:
+        for d in devices:
+            kinds[idx[d]] = d
+    sizes = np.asarray(times[0].microbatch_sizes, dtype=float) if times else np.zeros(0)
+    for d, t in zip(devices, times, strict=True):
+        if t.fwd_s.shape != (len(sizes), profile.num_layers) or t.bwd_s.shape != t.fwd_s.shape:
+            raise ValueError(
+                f"with_layer_times: times of {d} have shape {t.fwd_s.shape}, expected "
+                f"{(len(sizes), profile.num_layers)}"
+            )
+        if not np.array_equal(np.asarray(t.microbatch_sizes, dtype=float), sizes):
+            raise ValueError(f"with_layer_times: times of {d} at other micro-batch sizes")
+    by_kind: dict[str, list[int]] = {}
+    for r, d in enumerate(devices):
+        by_kind.setdefault(kinds[idx[d]].lower(), []).append(r)
+    measured: dict[str, MeasuredTimes] = {}
+    nominal = np.asarray(state.nominal_speed_flops, dtype=float).copy()
+    for key, ranks in by_kind.items():
+        fwd = np.median(np.stack([times[r].fwd_s for r in ranks]), axis=0)
+        bwd = np.median(np.stack([times[r].bwd_s for r in ranks]), axis=0)
+        kind = kinds[idx[devices[ranks[0]]]]
+        measured[key] = MeasuredTimes(kind, sizes.copy(), fwd, bwd)
+        kind_total = float(fwd[-1].sum() + bwd[-1].sum())
+        for i in range(state.num_devices):
+            if kinds[i].lower() == key:
+                nominal[i] = float(state.speed_flops[i])
+        for r in ranks:
+            own = float(times[r].fwd_s[-1].sum() + times[r].bwd_s[-1].sum())
+            ratio = own / kind_total if kind_total > 0 and own > 0 else 1.0
+            nominal[idx[devices[r]]] = float(state.speed_flops[idx[devices[r]]]) * ratio
+    kept = tuple(m for m in profile.measured if m.kind.lower() not in measured)
+    profile = dataclasses.replace(profile, measured=kept + tuple(measured.values()))
+    state = state.with_changes(kinds=tuple(kinds), nominal_speed_flops=nominal)
+    return state, profile

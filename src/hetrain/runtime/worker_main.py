@@ -50,7 +50,13 @@ from hetrain.profile import ProfileArrays
 from hetrain.profiler import profile_chain as measured_profile
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import ControllerLink, Decision, even_dp_plan, spawn_controller_process
-from hetrain.runtime.calibrate import _measure_device, _measure_update_s_per_byte, _sample_unit
+from hetrain.runtime.calibrate import (
+    _measure_device,
+    _measure_update_s_per_byte,
+    _sample_unit,
+    measure_layer_times,
+    with_layer_times,
+)
 from hetrain.runtime.data import (
     GlobalBatchSampler,
     Task,
@@ -555,12 +561,25 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             sample_unit=_sample_unit(model, job.norm_block),
         )
         mine = (*mine, _measure_update_s_per_byte(calib_model, optimizer_spec(job)))
+        layer_times = measure_layer_times(
+            job.task,
+            chain,
+            dtype,
+            sampler.indices(start_step),
+            factor,
+            device=calib_device,
+            sample_unit=_sample_unit(model, job.norm_block),
+        )
         gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
         measured = [float(t[0]) for t in gathered]
         kappa = [float(t[1]) for t in gathered]
         lam = [float(t[2]) for t in gathered]
         base_state = _base_state(job, measured, kappa, lam)
+        # each rank's layer times as the measured times of its kind (docs/runtime.md)
+        base_state, profile = with_layer_times(
+            base_state, profile, job.devices, layer_times, own_kinds=job.cluster is None
+        )
         if config is not None:
             # the refinement of docs/profiling.md §6 with this host's measurements: the
             # straggler of G' jittered groups and the weight update per parameter byte
