@@ -5,6 +5,9 @@ decisions plan with them, and its speed estimates compare measured steps with th
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import torch
 from torch import nn
@@ -13,7 +16,7 @@ from torch.nn import functional as F
 from hetrain.costmodel import TrainingConfig, evaluate_plan, profile_prefix, stage_compute_s
 from hetrain.plan import plan_from_dict
 from hetrain.profile import ProfileArrays
-from hetrain.runtime.adapt import PlanController, even_dp_plan
+from hetrain.runtime.adapt import ControllerThread, PlanController, even_dp_plan
 from hetrain.runtime.calibrate import RankLayerTimes, with_layer_times
 from hetrain.runtime.ctlwire import decode_init
 from hetrain.runtime.testing import run_ranks
@@ -176,8 +179,8 @@ def _train_rank(rank, world, job):
 
 def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
     """Two local ranks, w1 emulated 3x slower: the controller's start-up profile has measured
-    times of every layer for each rank's kind (its id), w1's about 3x w0's, and at the sizes
-    the calibration runs; their whole-model sum agrees with the start-up FLOP fit."""
+    times of every layer for each rank's kind (its id), w1's about 3x w0's, at sizes up to the
+    global batch; their whole-model sum agrees with the start-up FLOP fit."""
     from hetrain.runtime.api import build_job, task_from_objects
 
     g = torch.Generator().manual_seed(1)
@@ -195,27 +198,38 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
         metrics_out=run_dir / "metrics.jsonl",
     )
     assert job.adaptive
-    run_ranks(_train_rank, 2, tmp_path / "ranks", args=(job,), timeout_s=300.0)
-    init = decode_init((run_dir / "controller_init.json").read_bytes())
+    # the controller in this process beside the store it hosts (free port), as the launcher
+    # runs it; it writes the round's start (profile, state) for replays
+    controller = ControllerThread().start()
+    try:
+        job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
+        run_ranks(_train_rank, 2, tmp_path / "ranks", args=(job,), timeout_s=300.0)
+        init_path = run_dir / "controller_init.json"
+        deadline = time.monotonic() + 60.0
+        while not init_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the controller's thread handles what rank 0 sent
+    finally:
+        controller.close()
+    init = decode_init(init_path.read_bytes())
     state, profile = init["base_state"], init["profile"]
     assert state.kinds == ("w0", "w1")
     by_kind = {m.kind: m for m in profile.measured}
     assert sorted(by_kind) == ["w0", "w1"]
     for m in by_kind.values():
-        assert m.microbatch_sizes.tolist() == [1.0, 4.0, 16.0]
-        assert m.fwd_s.shape == m.bwd_s.shape == (3, 4)
+        assert m.microbatch_sizes.tolist() == [1.0, 4.0, 16.0, 64.0]  # up to the batch
+        assert m.fwd_s.shape == m.bwd_s.shape == (4, 4)
         assert np.all(m.fwd_s > 0) and np.all(m.bwd_s > 0)
     np.testing.assert_allclose(state.measured_time_scale(), 1.0)
     # the emulated slow-down is in the times: w1's total about 3x w0's (a wide band for a
     # shared machine; 1.0 if the factor were not applied, no times if none were fed)
     total = {k: float(m.fwd_s[-1].sum() + m.bwd_s[-1].sum()) for k, m in by_kind.items()}
     assert 2.0 <= total["w1"] / total["w0"] <= 4.5, total
-    # the planner's stage time of the whole model at 16 samples is the measured sum, and it is
+    # the planner's stage time of the whole model at 64 samples is the measured sum, and it is
     # the same order as the FLOP fit of the whole model's time (within 3x)
     prefix = profile_prefix(profile)
     flop_state = state.with_changes(kinds=("none0", "none1"))
     for i, d in enumerate(("w0", "w1")):
-        args = (np.array([i]), np.array([0]), np.array([4]), 16)
+        args = (np.array([i]), np.array([0]), np.array([4]), 64)
         measured_s = float(stage_compute_s(state, prefix, *args)[0])
         assert np.isclose(measured_s, total[d])
         flop_s = float(stage_compute_s(flop_state, prefix, *args)[0])

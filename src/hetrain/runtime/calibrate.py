@@ -42,6 +42,23 @@ def calibration_sizes(batch: int, sample_unit: int = 1) -> list[int]:
     return sorted({max(unit, min(k * unit, batch) // unit * unit) for k in (1, 4, 16)})
 
 
+def layer_timing_sizes(batch: int, sample_unit: int = 1, cap: int | None = None) -> list[int]:
+    """The micro-batch sizes the start-up calibration times every layer at (samples,
+    increasing): ``u 4^k`` up to ``m = min(batch, cap)`` and ``m`` itself, rounded down to
+    multiples of ``u`` (``u = sample_unit``): the range of micro-batch sizes the planner
+    searches (docs/planner.md), so that measured times are interpolated between measured
+    sizes instead of extrapolated from small ones (on CPUs per-sample times at 1-16 samples
+    are mostly overhead: a line through them put 128 samples at a fifth of their time)."""
+    unit = max(1, min(int(sample_unit), int(batch)))
+    top = max(unit, min(int(batch), int(cap) if cap is not None else int(batch)) // unit * unit)
+    sizes = {top}
+    k = unit
+    while k < top:
+        sizes.add(k)
+        k *= 4
+    return sorted(sizes)
+
+
 def _measure_update_s_per_byte(model: nn.Module, spec: OptimizerSpec) -> float:
     """``ω`` of ``TrainingConfig.update_time_s_per_param_byte`` (s per trainable parameter
     byte; docs/profiling.md §6): the second step of the optimizer ``spec`` over the whole model
@@ -206,15 +223,19 @@ def measure_layer_times(
     *,
     device: torch.device | None = None,
     sample_unit: int = 1,
-    repeats: int = CALIBRATION_REPEATS,
+    activation_bytes_per_sample: float = 0.0,
+    repeats: int = 3,
     warmup: int = 1,
 ) -> list[RankLayerTimes]:
     """Forward and backward seconds of every layer of ``chain`` (a
     :class:`~hetrain.runtime.cutting.Chain`, layer ``l`` run as the stage ``[l, l + 1)`` as in
-    training) on this rank's device, at the calibration's micro-batch sizes
-    (:func:`calibration_sizes` of ``len(indices)`` and ``sample_unit``; samples taken from
-    ``indices``, the sampler's first global batch), gathered from every rank (collective:
-    every rank calls it; the same sizes and layers everywhere).
+    training) on this rank's device, at the micro-batch sizes :func:`layer_timing_sizes` of
+    ``len(indices)`` (the global batch) and ``sample_unit`` (samples taken from ``indices``,
+    the sampler's first global batch), gathered from every rank (collective: every rank calls
+    it; the same sizes and layers everywhere). On a CUDA device the sizes stop where the whole
+    model's saved activations (``activation_bytes_per_sample`` x size, the profile's
+    ``Σ m_l``) would take more than half of the device's free memory (the smallest such cap
+    over the ranks).
 
     Timing is :func:`hetrain.profiler.timing.time_layers` (what ``hetrain profile --measure``
     writes): ``warmup`` untimed passes, then the median of ``repeats`` per layer and size;
@@ -228,8 +249,15 @@ def measure_layer_times(
     """
     from hetrain.profiler.timing import time_layers
 
-    sizes = calibration_sizes(len(indices), sample_unit)
     device = device or torch.device("cpu")
+    coll = device if device.type == "cuda" else torch.device("cpu")
+    cap = len(indices)
+    if device.type == "cuda" and activation_bytes_per_sample > 0:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        cap = max(1, min(cap, int(0.5 * free_bytes / activation_bytes_per_sample)))
+    box = torch.tensor([cap], dtype=torch.int64, device=coll)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    sizes = layer_timing_sizes(len(indices), sample_unit, int(box.item()))
     inputs = {}
     for mu in sizes:
         x, _ = task.train.batch(np.asarray(indices[:mu]))
@@ -244,7 +272,6 @@ def measure_layer_times(
         before_pass=dist.barrier,
     )
     mine = np.stack([times.fwd_s, times.bwd_s]) * float(factor)  # (2, m, L)
-    coll = device if device.type == "cuda" else torch.device("cpu")
     local = torch.as_tensor(mine, dtype=torch.float64, device=coll)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)

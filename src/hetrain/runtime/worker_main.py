@@ -569,6 +569,7 @@ def _train(job: TrainJob, Worker, gather_measurements) -> dict[str, Any] | None:
             factor,
             device=calib_device,
             sample_unit=_sample_unit(model, job.norm_block),
+            activation_bytes_per_sample=float(np.sum(profile.activation_memory_bytes)),
         )
         gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
         dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64, device=coll))
