@@ -276,7 +276,7 @@ def measure_layer_times(
     mine = np.stack([times.fwd_s, times.bwd_s]) * float(factor)  # (2, m, L)
     # a layer never takes longer on fewer samples: a time above a larger size's is load from
     # other processes (seen: 4x at 16 samples over 64 on a shared 2-core machine)
-    mine = np.minimum.accumulate(mine[:, ::-1], axis=1)[:, ::-1]
+    mine = np.ascontiguousarray(np.minimum.accumulate(mine[:, ::-1], axis=1)[:, ::-1])
     local = torch.as_tensor(mine, dtype=torch.float64, device=coll)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
