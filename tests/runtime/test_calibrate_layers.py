@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
@@ -234,3 +236,48 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
         assert np.isclose(measured_s, total[d])
         flop_s = float(stage_compute_s(flop_state, prefix, *args)[0])
         assert 1 / 3 <= measured_s / flop_s <= 3, (d, measured_s, flop_s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+    own=st.booleans(),
+)
+def test_every_device_starts_with_its_own_whole_model_time(kinds, seed, own):
+    """Whatever kinds the devices share: at start-up the planner's time of the whole model on
+    a device at the largest measured size is the device's own measured total (its kind's
+    median times scaled to it), and with ``own_kinds`` each device's times are its own."""
+    from hetrain.cluster import cluster_from_dict
+
+    rng = np.random.default_rng(seed)
+    ids = [f"{k}-{i}" for i, k in enumerate(kinds)]
+    spec = cluster_from_dict(
+        {
+            "links": {"intra_node_gbps": 20.0, "latency_us": 20.0},
+            "devices": [
+                {"id": d, "tflops": 1.0, "memory_gib": 16.0, "nic_gbps": 20.0} for d in ids
+            ],
+        },
+        "<test>",
+    )
+    state = spec.state().with_changes(speed_flops=rng.uniform(1e9, 1e10, len(ids)))
+    times = [
+        RankLayerTimes(
+            SIZES,
+            np.cumsum(rng.uniform(1e-4, 1e-2, (3, 4)), axis=0),
+            np.cumsum(rng.uniform(1e-4, 1e-2, (3, 4)), axis=0),
+        )
+        for _ in ids
+    ]
+    out, profile = with_layer_times(state, _flop_profile(), ids, times, own_kinds=own)
+    assert len(profile.measured) == (len(ids) if own else len(set(kinds)))
+    prefix = profile_prefix(profile)
+    for i, t in enumerate(times):
+        args = (np.array([i]), np.array([0]), np.array([4]), int(SIZES[-1]))
+        planned = float(stage_compute_s(out, prefix, *args)[0])
+        assert np.isclose(planned, t.fwd_s[-1].sum() + t.bwd_s[-1].sum(), rtol=1e-9)
+        if own:
+            # every size and layer, not only the total
+            mine = next(m for m in profile.measured if m.kind == ids[i])
+            np.testing.assert_allclose(mine.fwd_s, t.fwd_s)
