@@ -224,8 +224,12 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
     np.testing.assert_allclose(state.measured_time_scale(), 1.0)
     # the emulated slow-down is in the times: w1's total about 3x w0's (a wide band for a
     # shared machine; 1.0 if the factor were not applied, no times if none were fed)
-    total = {k: float(m.fwd_s[-1].sum() + m.bwd_s[-1].sum()) for k, m in by_kind.items()}
-    assert 2.0 <= total["w1"] / total["w0"] <= 4.5, total
+    # (the median over every layer and size of the forward + backward ratio: robust to one
+    # pass slowed by other processes)
+    train = {k: m.fwd_s + m.bwd_s for k, m in by_kind.items()}
+    ratio = float(np.median(train["w1"] / train["w0"]))
+    assert 2.0 <= ratio <= 4.5, (ratio, train)
+    total = {k: float(t[-1].sum()) for k, t in train.items()}
     # the planner's stage time of the whole model at 64 samples is the measured sum, and it is
     # the same order as the FLOP fit of the whole model's time (within 3x)
     prefix = profile_prefix(profile)
