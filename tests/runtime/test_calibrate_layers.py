@@ -222,13 +222,15 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
         assert m.fwd_s.shape == m.bwd_s.shape == (4, 4)
         assert np.all(m.fwd_s > 0) and np.all(m.bwd_s > 0)
     np.testing.assert_allclose(state.measured_time_scale(), 1.0)
-    # the emulated slow-down is in the times: w1's total about 3x w0's (a wide band for a
-    # shared machine; 1.0 if the factor were not applied, no times if none were fed)
+    # the emulated slow-down is in the times: w1's about 3x w0's (a wide band for a shared
+    # machine; about 1 if the factor were not applied, no times if none were fed)
     # (the median over every layer and size of the forward + backward ratio: robust to one
-    # pass slowed by other processes)
+    # pass slowed by other processes; two equal ranks measured 0.70-1.0 of each other in
+    # separate runs on the shared 2-core machine, so 1.6-5.0 is wide enough for that and
+    # still fails at 1)
     train = {k: m.fwd_s + m.bwd_s for k, m in by_kind.items()}
     ratio = float(np.median(train["w1"] / train["w0"]))
-    assert 2.0 <= ratio <= 4.5, (ratio, train)
+    assert 1.6 <= ratio <= 5.0, (ratio, train)
     total = {k: float(t[-1].sum()) for k, t in train.items()}
     # the planner's stage time of the whole model at 64 samples is the measured sum, and it is
     # the same order as the FLOP fit of the whole model's time (within 3x)
