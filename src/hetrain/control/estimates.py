@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hetrain.cluster import ClusterState
+from hetrain.costmodel import profile_prefix, stage_compute_s
+from hetrain.profile import ProfileArrays
 
 
 class SpeedEstimates:
@@ -22,13 +24,16 @@ class SpeedEstimates:
     Each iteration of device ``d`` gives the ratio ``r = time_s / t0`` of its measured stage
     compute time to what its start-up calibration predicts for the same work, ``t0 = flops /
     s_d + n (κ_d + λ_d Σν_l)`` (docs/model.md §3: each micro-batch of a stage costs ``μ c + κ +
-    λ Σν_l``); the estimate ``r̂_d`` is the median of the last ``long_window`` ratios while the
-    median of the last ``window`` ratios is within ``change_tolerance`` of it (a steady device:
-    the longer median is the more precise, so that identical ranks look identical), else the
-    median of the last ``window`` (a lasting change, followed after ``window // 2 + 1``
-    steps); and the device's speed, per-micro-batch overhead and per-layer overhead are
-    ``s_d / r̂_d``, ``κ_d r̂_d`` and ``λ_d r̂_d``: a device that slows down (thermal throttling,
-    a shared or emulated device) is slower at all of its work. Putting the whole change on the
+    λ Σν_l``), or the stage's measured per-layer times when the device's kind has them
+    (``expected_s`` of :meth:`observe`; the cost model then scales those times by ``r̂_d``
+    through ``nominal / speed``, docs/model.md §3); the estimate ``r̂_d`` is the median of the
+    last ``long_window`` ratios while the median of the last ``window`` ratios is within
+    ``change_tolerance`` of it (a steady device: the longer median is the more precise, so
+    that identical ranks look identical), else the median of the last ``window`` (a lasting
+    change, followed after ``window // 2 + 1`` steps); and the device's speed, per-micro-batch
+    overhead and per-layer overhead are ``s_d / r̂_d``, ``κ_d r̂_d`` and ``λ_d r̂_d``: a device
+    that slows down (thermal throttling, a shared or emulated device) is slower at all of its
+    work. Putting the whole change on the
     speed instead, ``flops / (time_s - n (κ + λ Σν))`` with start-up overheads, makes a device
     with a small share, whose step is mostly overhead, look ever slower the less it is given.
 
@@ -78,17 +83,24 @@ class SpeedEstimates:
         time_s: float,
         num_microbatches: int,
         num_layers: float = 0,
+        *,
+        expected_s: float | None = None,
     ) -> None:
         """One iteration of ``device``: ``flops`` FLOPs computed in ``time_s`` seconds over
         ``num_microbatches`` micro-batches of a stage of ``num_layers`` layers, or its layer
-        units ``Σ ν_l`` (docs/model.md (v3) §3)."""
+        units ``Σ ν_l`` (docs/model.md (v3) §3). ``expected_s``: what the start-up
+        calibration predicts for this work when it is not the FLOP model's (a device whose
+        kind has measured per-layer times: :func:`startup_stage_time_s`), seconds."""
         if flops <= 0 or time_s <= 0 or not math.isfinite(time_s) or device not in self._samples:
             return
         speed = self.speed_flops[device]
         if not (speed > 0 and math.isfinite(speed)):
             return
-        overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
-        expected_s = flops / speed + num_microbatches * overhead_s
+        if expected_s is None:
+            overhead_s = self.kappa_s[device] + num_layers * self.layer_overhead_s[device]
+            expected_s = flops / speed + num_microbatches * overhead_s
+        if not (expected_s > 0 and math.isfinite(expected_s)):
+            return
         recent = self._samples[device]
         recent.append(time_s / expected_s)
         del recent[: -self.long_window]
@@ -131,3 +143,33 @@ class SpeedEstimates:
                 kappa[i] = self.kappa_s[d] * r
                 lam[i] = self.layer_overhead_s[d] * r
         return state.with_changes(speed_flops=speed, kappa_s=kappa, layer_overhead_s=lam)
+
+
+def startup_stage_time_s(
+    state: ClusterState,
+    profile: ProfileArrays,
+    device: str,
+    start: int,
+    end: int,
+    batch: int,
+    microbatch_size: int,
+) -> float | None:
+    """Seconds the cost model gives ``device`` in ``state`` (the start-up state) for layers
+    ``[start, end)`` over ``batch`` samples in micro-batches of ``microbatch_size`` (the last
+    one holds the rest) when the device's kind has measured times in ``profile``
+    (:func:`hetrain.costmodel.stage_compute_s`, docs/model.md §3), else None (the FLOP model:
+    :meth:`SpeedEstimates.observe` computes it). Also None for an empty stage or batch."""
+    if not profile.measured or end <= start or batch <= 0:
+        return None
+    i = state.index().get(device)
+    if i is None:
+        return None
+    prefix = profile_prefix(profile)
+    if prefix.kind_index(state)[i] < 0:
+        return None
+    mu = max(1, min(int(microbatch_size), int(batch)))
+    full, rest = divmod(int(batch), mu)
+    sizes = np.array([mu, max(rest, 1)])
+    per = stage_compute_s(state, prefix, np.array([i, i]), np.array([start] * 2),
+                          np.array([end] * 2), sizes)  # fmt: skip
+    return float(full * per[0] + (per[1] if rest else 0.0))

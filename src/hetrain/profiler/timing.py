@@ -50,6 +50,7 @@ def time_layers(
     repeats: int = 5,
     threads: int | None = 1,
     progress: Callable[[int], None] | None = None,
+    before_pass: Callable[[], None] | None = None,
 ) -> LayerTimes:
     """Time every layer's forward and backward, per micro-batch size: ``warmup`` untimed
     rounds, then the median of ``repeats`` timed ones (a round = one pass per size, sizes
@@ -65,7 +66,9 @@ def time_layers(
     layer produced (ones for the last). ``threads`` sets ``torch.set_num_threads`` for the
     measurement (1 = what one local rank gets) and restores it afterwards.
     ``progress(samples)`` is called after every pass with its micro-batch size (a progress
-    bar whose remaining time follows the work done).
+    bar whose remaining time follows the work done). ``before_pass()`` is called before every
+    pass (the runtime's start-up calibration puts a barrier there, so that all ranks time
+    their layers at once, as they compute in training).
 
     Raises:
         ValueError: empty ``microbatch_sizes``, a size < 1, ``repeats < 1`` or ``warmup < 0``.
@@ -88,7 +91,10 @@ def time_layers(
         # sizes interleaved within each repeat: on a shared machine all sizes see the same load
         for rep in range(warmup + repeats):
             for i, mu in enumerate(microbatch_sizes):
-                f_s, b_s = _one_pass(chain, stages, make_input(mu), device)
+                inputs = make_input(mu)
+                if before_pass is not None:
+                    before_pass()
+                f_s, b_s = _one_pass(chain, stages, inputs, device)
                 if progress is not None:
                     progress(int(mu))
                 if rep >= warmup:

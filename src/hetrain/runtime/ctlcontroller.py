@@ -31,7 +31,7 @@ import numpy as np
 
 from hetrain.cluster import ClusterState
 from hetrain.control import make_policy
-from hetrain.control.estimates import SpeedEstimates
+from hetrain.control.estimates import SpeedEstimates, startup_stage_time_s
 from hetrain.costmodel import TrainingConfig
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
@@ -164,7 +164,13 @@ class PlanController:
                     continue
                 work = float(flops[start:end].sum()) * group.batch
                 units = self.profile.layer_units(start, end)
-                self.estimates.observe(d, work, t, group.num_microbatches, units)
+                # a device with measured layer times: r = time / those times (not the FLOP model's)
+                mu = group.microbatch_size
+                expected = startup_stage_time_s(self.base_state, self.profile, d, start, end,
+                                                group.batch, mu)  # fmt: skip
+                self.estimates.observe(
+                    d, work, t, group.num_microbatches, units, expected_s=expected
+                )
         self.observed_steps += 1
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()

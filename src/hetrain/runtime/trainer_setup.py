@@ -161,8 +161,8 @@ class TrainerSetup:
         ):
             plan = resume.plan
         if job.adaptive:
-            self.base_state, self.config = startup_measurements(
-                job, model, self.profile, self.config, self.sampler, self.start_step,
+            self.base_state, self.profile, self.config = startup_measurements(
+                job, model, self.chain, self.profile, self.config, self.sampler, self.start_step,
                 self.emu, self.coll,
             )  # fmt: skip
         else:
