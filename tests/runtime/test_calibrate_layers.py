@@ -184,14 +184,14 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
     times of every layer for each rank's kind (its id), w1's about 3x w0's, at sizes up to the
     global batch, and the planner's stage time is their sum."""
     from hetrain.runtime.api import build_job, task_from_objects
+    from hetrain.runtime.config import RunConfig
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(512, 64, generator=g)
     y = x[:, :4].argmax(dim=1)
     task = task_from_objects(_chain_model(), (x, y), F.cross_entropy)
     run_dir = tmp_path / "run"
-    job = build_job(
-        task,
+    config = RunConfig(
         workers=2,
         steps=3,
         batch=BATCH,
@@ -199,6 +199,7 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
         run_dir=run_dir,
         metrics_out=run_dir / "metrics.jsonl",
     )
+    job = build_job(task, config)
     assert job.adaptive
     # the controller in this process beside the store it hosts (free port), as the launcher
     # runs it; it writes the round's start (profile, state) for replays
