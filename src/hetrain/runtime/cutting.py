@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import SUPPORTED_NODES as _PYTREE_NODES
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hetrain.errors import InputError
@@ -244,7 +245,46 @@ def _func_name(func: Any) -> str:
 
 def _mutates(func: Any) -> bool:
     name = _func_name(func)
-    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+    hit = _MUTATES.get(name)
+    if hit is None:
+        hit = _MUTATES[name] = name in _IN_PLACE_DUNDERS or (
+            name.endswith("_") and not name.startswith("__")
+        )
+    return hit
+
+
+_MUTATES: dict[str, bool] = {}
+
+
+def _scan(obj: Any, tensors: list[torch.Tensor]) -> bool:
+    """Append the tensors of the pytree ``obj`` to ``tensors`` (the leaves ``tree_flatten``
+    gives, without building its spec: this runs on every call outside the blocks); True when a
+    leaf is the meta ``torch.device``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return False
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        meta = False
+        for a in obj:
+            meta |= _scan(a, tensors)
+        return meta
+    if kind is dict:
+        meta = False
+        for a in obj.values():
+            meta |= _scan(a, tensors)
+        return meta
+    if kind is torch.device:
+        return obj.type == "meta"
+    if kind in _PYTREE_NODES or isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        flat = tree_flatten(obj)[0]
+        tensors += [a for a in flat if isinstance(a, torch.Tensor)]
+        return any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
+    return False
+
+
+def _out_leaves(out: Any) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else leaves(out)
 
 
 @dataclass
@@ -340,6 +380,10 @@ class _Track(TorchFunctionMode):
         stand-in; ``check`` (a function name): raise when a tensor computed before the stage
         and not received is used."""
         run = self.run
+        tensors: list[torch.Tensor] = []
+        _scan(obj, tensors)
+        if not any(id(a) in run.key_of for a in tensors):
+            return obj
         flat, spec = tree_flatten(obj)
         changed = False
         for k, a in enumerate(flat):
@@ -378,18 +422,19 @@ class _Track(TorchFunctionMode):
             )
         return a
 
-    def key_outputs(self, func: Any, first: Any, out: Any, real: bool, rebuild: bool) -> None:
+    def key_outputs(
+        self, func: Any, args: Any, kwargs: Any, out: Any, real: bool, rebuild: bool
+    ) -> None:
         run = self.run
         name, call = run.frames[-1][:2] if run.frames else ("", 0)
         frame = (run.phase, name, call)
-        outs = leaves(out)
-        written = (
-            first
-            if _mutates(func)
-            and isinstance(first, torch.Tensor)
-            and not any(first is t for t in outs)
-            else None
-        )
+        outs = _out_leaves(out)
+        written = None
+        if _mutates(func):
+            flat = tree_flatten((args, kwargs))[0]
+            first = flat[0] if flat else None
+            if isinstance(first, torch.Tensor) and not any(first is t for t in outs):
+                written = first
         if not outs and written is None:
             return
         # results made from the inputs alone are numbered apart ("r", n): every stage rebuilds
@@ -411,14 +456,14 @@ class _Track(TorchFunctionMode):
         name = _func_name(func)
         if run.quiet or name in _METADATA_READS:
             return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        first = flat[0] if flat else None
+        tensors: list[torch.Tensor] = []
+        meta_device = _scan(args, tensors) | _scan(kwargs, tensors)
         if run.record:
-            return self._record_event(func, name, args, kwargs, tensors, first)
+            return self._record_event(func, name, args, kwargs, tensors)
         before = run.phase < run.start and run.depth == 0
         if before and not all(id(t) not in self.cut._name_of and self.is_real(t) for t in tensors):
             # before the stage, on weights or results of earlier layers: shapes only
+            flat, spec = tree_flatten((args, kwargs))
             flat = [
                 self.to_meta(a)
                 if isinstance(a, torch.Tensor)
@@ -440,29 +485,33 @@ class _Track(TorchFunctionMode):
                     "layers=[...]",
                 ) from None
             if run.depth == 0:
-                self.key_outputs(func, first, out, real=False, rebuild=False)
+                self.key_outputs(func, args, kwargs, out, real=False, rebuild=False)
             return out
-        changed = False
-        if not before:
-            for k, a in enumerate(flat):
-                if isinstance(a, torch.Tensor) and id(a) in run.key_of:
-                    flat[k] = self._received_or_valid(a, name)
-                    changed |= flat[k] is not a
-        if any(isinstance(a, torch.device) and a.type == "meta" for a in flat) and not any(
-            isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat
-        ):
-            # real tensors (or none) placed on a meta tensor's device: the stage's device
-            flat = [_stage_device(a, run.device) for a in flat]
-            changed = True
-        if changed:
+        key_of = run.key_of
+        swap = not before and any(
+            id(a) in key_of and self._received_or_valid(a, name) is not a for a in tensors
+        )
+        on_meta = meta_device and not any(a.device.type == "meta" for a in tensors)
+        if swap or on_meta:
+            flat, spec = tree_flatten((args, kwargs))
+            if swap:
+                flat = [
+                    self._received_or_valid(a, name)
+                    if isinstance(a, torch.Tensor) and id(a) in key_of
+                    else a
+                    for a in flat
+                ]
+            if on_meta:
+                # real tensors (or none) placed on a meta tensor's device: the stage's device
+                flat = [_stage_device(a, run.device) for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if run.depth == 0:
             rebuild = all(self.rebuildable(t) for t in tensors)
-            self.key_outputs(func, first, out, real=True, rebuild=rebuild)
+            self.key_outputs(func, args, kwargs, out, real=True, rebuild=rebuild)
         return out
 
-    def _record_event(self, func, name, args, kwargs, tensors, first):  # noqa: ANN001, ANN202
+    def _record_event(self, func, name, args, kwargs, tensors):  # noqa: ANN001, ANN202
         run = self.run
         cut = self.cut
         for t in tensors:
@@ -499,7 +548,7 @@ class _Track(TorchFunctionMode):
                 "later stage does not compute; name other cut points with layers=[...]",
             )
         if run.depth == 0:
-            self.key_outputs(func, first, out, real=True, rebuild=rebuild)
+            self.key_outputs(func, args, kwargs, out, real=True, rebuild=rebuild)
         else:
             for t in leaves(out):
                 if run.key_of.get(id(t)) is None:
@@ -633,7 +682,11 @@ class ModuleCut(Chain):
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True)
             block.register_forward_hook(self._post_hook(i))
+        self._outside: dict[int, nn.Module] = {}  # modules the forward calls outside blocks
         self._record_boundaries(example_inputs)
+        for mod in self._outside.values():
+            mod.register_forward_pre_hook(self._module_pre)
+            mod.register_forward_hook(self._module_post)
 
     # ---------------------------------------------------------------------------- recording
     def _record(self, names: list[str], example_inputs: Any, default: bool = False) -> None:
@@ -762,6 +815,7 @@ class ModuleCut(Chain):
         self._module_calls: dict[str, int] = {}
         self._module_outs: dict[tuple[int, str, int], _BlockRecord] = {}
         self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
+        self._skippable: dict[int, list[tuple[nn.Module, dict]]] = {}
         run = _Run(
             start=0,
             end=self.num_layers,
@@ -927,16 +981,23 @@ class ModuleCut(Chain):
         saved = [b.__dict__.get("forward") for b in skipped]
         for i, b in enumerate(skipped):
             b.forward = self._stand_in(i, run)
-        skipped_mods = [] if run.record else self._skippable_modules(run)
+        skipped_mods = [] if run.record else self._skippable_modules(run.start)
         saved_mods = [m.__dict__.get("forward") for m, _ in skipped_mods]
         for m, answers in skipped_mods:
             m.forward = self._module_stand_in(run, m.forward, answers)
         skipped += [m for m, _ in skipped_mods]
         saved += saved_mods
-        hooks = [
-            nn.modules.module.register_module_forward_pre_hook(self._module_pre(run)),
-            nn.modules.module.register_module_forward_hook(self._module_post(run, mode)),
-        ]
+        # recording names every module the forward calls outside the blocks (global hooks);
+        # a stage runs the hooks of those modules only, so the modules inside its blocks keep
+        # torch's fast call path
+        hooks = (
+            [
+                nn.modules.module.register_module_forward_pre_hook(self._module_pre),
+                nn.modules.module.register_module_forward_hook(self._module_post),
+            ]
+            if run.record
+            else []
+        )
         self._run = run
         attrs = [(m, n, getattr(m, n)) for m, n in self._plain_attrs]
         try:
@@ -961,16 +1022,24 @@ class ModuleCut(Chain):
                 else:
                     b.forward = f
 
-    def _skippable_modules(self, run: _Run) -> list[tuple[nn.Module, dict]]:
-        """Modules outside the blocks, called once per forward before the stage, without
-        dropout, whose every output is received (rotary tables): they are not run at all."""
+    def _skippable_modules(self, start: int) -> list[tuple[nn.Module, dict]]:
+        """Modules outside the blocks, called once per forward before stage ``start``, without
+        dropout, whose every output the stage receives (rotary tables): they are not run at
+        all. The same for every micro-batch of the stage (computed once)."""
+        hit = self._skippable.get(start)
+        if hit is None:
+            hit = self._skippable[start] = self._find_skippable(start)
+        return hit
+
+    def _find_skippable(self, start: int) -> list[tuple[nn.Module, dict]]:
+        received = set(self._live[start]) if start > 0 else set()
         mods = self._mods_by_name
         out: dict[str, dict] = {}
         for (phase, name, c), rec in self._module_outs.items():
-            if phase >= run.start or self._module_calls.get(name) != 1 or name not in mods:
+            if phase >= start or self._module_calls.get(name) != 1 or name not in mods:
                 continue
             keys = [(phase, name, c, -1, j) for j in range(len(rec.tensors))]
-            if not all(k in run.received for k in keys):
+            if not all(k in received for k in keys):
                 continue
             if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mods[name].modules()):
                 continue
@@ -994,49 +1063,48 @@ class ModuleCut(Chain):
 
         return stand_in
 
-    def _module_pre(self, run: _Run) -> Callable:
-        def hook(mod, args):  # noqa: ANN001
-            if run.depth > 0 or id(mod) in self._block_ids:
-                return
-            name = self._mod_names.get(id(mod), type(mod).__name__)
-            c = run.calls.get((run.phase, name), 0)
-            run.calls[(run.phase, name)] = c + 1
-            run.frames.append((name, c, run.phase, run.serial))
+    def _module_pre(self, mod: nn.Module, args: Any) -> None:
+        run = self._run
+        if run is None or run.depth > 0 or id(mod) in self._block_ids:
+            return
+        if run.record:
+            self._outside[id(mod)] = mod
+        name = self._mod_names.get(id(mod), type(mod).__name__)
+        c = run.calls.get((run.phase, name), 0)
+        run.calls[(run.phase, name)] = c + 1
+        run.frames.append((name, c, run.phase, run.serial))
 
-        return hook
-
-    def _module_post(self, run: _Run, mode: _Track) -> Callable:
-        def hook(mod, args, out):  # noqa: ANN001
-            if run.depth > 0 or id(mod) in self._block_ids or not run.frames:
-                return
-            name, c, phase, serial = run.frames.pop()
-            if phase != run.phase:
-                return  # a module around cut points (its outputs keep their names)
-            # what a module makes within one layer is named after the module (robust to how
-            # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
-            # keeps its name
-            flat, spec = tree_flatten(out)
-            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            if run.record:
-                self._module_calls[name] = self._module_calls.get(name, 0) + 1
-                if tensors and all(
-                    run.serial_of.get(id(t), 0) > serial or id(t) not in run.key_of for t in tensors
-                ):
-                    self._module_outs[(phase, name, c)] = _BlockRecord(
-                        spec=spec,
-                        flat=[None if isinstance(a, torch.Tensor) else a for a in flat],
-                        tensors=[(tuple(t.shape), t.dtype, None) for t in tensors],
-                        batch=None,
-                    )
-            for j, t in enumerate(tensors):
-                if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
-                    continue
-                k = run.key_of.get(id(t))
-                real = mode.is_real(t)
-                rebuild = self._rebuild.get(k, False) if k is not None else mode.rebuildable(t)
-                mode.assign(t, (run.phase, name, c, -1, j), real, rebuild)
-
-        return hook
+    def _module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        run = self._run
+        if run is None or run.depth > 0 or id(mod) in self._block_ids or not run.frames:
+            return
+        mode = _MODES[id(run)]
+        name, c, phase, serial = run.frames.pop()
+        if phase != run.phase:
+            return  # a module around cut points (its outputs keep their names)
+        # what a module makes within one layer is named after the module (robust to how
+        # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
+        # keeps its name
+        flat, spec = tree_flatten(out)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if run.record:
+            self._module_calls[name] = self._module_calls.get(name, 0) + 1
+            if tensors and all(
+                run.serial_of.get(id(t), 0) > serial or id(t) not in run.key_of for t in tensors
+            ):
+                self._module_outs[(phase, name, c)] = _BlockRecord(
+                    spec=spec,
+                    flat=[None if isinstance(a, torch.Tensor) else a for a in flat],
+                    tensors=[(tuple(t.shape), t.dtype, None) for t in tensors],
+                    batch=None,
+                )
+        for j, t in enumerate(tensors):
+            if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
+                continue
+            k = run.key_of.get(id(t))
+            real = mode.is_real(t)
+            rebuild = self._rebuild.get(k, False) if k is not None else mode.rebuildable(t)
+            mode.assign(t, (run.phase, name, c, -1, j), real, rebuild)
 
     def verify(self, example_inputs: Any) -> None:
         """Run every layer as its own stage on ``example_inputs`` and on their first sample
