@@ -98,24 +98,35 @@ def _mutates(func: Any) -> bool:
 _MUTATES: dict[str, bool] = {}
 
 
+#: leaf types a call's arguments often hold that hold no tensor
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, slice, type(Ellipsis)})
+
+
 def _scan(obj: Any, tensors: list[torch.Tensor]) -> bool:
     """Append the tensors of the pytree ``obj`` to ``tensors`` (the leaves ``tree_flatten``
     gives, without building its spec: this runs on every call outside the blocks); True when a
     leaf is the meta ``torch.device``."""
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        items: Any = obj
+    elif kind is dict:
+        items = obj.values()
+    else:
+        return _scan_leaf(obj, tensors)
+    meta = False
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif type(a) not in _PLAIN:
+            meta |= _scan(a, tensors)
+    return meta
+
+
+def _scan_leaf(obj: Any, tensors: list[torch.Tensor]) -> bool:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return False
     kind = type(obj)
-    if kind is tuple or kind is list:
-        meta = False
-        for a in obj:
-            meta |= _scan(a, tensors)
-        return meta
-    if kind is dict:
-        meta = False
-        for a in obj.values():
-            meta |= _scan(a, tensors)
-        return meta
     if kind is torch.device:
         return obj.type == "meta"
     if kind in _PYTREE_NODES or isinstance(obj, tuple) and hasattr(obj, "_fields"):
@@ -123,10 +134,6 @@ def _scan(obj: Any, tensors: list[torch.Tensor]) -> bool:
         tensors += [a for a in flat if isinstance(a, torch.Tensor)]
         return any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
     return False
-
-
-def _out_leaves(out: Any) -> list[torch.Tensor]:
-    return [out] if isinstance(out, torch.Tensor) else leaves(out)
 
 
 @dataclass
@@ -192,9 +199,8 @@ class _Track(TorchFunctionMode):
         if t.device.type == "meta":
             return t
         hit = self.run.meta_of.get(id(t))
-        if hit is None:
-            with _disable_current_modes():
-                m = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        if hit is None:  # (called with the current modes disabled)
+            m = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
             hit = self.run.meta_of[id(t)] = (t, m)
         return hit[1]
 
@@ -224,7 +230,17 @@ class _Track(TorchFunctionMode):
         run = self.run
         tensors: list[torch.Tensor] = []
         _scan(obj, tensors)
-        if not any(id(a) in run.key_of for a in tensors):
+        key_of, received, valid = run.key_of, run.received, run.valid
+        for a in tensors:  # is there anything to swap in or to refuse?
+            key = key_of.get(id(a))
+            if key is None:
+                continue
+            got = received.get(key)
+            if (got is not None and got is not a) or (
+                got is None and check is not None and key not in valid
+            ):
+                break
+        else:
             return obj
         flat, spec = tree_flatten(obj)
         changed = False
@@ -268,9 +284,9 @@ class _Track(TorchFunctionMode):
         self, func: Any, args: Any, kwargs: Any, out: Any, real: bool, rebuild: bool
     ) -> None:
         run = self.run
-        name, call = run.frames[-1][:2] if run.frames else ("", 0)
-        frame = (run.phase, name, call)
-        outs = _out_leaves(out)
+        frames = run.frames
+        name, call = frames[-1][:2] if frames else ("", 0)
+        outs = [out] if isinstance(out, torch.Tensor) else leaves(out)
         written = None
         if _mutates(func):
             flat = tree_flatten((args, kwargs))[0]
@@ -282,57 +298,52 @@ class _Track(TorchFunctionMode):
         # results made from the inputs alone are numbered apart ("r", n): every stage rebuilds
         # them and their count may depend on the micro-batch (HF's mask code branches on the
         # batch size), the numbers of the others may not
-        counter = (*frame, rebuild)
+        counter = (run.phase, name, call, rebuild)
         o = run.ords.get(counter, 0)
         run.ords[counter] = o + 1
         ordinal: Any = ("r", o) if rebuild else o
-        for j, t in enumerate(outs):
-            self.assign(t, (*frame, ordinal, j), real, rebuild)
+        if run.record:
+            for j, t in enumerate(outs):
+                self.assign(t, (run.phase, name, call, ordinal, j), real, rebuild)
+        else:  # assign, inlined
+            serial_of, key_of, obj_of, valid = run.serial_of, run.key_of, run.obj_of, run.valid
+            for j, t in enumerate(outs):
+                key = (run.phase, name, call, ordinal, j)
+                run.serial += 1
+                serial_of[id(t)] = run.serial
+                key_of[id(t)] = key
+                obj_of[key] = t
+                if real:
+                    valid.add(key)
         if written is not None:
-            self.assign(written, (*frame, ordinal, "w"), real, rebuild)
+            self.assign(written, (run.phase, name, call, ordinal, "w"), real, rebuild)
 
     # ------------------------------------------------------------------------- events
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
+        # the hot path of a stage (every torch call outside the blocks): plain loops, few calls
+        if kwargs is None:
+            kwargs = {}
         run = self.run
-        name = _func_name(func)
+        name = getattr(func, "__name__", "")
         if run.quiet or name in _METADATA_READS:
             return func(*args, **kwargs)
         tensors: list[torch.Tensor] = []
-        meta_device = _scan(args, tensors) | _scan(kwargs, tensors)
+        meta_device = _scan(args, tensors)
+        if kwargs:
+            meta_device |= _scan(kwargs, tensors)
         if run.record:
             return self._record_event(func, name, args, kwargs, tensors)
-        before = run.phase < run.start and run.depth == 0
-        if before and not all(id(t) not in self.cut._name_of and self.is_real(t) for t in tensors):
-            # before the stage, on weights or results of earlier layers: shapes only
-            flat, spec = tree_flatten((args, kwargs))
-            flat = [
-                self.to_meta(a)
-                if isinstance(a, torch.Tensor)
-                else _META
-                if isinstance(a, torch.device)
-                else a
-                for a in flat
-            ]
-            margs, mkwargs = tree_unflatten(flat, spec)
-            try:
-                with torch.no_grad(), _disable_current_modes():
-                    out = func(*margs, **mkwargs)
-            except Exception as exc:
-                raise CaptureError(
-                    self.cut.source,
-                    "layers",
-                    f"cannot run {name} before stage {run.start}-{run.end - 1} without tensor "
-                    f"values ({str(exc).splitlines()[0][:120]}); name other cut points with "
-                    "layers=[...]",
-                ) from None
-            if run.depth == 0:
-                self.key_outputs(func, args, kwargs, out, real=False, rebuild=False)
-            return out
         key_of = run.key_of
-        swap = not before and any(
-            id(a) in key_of and self._received_or_valid(a, name) is not a for a in tensors
-        )
+        before = run.phase < run.start and run.depth == 0
+        swap = False
+        if before:
+            if not self._all_real_inputs(tensors):
+                return self._meta_call(func, name, args, kwargs)
+        else:
+            for a in tensors:
+                if id(a) in key_of and self._received_or_valid(a, name) is not a:
+                    swap = True
+                    break
         on_meta = meta_device and not any(a.device.type == "meta" for a in tensors)
         if swap or on_meta:
             flat, spec = tree_flatten((args, kwargs))
@@ -349,8 +360,68 @@ class _Track(TorchFunctionMode):
             args, kwargs = tree_unflatten(flat, spec)
         out = func(*args, **kwargs)
         if run.depth == 0:
-            rebuild = all(self.rebuildable(t) for t in tensors)
+            rebuild = self._all_rebuildable(tensors)
             self.key_outputs(func, args, kwargs, out, real=True, rebuild=rebuild)
+        return out
+
+    def _all_real_inputs(self, tensors: list[torch.Tensor]) -> bool:
+        """True when no tensor of a call is a weight, a buffer or a shape-only result (the
+        call runs for real before the stage): :meth:`is_real` of each, inlined."""
+        run = self.run
+        key_of, valid, received = run.key_of, run.valid, run.received
+        name_of, meta_model = self.cut._name_of, self.cut._meta_model
+        for t in tensors:
+            i = id(t)
+            if i in name_of:
+                return False
+            k = key_of.get(i)
+            if k is not None:
+                if k not in valid and k not in received:
+                    return False
+            elif t.device.type == "meta" and not meta_model:
+                return False
+        return True
+
+    def _all_rebuildable(self, tensors: list[torch.Tensor]) -> bool:
+        """:meth:`rebuildable` of every tensor of a call of a stage, inlined."""
+        key_of, rebuild = self.run.key_of, self.cut._rebuild
+        name_of, meta_model = self.cut._name_of, self.cut._meta_model
+        for t in tensors:
+            i = id(t)
+            k = key_of.get(i)
+            if k is not None:
+                if not (isinstance(k[3], tuple) or rebuild.get(k, False)):
+                    return False
+            elif i in name_of or (t.device.type == "meta" and not meta_model):
+                return False
+        return True
+
+    def _meta_call(self, func: Any, name: str, args: Any, kwargs: Any) -> Any:
+        """``func`` before the stage on weights or results of earlier layers: on meta copies
+        (shapes only), with the current modes (FLOP counters, other function modes) off."""
+        run = self.run
+        flat, spec = tree_flatten((args, kwargs))
+        try:
+            with torch.no_grad(), _disable_current_modes():
+                flat = [
+                    self.to_meta(a)
+                    if isinstance(a, torch.Tensor)
+                    else _META
+                    if isinstance(a, torch.device)
+                    else a
+                    for a in flat
+                ]
+                margs, mkwargs = tree_unflatten(flat, spec)
+                out = func(*margs, **mkwargs)
+        except Exception as exc:
+            raise CaptureError(
+                self.cut.source,
+                "layers",
+                f"cannot run {name} before stage {run.start}-{run.end - 1} without tensor "
+                f"values ({str(exc).splitlines()[0][:120]}); name other cut points with "
+                "layers=[...]",
+            ) from None
+        self.key_outputs(func, args, kwargs, out, real=False, rebuild=False)
         return out
 
     def _record_event(self, func, name, args, kwargs, tensors):  # noqa: ANN001, ANN202
