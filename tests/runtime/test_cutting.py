@@ -393,3 +393,55 @@ def test_a_stage_runs_no_hooks_around_the_modules_inside_its_blocks():
         torch.testing.assert_close(y, ref, rtol=0, atol=0)
     seen = [n for m in inner for n in m.seen]
     assert len(seen) == 6 and set(seen) == {0}
+
+
+_FAKE_CALLS = [0]
+
+
+@torch.library.custom_op("hetrain_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _twice_meta(x):
+    _FAKE_CALLS[0] += 1
+    return torch.empty_like(x)
+
+
+class _MetaPrefix(nn.Module):
+    """A prefix that computes from a weight with an op whose meta kernel counts its calls,
+    returns one of its inputs (``contiguous``, ``to``) and splits; then blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([_ScaledBlock() for _ in range(3)])
+
+    def forward(self, x):
+        h = _twice(self.inp(x)).contiguous().to(x.dtype)
+        a, b = h.split(2, dim=1)
+        h = torch.cat([b, a], dim=1)
+        for blk in self.blocks:
+            h = blk(h)
+        return h
+
+
+def test_a_stage_runs_each_meta_kernel_once_per_call_signature():
+    # the cost of cutting (issue 18): calls before a stage run on meta copies, often through
+    # Python decompositions; their results are kept per signature (shapes, strides, dtypes,
+    # other arguments), and stay exact for other micro-batch sizes
+    torch.manual_seed(0)
+    model = _MetaPrefix().double()
+    chain = cut_module(model, torch.randn(2, 4, dtype=torch.float64))
+    calls = []
+    with torch.no_grad():
+        for rows in (3, 3, 3, 5, 5, 1):
+            x = torch.randn(rows, 4, dtype=torch.float64)
+            sent = chain.stage_forward(0, 2, None, x)
+            before = _FAKE_CALLS[0]
+            y = chain.stage_forward(3, chain.num_layers, chain.stage_forward(2, 3, sent, x), x)
+            calls.append(_FAKE_CALLS[0] - before)
+            torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    # stages [2, 3) and [3, 5) both run the prefix on meta: once per new micro-batch size
+    assert calls == [1, 0, 0, 1, 0, 1]

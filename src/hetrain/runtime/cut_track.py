@@ -11,6 +11,9 @@ imports torch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -134,6 +137,47 @@ def _scan_leaf(obj: Any, tensors: list[torch.Tensor]) -> bool:
         tensors += [a for a in flat if isinstance(a, torch.Tensor)]
         return any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
     return False
+
+
+#: meta results kept per :class:`ModuleCut` (cleared when full)
+_META_CACHE_SIZE = 4096
+_PYTHON_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _meta_signature(func: Any, flat: list[Any], spec: Any) -> tuple | None:
+    """What a meta call's results depend on: the function, the argument structure, each
+    tensor's shape, strides, storage offset and dtype, and the other arguments (None when one
+    cannot be hashed)."""
+    parts: list[Any] = [func, spec]
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype))
+        elif isinstance(a, torch.device):
+            parts.append(_META)
+        else:
+            try:
+                hash(a)
+            except TypeError:
+                return None
+            parts.append((type(a), a))
+    return tuple(parts)
+
+
+def _meta_record(out: Any, meta_flat: list[Any]) -> tuple | None:
+    """``(structure, items)`` of a meta call's results: per result ``("alias", i)`` when it is
+    input ``i`` itself, else ``("new", shape, strides, dtype, storage offset)``; None when a
+    result is not a tensor."""
+    outs, out_spec = tree_flatten(out)
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        return None
+    items: list[tuple] = []
+    for o in outs:
+        alias = next((i for i, a in enumerate(meta_flat) if a is o), None)
+        if alias is not None:
+            items.append(("alias", alias))
+        else:
+            items.append(("new", tuple(o.shape), o.stride(), o.dtype, o.storage_offset()))
+    return out_spec, items
 
 
 @dataclass
@@ -398,31 +442,67 @@ class _Track(TorchFunctionMode):
 
     def _meta_call(self, func: Any, name: str, args: Any, kwargs: Any) -> Any:
         """``func`` before the stage on weights or results of earlier layers: on meta copies
-        (shapes only), with the current modes (FLOP counters, other function modes) off."""
+        (shapes only), with the current modes (FLOP counters, other function modes) off.
+        Meta kernels are pure functions of the inputs' metadata and the other arguments, and
+        many run as Python decompositions (hundreds of µs a call): for torch's C functions
+        and operators, each result's shape, strides and dtype (or which input it returns) is
+        kept per call signature and given again without running the kernel."""
         run = self.run
         flat, spec = tree_flatten((args, kwargs))
-        try:
-            with torch.no_grad(), _disable_current_modes():
-                flat = [
-                    self.to_meta(a)
-                    if isinstance(a, torch.Tensor)
-                    else _META
-                    if isinstance(a, torch.device)
-                    else a
-                    for a in flat
-                ]
-                margs, mkwargs = tree_unflatten(flat, spec)
-                out = func(*margs, **mkwargs)
-        except Exception as exc:
-            raise CaptureError(
-                self.cut.source,
-                "layers",
-                f"cannot run {name} before stage {run.start}-{run.end - 1} without tensor "
-                f"values ({str(exc).splitlines()[0][:120]}); name other cut points with "
-                "layers=[...]",
-            ) from None
+        # only torch's own C functions and operators are reused: a Python function may do
+        # more than compute (the plan-invariant dropout counts its calls)
+        pure = not isinstance(func, _PYTHON_FUNCTIONS) and not _mutates(func)
+        sig = _meta_signature(func, flat, spec) if pure else None
+        cache = self.cut._meta_cache
+        hit = cache.get(sig) if sig is not None else None
+        if hit is not None:
+            out = self._meta_results(hit, flat)
+        else:
+            try:
+                with torch.no_grad(), _disable_current_modes():
+                    flat = [
+                        self.to_meta(a)
+                        if isinstance(a, torch.Tensor)
+                        else _META
+                        if isinstance(a, torch.device)
+                        else a
+                        for a in flat
+                    ]
+                    margs, mkwargs = tree_unflatten(flat, spec)
+                    out = func(*margs, **mkwargs)
+            except Exception as exc:
+                raise CaptureError(
+                    self.cut.source,
+                    "layers",
+                    f"cannot run {name} before stage {run.start}-{run.end - 1} without tensor "
+                    f"values ({str(exc).splitlines()[0][:120]}); name other cut points with "
+                    "layers=[...]",
+                ) from None
+            if sig is not None:
+                if len(cache) >= _META_CACHE_SIZE:
+                    cache.clear()
+                record = _meta_record(out, flat)
+                if record is not None:
+                    cache[sig] = record
         self.key_outputs(func, args, kwargs, out, real=False, rebuild=False)
         return out
+
+    def _meta_results(self, record: tuple, flat: list[Any]) -> Any:
+        """The results of a meta call from its :func:`_meta_record`."""
+        out_spec, items = record
+        outs = []
+        quiet = torch._C._len_torch_function_stack() == 0 and (
+            torch._C._len_torch_dispatch_stack() == 0
+        )
+        with contextlib.nullcontext() if quiet else _disable_current_modes():
+            for item in items:
+                if item[0] == "alias":  # the call returns one of its inputs
+                    outs.append(self.to_meta(flat[item[1]]))
+                    continue
+                _, shape, stride, dtype, offset = item
+                t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                outs.append(t if offset == 0 else t.as_strided(shape, stride, offset))
+        return tree_unflatten(outs, out_spec)
 
     def _record_event(self, func, name, args, kwargs, tensors):  # noqa: ANN001, ANN202
         run = self.run

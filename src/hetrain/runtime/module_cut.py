@@ -120,6 +120,7 @@ class ModuleCut(Chain):
         self._module_outs: dict[tuple[int, str, int], _BlockRecord] = {}
         self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
         self._skippable: dict[int, list[tuple[nn.Module, dict]]] = {}
+        self._meta_cache: dict[tuple, tuple] = {}  # meta results per call signature
         run = _Run(
             start=0,
             end=self.num_layers,
