@@ -166,9 +166,13 @@ def _meta_signature(func: Any, flat: list[Any], spec: Any) -> tuple | None:
 def _meta_record(out: Any, meta_flat: list[Any]) -> tuple | None:
     """``(structure, items)`` of a meta call's results: per result ``("alias", i)`` when it is
     input ``i`` itself, else ``("new", shape, strides, dtype, storage offset)``; None when a
-    result is not a tensor."""
+    result is not a plain strided tensor (a subclass, sparse, or with a lazy conjugate or
+    negation bit: those are computed every time)."""
     outs, out_spec = tree_flatten(out)
-    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+    if not outs or not all(
+        type(o) is torch.Tensor and o.layout == torch.strided and not (o.is_conj() or o.is_neg())
+        for o in outs
+    ):
         return None
     items: list[tuple] = []
     for o in outs:
