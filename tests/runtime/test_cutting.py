@@ -323,3 +323,125 @@ def test_a_block_side_output_used_outside_it_is_refused_in_one_line():
     )
     with pytest.raises(CaptureError, match=r"block model\.layers\.0 computed but did not return"):
         cut_module(tf.MixtralForCausalLM(cfg), torch.randint(0, 64, (2, 8)))
+
+
+class _SeesHooks(nn.Module):
+    """A module inside a block that records how many module hooks torch would run around it
+    (global ones and its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[int] = []
+
+    def forward(self, h):
+        from torch.nn.modules import module as torch_module
+
+        self.seen.append(
+            len(torch_module._global_forward_pre_hooks)
+            + len(torch_module._global_forward_hooks)
+            + len(self._forward_pre_hooks)
+            + len(self._forward_hooks)
+        )
+        return self.lin(h)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _SeesHooks()
+
+    def forward(self, h, table):
+        return self.inner(h) * table
+
+
+class _HookedBlocks(nn.Module):
+    """An embedding-like module, a rotary-like table made from a buffer (it crosses every
+    boundary), blocks holding a :class:`_SeesHooks`, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 4))
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        table = torch.cos(x.shape[0] * self.freq)
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, table)
+        return self.out(h)
+
+
+def test_a_stage_runs_no_hooks_around_the_modules_inside_its_blocks():
+    # the cost of cutting (issue 18): torch's fast call path for every module inside a block,
+    # the code outside the blocks followed by hooks on its own modules only
+    torch.manual_seed(0)
+    model = _HookedBlocks().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    chain = cut_module(model, x[:2])
+    assert [len(chain.boundary_keys(b)) for b in (1, 2, 3, 4)] == [2, 2, 2, 1]  # h, table
+    ref = model(x)
+    inner = [b.inner for b in model.blocks]
+    for m in inner:
+        m.seen.clear()
+    for cuts in ([0, 2, chain.num_layers], list(range(chain.num_layers + 1))):
+        y = None
+        for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+            y = chain.stage_forward(s, e, y, x)
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    seen = [n for m in inner for n in m.seen]
+    assert len(seen) == 6 and set(seen) == {0}
+
+
+_FAKE_CALLS = [0]
+
+
+@torch.library.custom_op("hetrain_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _twice_meta(x):
+    _FAKE_CALLS[0] += 1
+    return torch.empty_like(x)
+
+
+class _MetaPrefix(nn.Module):
+    """A prefix that computes from a weight with an op whose meta kernel counts its calls,
+    returns one of its inputs (``contiguous``, ``to``) and splits; then blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([_ScaledBlock() for _ in range(3)])
+
+    def forward(self, x):
+        h = _twice(self.inp(x)).contiguous().to(x.dtype)
+        a, b = h.split(2, dim=1)
+        h = torch.cat([b, a], dim=1)
+        for blk in self.blocks:
+            h = blk(h)
+        return h
+
+
+def test_a_stage_runs_each_meta_kernel_once_per_call_signature():
+    # the cost of cutting (issue 18): calls before a stage run on meta copies, often through
+    # Python decompositions; their results are kept per signature (shapes, strides, dtypes,
+    # other arguments), and stay exact for other micro-batch sizes
+    torch.manual_seed(0)
+    model = _MetaPrefix().double()
+    chain = cut_module(model, torch.randn(2, 4, dtype=torch.float64))
+    calls = []
+    with torch.no_grad():
+        for rows in (3, 3, 3, 5, 5, 1):
+            x = torch.randn(rows, 4, dtype=torch.float64)
+            sent = chain.stage_forward(0, 2, None, x)
+            before = _FAKE_CALLS[0]
+            y = chain.stage_forward(3, chain.num_layers, chain.stage_forward(2, 3, sent, x), x)
+            calls.append(_FAKE_CALLS[0] - before)
+            torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    # stages [2, 3) and [3, 5) both run the prefix on meta: once per new micro-batch size
+    assert calls == [1, 0, 0, 1, 0, 1]

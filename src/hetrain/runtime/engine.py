@@ -6,19 +6,20 @@ a plan change moves a layer here). One step = the rank's group runs its pipeline
 of the global batch (1F1B or GPipe, :mod:`hetrain.runtime.stages`), gradients are combined per
 layer across the groups (:mod:`hetrain.runtime.data_parallel`), the global gradient norm is
 clipped, and the per-layer optimizers step. See ``docs/runtime.md``.
+
+The step and the set-up live here; the rank's tensors, their optimizers, plan changes and
+state dicts in :mod:`hetrain.runtime.worker_state`; the per-step sums (loss, gradient norm,
+got-gradient flags) in :mod:`hetrain.runtime.worker_sums`; the step's and the plan change's
+results in :mod:`hetrain.runtime.step_result` (all importable from here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
-import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -36,138 +37,40 @@ from hetrain.runtime.data_parallel import (
     build_buckets,
     shared_buckets,
 )
-from hetrain.runtime.emulation import Emulation, sleep_s
+from hetrain.runtime.emulation import Emulation
 from hetrain.runtime.layout import Layout, build_layout
-from hetrain.runtime.migrate import plan_transfers, recv_object, send_object
-from hetrain.runtime.norm import NormBlocks, batchnorm_modules, check_plan_norm_block
+from hetrain.runtime.norm import NormBlocks, batchnorm_modules
 from hetrain.runtime.optim import (
     OptimizerSpec,
     clip_coefficient,
-    load_state,
     set_lr_factor,
 )
 from hetrain.runtime.randomness import InvariantRandomness
 from hetrain.runtime.stages import P2P, MicroBatches, Timers, run_stage, schedule_ops
+from hetrain.runtime.step_result import (
+    _SUMS_HEAD,
+    MigrationResult,
+    StepResult,
+    _LateSums,
+    _rows,
+    gather_measurements,
+)
+from hetrain.runtime.worker_state import (
+    LayerState,
+    Unit,
+    _check_agreement,
+    _check_norm_plan,
+    _plan_digest,
+)
+from hetrain.runtime.worker_sums import StepSums
 
-
-@dataclass
-class StepResult:
-    """What one rank measured in one step (seconds and bytes).
-
-    Attributes:
-        loss: mean loss over the global batch ``B`` (identical on every rank).
-        grad_norm: global L2 norm of the combined gradient before clipping (every layer counted
-            once).
-        compute_time_s: forward + backward time of this rank's stage over all its
-            micro-batches, emulated slow-down included (``emulated_compute_time_s`` of it, the
-            time actually slept; ``compute_time_s - emulated_compute_time_s`` is the real
-            compute, which the sleeps are ``factor - 1`` times).
-        send_recv_time_s: time blocked in pipeline send/recv (emulated link delay included).
-        link_time_s: peer device -> time blocked receiving from it.
-        sync_time_s: gradient all-reduce/broadcast time; ``sync_bytes`` all-reduced.
-        iteration_time_s: wall time of the whole step on this rank.
-        skipped: the global loss or gradient norm was not finite, so no rank updated its
-            weights or optimizer state at this step (the same on every rank: both are
-            all-reduced before the update).
-        nonfinite_here: this rank's own loss part or gradient square norm was not finite
-            (where a NaN/inf first showed; set only on skipped steps).
-        group_index / stage_index / stage: this rank's place in the plan (None if unused);
-        batch: ``b_g``; microbatch_size: ``μ_g``; num_microbatches: ``n_g``.
-        report: the rows the ranks passed to :meth:`Worker.step` as ``report`` (index = rank;
-            empty rows without one), the same on every rank.
-        late: ``loss``, ``grad_norm`` and ``report`` travelled in a non-blocking all-reduce
-            that the next :meth:`Worker.step` completes (on every rank, at its end); reading
-            one of them earlier waits for it (docs/runtime.md "Per-step collectives").
-    """
-
-    step: int
-    rank: int
-    device_id: str
-    plan_id: int | None
-    loss: float
-    grad_norm: float
-    iteration_time_s: float
-    compute_time_s: float
-    forward_time_s: float
-    backward_time_s: float
-    emulated_compute_time_s: float
-    send_recv_time_s: float
-    sync_time_s: float
-    sync_bytes: int
-    optimizer_time_s: float
-    bytes_sent: int
-    bytes_received: int
-    group_index: int | None
-    stage_index: int | None
-    stage: tuple[int, int] | None
-    batch: int
-    microbatch_size: int
-    num_microbatches: int
-    link_time_s: dict[str, float] = field(default_factory=dict)
-    skipped: bool = False
-    nonfinite_here: bool = False
-    report: list[list[float]] = field(default_factory=list)
-    late: bool = False
-    _pending: Any = field(default=None, repr=False, compare=False)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in _LATE_FIELDS and object.__getattribute__(self, "_pending") is not None:
-            object.__getattribute__(self, "_pending").resolve()
-        return object.__getattribute__(self, name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as plain data (late values waited for)."""
-        return {
-            f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name[0] != "_"
-        }
-
-
-_LATE_FIELDS = frozenset({"loss", "grad_norm", "report"})
-_SUMS_HEAD = 5  # loss sum, squared gradient norm, item count, (sum, count) flag, random-op flag
-
-
-class _LateSums:
-    """A step's sums in flight (a non-blocking world all-reduce); :meth:`resolve` waits and
-    fills the step's :class:`StepResult` (idempotent)."""
-
-    def __init__(
-        self, work: Any, sums: torch.Tensor, result: StepResult, world: int, num_flags: int
-    ) -> None:
-        self.work, self.sums, self.result, self.world = work, sums, result, world
-        self.num_flags = num_flags  # got-gradient flags between the head and the report rows
-        self.random_problems = 0.0
-        self.done = False
-
-    def resolve(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.work.wait()
-        values = self.sums.tolist()
-        result = self.result
-        object.__setattr__(result, "_pending", None)
-        result.loss = values[0]
-        result.grad_norm = math.sqrt(max(values[1], 0.0))
-        result.report = _rows(values[_SUMS_HEAD + self.num_flags :], self.world)
-        self.random_problems = values[4]
-
-
-def _rows(flat: list[float], world: int) -> list[list[float]]:
-    width = len(flat) // world if world else 0
-    return [flat[r * width : (r + 1) * width] for r in range(world)]
-
-
-@dataclass(frozen=True)
-class MigrationResult:
-    """What :meth:`Worker.apply_plan` moved: ``transfers`` layer copies in all (every rank),
-    of which this rank sent ``bytes_sent`` and received ``bytes_received`` payload bytes
-    (parameters, buffers and optimizer state, serialised), in ``time_s`` seconds (emulated
-    link time included)."""
-
-    transfers: int
-    bytes_sent: int
-    bytes_received: int
-    time_s: float
+__all__ = [
+    "MigrationResult",
+    "StepResult",
+    "Worker",
+    "check_exact_layers",
+    "gather_measurements",
+]
 
 
 def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
@@ -182,46 +85,13 @@ def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
     return layers if isinstance(layers, Chain) else cut_module(layers)
 
 
-def _plan_digest(plan: Plan) -> str:
-    """Hash of what the engine executes (groups, stages, shares, micro-batches, schedule)."""
-    body = json.dumps([plan.schedule, [g.model_dump(mode="json") for g in plan.groups]])
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-
-def _check_agreement(gathered: list[Any], mine: tuple, names: tuple[str, ...]) -> None:
-    """Raise the same ``ValueError`` on every rank when the ranks were given different plans
-    or models (``gathered[r] = (device_id, digest, ...)``), instead of hanging later."""
-    for position, name in enumerate(names, start=1):
-        values = {g[position] for g in gathered}
-        if len(values) > 1:
-            by_rank = ", ".join(f"rank {r} ({g[0]}): {g[position]}" for r, g in enumerate(gathered))
-            raise ValueError(
-                f"ranks were given different {name}s ({by_rank}); every rank "
-                f"must pass the same {name}"
-            )
-
-
 def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-Unit = int | str  # a layer's own tensors (its index) or one shared tensor (its name)
-
-
-def _meta_copy(t: torch.Tensor) -> torch.Tensor:
-    m = torch.empty_like(t, device="meta")
-    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-
-
-def _real_copy(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, nn.Parameter):
-        return nn.Parameter(value, requires_grad=t.requires_grad)
-    return value
-
-
-class Worker:
+class Worker(LayerState, StepSums):
     """One rank of a hybrid data/pipeline-parallel run (docs/model.md §1, §5).
 
     Args:
@@ -374,45 +244,6 @@ class Worker:
         self._setup_buckets()
 
     # ----------------------------------------------------------------------------- tensors
-    def _nbytes(self, name: str) -> int:
-        t = self.chain.tensors[name]
-        return t.numel() * t.element_size()
-
-    def _unit_names(self, unit: Unit) -> list[str]:
-        return [unit] if isinstance(unit, str) else self._private[unit]
-
-    def _unit_params(self, unit: Unit) -> list[nn.Parameter]:
-        return [self.chain.tensors[n] for n in self._unit_names(unit) if not self.chain.frozen(n)]
-
-    def _units(self, layout: Layout) -> list[Unit]:
-        """Units this rank holds under ``layout``: its layers, then the shared tensors they
-        use."""
-        owned = layout.owned_layers(self.rank)
-        shared = [n for n, layers in self.shared.items() if any(layer in owned for layer in layers)]
-        return [*owned, *shared]
-
-    def _held_names(self, layout: Layout) -> set[str]:
-        return {
-            n for layer in layout.owned_layers(self.rank) for n in self.chain.layer_tensors[layer]
-        }
-
-    def _materialize(self, name: str, value: torch.Tensor) -> None:
-        t = self.chain.tensors[name]
-        if t.device == value.device and t.device.type != "meta":
-            with torch.no_grad():
-                t.copy_(value)
-        else:
-            torch.utils.swap_tensors(t, _real_copy(t, value.to(dtype=t.dtype)))
-        t.grad = None
-        self._held.add(name)
-
-    def _release(self, name: str) -> None:
-        t = self.chain.tensors[name]
-        t.grad = None
-        if t.device.type != "meta":
-            torch.utils.swap_tensors(t, _meta_copy(t))
-        self._held.discard(name)
-
     def _setup_buckets(self) -> None:
         layer_buckets = build_buckets(self.layout, self._layer_bytes, self.bucket_cap_bytes)
         trainable_shared = {n: ls for n, ls in self.shared.items() if not self.chain.frozen(n)}
@@ -502,45 +333,6 @@ class Worker:
                 )
         return out
 
-    def _build_optimizer(self, unit: Unit) -> torch.optim.Optimizer | None:
-        """The unit's own optimizer (None without trainable parameters: frozen parameters get
-        no optimizer state)."""
-        names = [n for n in self._unit_names(unit) if not self.chain.frozen(n)]
-        if not names:
-            return None
-        groups = [self._group_of[n] for n in names] if self._group_of else None
-        return self.optimizer_spec.build([self.chain.tensors[n] for n in names], groups)
-
-    def _optimizer_names(self, unit: Unit, opt: torch.optim.Optimizer) -> list[str]:
-        """Local names of ``opt``'s parameters in its ``state_dict`` order (group by group)."""
-        return [
-            self._local(unit, self.chain._name_of[id(p)])
-            for group in opt.param_groups
-            for p in group["params"]
-        ]
-
-    def _local_grad_flags(self) -> torch.Tensor:
-        """``(T,)`` float64 over the trainable tensors (:attr:`_grad_index` order): 1 where a
-        tensor held here got a gradient in this rank's backward (before the gradient sync
-        fills zeros), else 0."""
-        flags = torch.zeros(len(self._grad_index), dtype=torch.float64)
-        for name in self._held:
-            i = self._grad_index.get(name)
-            if i is not None and self.chain.tensors[name].grad is not None:
-                flags[i] = 1.0
-        return flags.to(self.device)
-
-    def _drop_absent_grads(self, counts: torch.Tensor) -> None:
-        """Set ``.grad = None`` on held tensors that no rank gave a gradient this step
-        (``counts`` = :meth:`_local_grad_flags` summed over the ranks), so the optimizer skips
-        them as it does in one process (no weight decay, no momentum step)."""
-        absent = set(torch.nonzero(counts.cpu() == 0).flatten().tolist())
-        if not absent:
-            return
-        for name in self._held:
-            if self._grad_index.get(name) in absent:
-                self.chain.tensors[name].grad = None
-
     def _collate_microbatches(
         self, samples: SampleList, microbatches: Sequence[tuple[int, int]]
     ) -> tuple[MicroBatches, MicroBatches]:
@@ -557,15 +349,6 @@ class Worker:
             )
             ys[(start, end)] = tree_map_only(torch.Tensor, lambda t: t.to(self.device), y)
         return MicroBatches(xs), MicroBatches(ys)
-
-    def _canonical(self, unit: Unit, layout: Layout | None = None) -> int:
-        layout = layout or self.layout
-        if isinstance(unit, int):
-            return layout.canonical[unit]
-        for layer in self.shared[unit]:  # the first active holder (plan order of its layers)
-            if layout.active_owners[layer]:
-                return layout.active_owners[layer][0]
-        return layout.owners[self.shared[unit][0]][0]
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -584,85 +367,6 @@ class Worker:
     def owned_layers(self) -> tuple[int, ...]:
         """Layer indices this rank holds under the current plan."""
         return self.layout.owned_layers(self.rank)
-
-    # ----------------------------------------------------------------------------- step sums
-    # Per step the engine combines, over all ranks: the loss sum, the squared gradient norm,
-    # the item count and kind of a (sum, count) loss, the random-op flag and the callers'
-    # report rows (one flat float vector, docs/runtime.md "Per-step collectives"):
-    # - every rank an active owner of every layer (pure data parallelism): appended to the
-    #   last gradient bucket's all-reduce; the norm is computed locally from the combined
-    #   gradients (the same on every rank): no collective beyond the gradient all-reduce;
-    # - else, when the optimizer step needs them (clipping, or a (sum, count) loss, or the
-    #   loss kind not known yet: the first step): one blocking world all-reduce;
-    # - else: a non-blocking world all-reduce, completed at the end of the next step.
-    def _arm(self, grad_sync: GradientSync) -> Callable[..., None] | None:
-        def arm(loss_sum: torch.Tensor, count_sum: torch.Tensor, sum_mode: bool) -> None:
-            self._step_sums = (loss_sum, count_sum, sum_mode)
-            if self.overlap_grad_sync:
-                grad_sync.arm()
-
-        return arm
-
-    def _report_row(self) -> list[float]:
-        return [float(v) for v in self._report()] if self._report is not None else []
-
-    def _sums_vector(
-        self,
-        loss: torch.Tensor,
-        count: torch.Tensor,
-        sum_mode: bool,
-        sqnorm: float,
-        got_grad: torch.Tensor,
-    ) -> torch.Tensor:
-        """``[loss sum, squared norm, count, (sum, count) flag, random-op flag, got-gradient
-        flags (one per trainable tensor, :meth:`_local_grad_flags`), report rows (one per
-        rank)]`` of this rank, float64: summed over the ranks it gives the step's totals."""
-        random_problem = float(bool(self.randomness.problems) and not self._random_reported)
-        row = self._report_row()
-        head = _SUMS_HEAD + got_grad.numel()
-        out = torch.zeros(head + self.world_size * len(row), dtype=torch.float64)
-        out[0], out[1], out[2] = float(loss), sqnorm, float(count)
-        out[3], out[4] = float(sum_mode), random_problem
-        out[_SUMS_HEAD:head] = got_grad.cpu()
-        if row:
-            start = head + self.rank * len(row)
-            out[start : start + len(row)] = torch.tensor(row, dtype=torch.float64)
-        return out.to(self.device)
-
-    def _carried_sums(self) -> torch.Tensor:
-        """The sums vector appended to the last gradient bucket (norm slot 0: local); it is
-        made when that bucket is launched, before any combined gradient is written back, so
-        the got-gradient flags are this rank's own."""
-        loss, count, sum_mode = self._step_sums or (0.0, 0.0, False)
-        return self._sums_vector(loss, count, sum_mode, 0.0, self._local_grad_flags())
-
-    def _sqnorm(self, units: Sequence[Unit]) -> float:
-        """Squared L2 norm of the gradients of ``units`` (``torch.nn.utils.get_total_norm``:
-        per-tensor norms in the gradients' dtype, fused, as ``clip_grad_norm_`` computes them;
-        a per-tensor float64 ``pow(2).sum()`` loop took 3-12x as long)."""
-        grads = [p.grad for u in units for p in self._unit_params(u) if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2
-
-    def _sqnorm_canonical(self) -> float:
-        """Squared gradient norm of the units this rank canonically owns."""
-        return self._sqnorm([u for u in self._all_units() if self._canonical(u) == self.rank])
-
-    def _local_sqnorm(self) -> float:
-        """Squared norm of the whole combined gradient, every unit held here, in the same
-        order on every rank (so every rank computes the same value)."""
-        return self._sqnorm(self._all_units())
-
-    def _finish_late(self) -> None:
-        """Complete the previous step's non-blocking sums (every rank at the same step) and
-        act on its random-op flag."""
-        late, self._late = self._late, None
-        if late is None:
-            return
-        late.resolve()
-        if late.random_problems > 0:
-            self._report_random_problems()
 
     # ----------------------------------------------------------------------------- step
     def step(
@@ -892,192 +596,3 @@ class Worker:
             self._late = _LateSums(work, late_sums, result, self.world_size, num_flags)
             object.__setattr__(result, "_pending", self._late)
         return result
-
-    # ----------------------------------------------------------------------------- plan change
-    def _unit_payload(self, unit: Unit) -> dict[str, Any]:
-        names = self._unit_names(unit)
-        opt = self.optimizers.get(unit)
-        return {
-            "tensors": {n: self.chain.tensors[n].detach() for n in names},
-            "optim": None if opt is None else opt.state_dict(),
-        }
-
-    def apply_plan(self, plan: Plan) -> MigrationResult:
-        """Switch to ``plan`` between steps (collective: call on every rank with the same plan).
-
-        Layers move with their parameters, buffers and optimizer state from an old owner to
-        each new owner; a shared tensor moves (with its optimizer state) to every new holder
-        that lacks it; tensors no longer held are released (``meta``). The new plan may leave
-        ranks out (they hold nothing and only join the collectives).
-
-        Raises:
-            InputError: the plan names unknown devices or does not cover the layers.
-        """
-        t0 = time.perf_counter()
-        digests: list[Any] = [None] * self.world_size
-        dist.all_gather_object(digests, (self.device_id, _plan_digest(plan)))
-        _check_agreement(digests, (self.device_id, _plan_digest(plan)), ("plan",))
-        new = build_layout(plan, self.layout.devices, self.layout.num_layers, require_all=False)
-        _check_norm_plan(new, self.norm.norm_block)
-        old = self.layout
-        transfers: list[tuple[Unit, int, int]] = [
-            (t.layer, t.src, t.dst) for t in plan_transfers(old, new)
-        ]
-        # shared tensors: holders = ranks holding any layer that uses them
-        sends: dict[int, int] = {}
-        for name, layers in self.shared.items():
-            have = sorted({r for layer in layers for r in old.owners[layer]})
-            want = sorted({r for layer in layers for r in new.owners[layer]})
-            for dst in want:
-                if dst not in have:
-                    src = min(have, key=lambda r: (sends.get(r, 0), r))
-                    sends[src] = sends.get(src, 0) + 1
-                    transfers.append((name, src, dst))
-        sent = received = 0
-        for unit, src, dst in transfers:
-            if src == self.rank:
-                sent += send_object(self._unit_payload(unit), dst, self.device)
-            elif dst == self.rank:
-                t_recv = time.perf_counter()
-                payload, nbytes = recv_object(src, self.device)
-                received += nbytes
-                if self.emulation is not None and self.emulation.limits_links():
-                    link = (self.layout.devices[src], self.device_id)
-                    duration = self.emulation.transfer_time_s(*link, nbytes)
-                    sleep_s(duration - (time.perf_counter() - t_recv))
-                for n, value in payload["tensors"].items():
-                    self._materialize(n, value.to(self.device))
-                opt = self._build_optimizer(unit)
-                if opt is not None and payload["optim"] is not None:
-                    load_state(opt, payload["optim"])
-                self.optimizers[unit] = opt
-        now_units = set(self._units(new))
-        for unit in list(self.optimizers):
-            if unit not in now_units:
-                del self.optimizers[unit]
-        keep = self._held_names(new)
-        for name in list(self._held):
-            if name not in keep:
-                self._release(name)
-        self.layout = new
-        self._setup_buckets()
-        return MigrationResult(len(transfers), sent, received, time.perf_counter() - t0)
-
-    # ----------------------------------------------------------------------------- state
-    def _all_units(self) -> list[Unit]:
-        return [*range(self.layout.num_layers), *self.shared]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Gather the whole model on rank 0 (collective): a plain ``state_dict`` with the keys of
-        the original module (tied tensors under each of their keys, the same tensor), CPU
-        tensors in the worker's dtype; loads into the original module without hetrain. None on
-        other ranks."""
-        out: dict[str, torch.Tensor] = {}
-        for unit in self._all_units():
-            src = self._canonical(unit)
-            names = self._unit_names(unit)
-            if src == self.rank and self.rank == 0:
-                sd = {n: self.chain.tensors[n].detach().cpu().clone() for n in names}
-            elif src == self.rank:
-                send_object({n: self.chain.tensors[n].detach() for n in names}, 0, self.device)
-                continue
-            elif self.rank == 0:
-                sd, _ = recv_object(src, self.device)
-            else:
-                continue
-            out.update(sd)
-        if self.rank != 0:
-            return None
-        keyed: dict[str, torch.Tensor] = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            name = self.chain._name_of.get(id(t))
-            if name is not None and name in out:
-                keyed[key] = out[name]
-        return keyed
-
-    def _local(self, unit: Unit, name: str) -> str:
-        if (
-            isinstance(unit, int)
-            and name.startswith(f"{unit}.")
-            and isinstance(self.module, nn.Sequential)
-        ):
-            return name[len(f"{unit}.") :]
-        return name
-
-    def _key(self, unit: Unit) -> str:
-        return f"layers.{unit}" if isinstance(unit, int) else "shared"
-
-    def layer_state_dict(self, *, replicas: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's tensors as flat tensors for checkpoints: ``"layers.{l}.{name}"`` (a
-        layer's own tensors), ``"shared.{name}"`` (a shared tensor, once), and
-        ``"optim.{l}.{param}.{state}"`` / ``"optim.shared.{name}.{state}"`` (optimizer state,
-        e.g. ``exp_avg``, ``step``; absent before the first step). Frozen parameters and
-        buffers (BatchNorm statistics) are saved, with no optimizer state.
-
-        Args:
-            replicas: False (default): only units whose canonical owner is this rank (each
-                tensor once across the world, for saving); True: every unit held here.
-        """
-        out: dict[str, torch.Tensor] = {}
-        for unit in self._units(self.layout):
-            if not replicas and self._canonical(unit) != self.rank:
-                continue
-            for n in self._unit_names(unit):
-                out[f"{self._key(unit)}.{self._local(unit, n)}"] = self.chain.tensors[n].detach()
-            opt = self.optimizers.get(unit)
-            if opt is None:
-                continue
-            names = self._optimizer_names(unit, opt)
-            okey = f"optim.{unit}" if isinstance(unit, int) else "optim.shared"
-            for pidx, pstate in opt.state_dict()["state"].items():
-                for key, value in pstate.items():
-                    if isinstance(value, torch.Tensor):
-                        out[f"{okey}.{names[pidx]}.{key}"] = value
-        return out
-
-    def load_layer_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load this rank's tensors (and their optimizer state when present) from a dict in the
-        :meth:`layer_state_dict` format; entries of other layers are ignored.
-
-        Raises:
-            KeyError: a held tensor is missing.
-        """
-        for unit in self._units(self.layout):
-            prefix = self._key(unit)
-            for n in self._unit_names(unit):
-                key = f"{prefix}.{self._local(unit, n)}"
-                if key not in state_dict:
-                    raise KeyError(f"layer_state_dict: {prefix} lacks {self._local(unit, n)!r}")
-                self._materialize(n, state_dict[key].to(self.device))
-            okey = f"optim.{unit}." if isinstance(unit, int) else "optim.shared."
-            opt = self._build_optimizer(unit)
-            names = (
-                {n: i for i, n in enumerate(self._optimizer_names(unit, opt))}
-                if opt is not None
-                else {}
-            )
-            ostate: dict[int, dict[str, torch.Tensor]] = {}
-            for k, v in state_dict.items():
-                if k.startswith(okey):
-                    pname, key = k[len(okey) :].rsplit(".", 1)
-                    if pname in names:
-                        ostate.setdefault(names[pname], {})[key] = v
-            if ostate and opt is not None:
-                groups = opt.state_dict()["param_groups"]
-                load_state(opt, {"state": ostate, "param_groups": groups})
-            self.optimizers[unit] = opt
-
-
-def _check_norm_plan(layout: Layout, norm_block: int | None) -> None:
-    """InputError (every rank) if a group's share or micro-batch size is not a multiple of the
-    norm block (:func:`hetrain.runtime.norm.check_plan_norm_block`)."""
-    groups = [(g.index, g.batch, g.microbatch_size) for g in layout.groups]
-    check_plan_norm_block(groups, norm_block)
-
-
-def gather_measurements(result: StepResult) -> list[dict[str, Any]]:
-    """All-gather every rank's :class:`StepResult` (collective); returns one dict per rank
-    (index = rank) on every rank."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, result.to_dict())
-    return out
