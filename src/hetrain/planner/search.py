@@ -157,15 +157,20 @@ class SearchContext:
         return [base**i for i in range(int(math.log(b, base) + 1e-9) + 1)]
 
     def signature(self, devices: np.ndarray) -> tuple:
-        """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
-        s = self.state
-        per = tuple(self._device_key(int(d), False) for d in devices)
-        links = (
-            tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
-            if len(devices) > 1
-            else ()
-        )
-        return per, links
+        """What a group's splits depend on: speed, κ and memory per device, link bandwidths.
+        Cached per device sequence."""
+        devices = np.asarray(devices, dtype=np.int64)
+        key = ("signature", devices.tobytes())
+        out = self.option_cache.get(key)
+        if out is None:
+            per = tuple(self._device_key(int(d), False) for d in devices)
+            links = (
+                tuple(float(x) for x in link_bandwidths_bytes_per_s(self.state, devices))
+                if len(devices) > 1
+                else ()
+            )
+            out = self.option_cache[key] = (per, links)
+        return out
 
     def approx_signature(self, devices: np.ndarray) -> tuple:
         """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
@@ -939,11 +944,12 @@ def solve_structure(
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
-        index_of = {tuple(int(x) for x in garr[g]): g for g in range(len(garr))}
+        index_of = {garr[g].tobytes(): g for g in range(len(garr))}
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-            i = entry_of[index_of[tuple(int(x) for x in devs)]]
+            g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
+            i = entry_of[g]
             n = -(-b // mu)
-            ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
+            ns = {n - 1, n, n + 1} if fixed[g] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
             # small shares: the neighbouring shares in one micro-batch or in n (the shares
