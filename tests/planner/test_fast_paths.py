@@ -15,13 +15,21 @@ from hetrain.costmodel import (
     evaluate_plan,
     group_fill_and_bottleneck_s,
     group_time_s,
+    link_bandwidths_bytes_per_s,
     profile_prefix,
     stage_compute_s,
     stage_memory_bytes,
     stage_times_s,
 )
 from hetrain.plan import plan_from_dict
-from hetrain.planner.partition import SplitTable, envelope_splits, envelope_splits_many, pareto
+from hetrain.planner.partition import (
+    SplitTable,
+    enumerate_splits,
+    envelope_splits,
+    envelope_splits_many,
+    pareto,
+)
+from hetrain.planner.search import SearchContext
 from hetrain.planner.shares import GroupOptions, ShareProblem, _min_max_step
 from hetrain.profile import profile_from_dict
 
@@ -294,3 +302,44 @@ def test_share_solution_times_equal_time_for_of_every_member() -> None:
             continue
         assert sol.group_times_s.tolist() == [t for t, _ in want]
         assert sol.option.tolist() == [p for _, p in want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(measured_instances(), st.randoms(use_true_random=False), st.integers(1, 32))
+def test_rate_bound_equals_the_bottleneck_over_every_split(instance, rng, batch) -> None:
+    """:meth:`SearchContext.rate_bound` (a min-max DP that reads one row for the first stage
+    and one column for the last) is ``1 / min over splits of max_k`` of the per-sample stage
+    time (FLOP model ``F / s``, or the kind's per-sample rate bound times its scale; inf where
+    the stage's parameters do not fit) and boundary time ``2 a / bw``, over every split."""
+    profile, cluster, factors = instance
+    for dev, mem in zip(cluster["devices"], factors, strict=True):
+        dev["memory_gib"] = 2e6 * 4 * mem / 2**30 * rng.choice([0.5, 1.0, 10.0])
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    state = base.with_changes(speed_flops=base.speed_flops * factors)
+    ctx = SearchContext(state, arrays, TrainingConfig(batch=batch))
+    pre = ctx.prefix
+    num_layers = arrays.num_layers
+    order = list(range(state.num_devices))
+    rng.shuffle(order)
+    devs = order[: rng.randint(1, min(num_layers, len(order)))]
+    bw = link_bandwidths_bytes_per_s(state, np.array(devs))
+    theta = pre.fixed_memory_bytes(np.arange(num_layers + 1)[:, None],
+                                   np.arange(num_layers + 1)[None, :], 2.0)  # fmt: skip
+    best = np.inf
+    for bounds in enumerate_splits(num_layers, len(devs)):
+        worst = 0.0
+        for k, d in enumerate(devs):
+            i, j = int(bounds[k]), int(bounds[k + 1])
+            if theta[i, j] > state.memory_bytes[d]:
+                worst = np.inf
+            elif ctx.kind_index[d] >= 0:
+                rate = pre.measured_rate_prefix_s(batch)[ctx.kind_index[d]]
+                worst = max(worst, (rate[j] - rate[i]) * float(ctx.time_scale[d]))
+            else:
+                worst = max(worst, (pre.train_flops[j] - pre.train_flops[i]) / state.speed_flops[d])
+            if k < len(devs) - 1:
+                worst = max(worst, pre.boundary_bytes[j - 1] / bw[k])
+        best = min(best, worst)
+    want = 0.0 if not np.isfinite(best) else 1.0 / max(best, 1e-300)
+    assert ctx.rate_bound(tuple(devs)) == want

@@ -235,8 +235,8 @@ class SearchContext:
             base = self.option_cache["rate-matrices"] = (valid, flops, theta, last)
         valid, flops, theta, last = base
         bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
-        best = np.full(num_layers + 1, np.inf)
-        best[0] = 0.0
+        last_stage = len(devs) - 1
+        best = np.zeros(0)  # per layer j: the least bottleneck of the stages so far ending at j
         for k, d in enumerate(devs):
             # per-sample stage times where the stage's parameters fit d (per speed/memory)
             kind = int(self.kind_index[d])
@@ -252,9 +252,18 @@ class SearchContext:
                     per_sample = flops / st.speed_flops[d]
                 worst = np.where(valid & (theta <= st.memory_bytes[d]), per_sample, np.inf)
                 self.option_cache[dkey] = worst
-            if k < len(devs) - 1:
-                worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
-            best = np.min(np.maximum(best[:, None], worst), axis=0)
+            # min-max DP over the stage's first layer i; the first stage starts at layer 0 and
+            # the last ends at L (one row, one column); the boundary after a stage ending at j
+            # does not depend on i, so it is charged after the minimum (max(min_i x_i, c) =
+            # min_i max(x_i, c): the same values as charging it inside)
+            if k == 0:
+                best = worst[0]
+            elif k == last_stage:
+                best = np.min(np.maximum(best, worst[:, -1]), keepdims=True)
+            else:
+                best = np.min(np.maximum(best[:, None], worst), axis=0)
+            if k < last_stage:
+                best = np.maximum(best, pre.boundary_bytes[last] / bws[k])
         bottleneck = float(best[-1])
         rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
         self.option_cache[key] = rate
