@@ -449,9 +449,11 @@ def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int
 
 def link_bandwidths_bytes_per_s(state: ClusterState, devices: np.ndarray) -> np.ndarray:
     """``bw(d_k, d_{k+1})`` for consecutive devices of a pipeline, shape ``(K − 1,)``, bytes/s
-    (docs/model.md §2: intra-node bandwidth on one node, else ``min(nic_d, nic_e)``)."""
+    (docs/model.md §2: intra-node bandwidth on one node, else ``min(nic_d, nic_e)``).
+    ``devices`` may have leading axes (several pipelines of ``K`` devices, shape ``(..., K)``;
+    result ``(..., K − 1)``)."""
     devices = np.asarray(devices, dtype=np.int64)
-    a, b = devices[:-1], devices[1:]
+    a, b = devices[..., :-1], devices[..., 1:]
     nic = np.minimum(state.nic_bytes_per_s[a], state.nic_bytes_per_s[b])
     return np.where(state.node[a] == state.node[b], state.intra_node_bytes_per_s, nic)
 
@@ -1014,6 +1016,68 @@ class PlanEvaluation:
         return out
 
 
+@dataclass(frozen=True)
+class _GroupFigures:
+    """One group's figures in :func:`evaluate_plan`: ``C_k``, ``E_k`` (seconds per
+    micro-batch), ``T_g`` (seconds) and memory per stage device (bytes)."""
+
+    compute_s: tuple[float, ...]
+    transfer_s: tuple[float, ...]
+    group_time_s: float
+    memory_bytes: list[float]
+
+
+def _group_figures(
+    state: ClusterState,
+    prefix: ProfilePrefix,
+    plan: Plan,
+    devices: Sequence[Sequence[int]],
+    bounds: Sequence[Sequence[int]],
+    optimizer_state_factor: float,
+) -> list[_GroupFigures]:
+    """Per group of ``plan`` (``devices[g]``, shape ``(K_g,)``; ``bounds[g]``, ``(K_g + 1,)``),
+    :func:`stage_times_s`, :func:`group_fill_and_bottleneck_s`, :func:`group_time_s` and
+    :func:`stage_memory_bytes`, in plan order. Groups with the same number of stages are
+    computed together, one numpy pass for all of them (the same elementwise operations and
+    per-row reductions as the one-group functions, so the same values)."""
+    by_depth: dict[int, list[int]] = {}
+    for g, devs in enumerate(devices):
+        by_depth.setdefault(len(devs), []).append(g)
+    out: list[_GroupFigures | None] = [None] * len(devices)
+    for k_stages, members in by_depth.items():
+        devs = np.array([devices[g] for g in members], dtype=np.int64)  # (m, K)
+        bnd = np.array([bounds[g] for g in members], dtype=np.int64)  # (m, K + 1)
+        mu = np.array([plan.groups[g].microbatch_size for g in members], dtype=np.int64)
+        n = np.array([plan.groups[g].num_microbatches for g in members], dtype=np.int64)
+        compute = stage_compute_s(state, prefix, devs, bnd[:, :-1], bnd[:, 1:], mu[:, None])
+        compute = np.broadcast_to(compute, devs.shape)
+        fill = compute.sum(axis=1)
+        bottleneck = compute.max(axis=1)
+        if k_stages > 1:
+            bw = link_bandwidths_bytes_per_s(state, devs)
+            transfer = (
+                mu[:, None] * prefix.boundary_bytes[bnd[:, 1:-1] - 1] / bw + 2.0 * state.latency_s
+            )
+            fill = fill + transfer.sum(axis=1)
+            bottleneck = np.maximum(bottleneck, transfer.max(axis=1))
+        else:
+            transfer = np.zeros((len(members), 0))
+            fill = fill + 0.0
+            bottleneck = np.maximum(bottleneck, 0.0)
+        times = np.where(n > 0, fill + (n - 1) * bottleneck, 0.0)
+        fixed = prefix.fixed_memory_bytes(bnd[:, :-1], bnd[:, 1:], optimizer_state_factor)
+        act = prefix.act_mem_bytes[bnd[:, 1:]] - prefix.act_mem_bytes[bnd[:, :-1]]
+        alive = np.maximum(n, 0)[:, None]
+        if plan.schedule != "gpipe":
+            alive = np.minimum(alive, k_stages - np.arange(k_stages))
+        memory = fixed + (alive * mu[:, None]) * act
+        rows = zip(members, compute.tolist(), transfer.tolist(), times.tolist(),
+                   memory.tolist(), strict=True)  # fmt: skip
+        for g, c, e, t, m in rows:
+            out[g] = _GroupFigures(tuple(c), tuple(e), t, m)
+    return out  # type: ignore[return-value]
+
+
 def evaluate_plan(
     plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
 ) -> PlanEvaluation:
@@ -1033,60 +1097,65 @@ def evaluate_plan(
     prefix = profile_prefix(profile)
     num_layers = prefix.num_layers
     o = float(config.optimizer_state_factor)
-    schedule = plan.schedule
-    group_times: list[float] = []
-    active: list[tuple[np.ndarray, np.ndarray]] = []
-    active_ids: list[tuple[str, ...]] = []
-    memory: dict[str, float] = {}
-    limit: dict[str, float] = {}
-    compute_all: list[tuple[float, ...]] = []
-    transfer_all: list[tuple[float, ...]] = []
-    used: list[int] = []
-    all_bounds: list[np.ndarray] = []
-    sync_groups: list[SyncGroup] = []
+    devs_of: list[list[int]] = []
+    all_bounds: list[list[int]] = []
+    available = state.available.tolist()
     for g, group in enumerate(plan.groups):
         try:
-            devs = np.array([index[d] for d in group.devices], dtype=np.int64)
+            devs = [index[d] for d in group.devices]
         except KeyError as exc:
             raise ValueError(f"groups[{g}].devices: unknown device {exc.args[0]!r}") from None
-        bounds = np.array([s for s, _ in group.stages] + [group.stages[-1][1]], dtype=np.int64)
+        bounds = [s for s, _ in group.stages] + [group.stages[-1][1]]
         if bounds[-1] != num_layers:
             raise ValueError(
                 f"groups[{g}].stages: expected stages covering [0, {num_layers}), "
                 f"last ends at {bounds[-1]}"
             )
-        mu = group.microbatch_size
-        n = num_microbatches(group.batch, mu)
-        all_bounds.append(bounds)
-        compute_s, transfer_s = stage_times_s(state, prefix, devs, bounds, mu)
-        compute_all.append(tuple(float(x) for x in compute_s))
-        transfer_all.append(tuple(float(x) for x in transfer_s))
-        fill, bottleneck = group_fill_and_bottleneck_s(compute_s, transfer_s)
-        group_times.append(group_time_s(fill, bottleneck, n))
-        mem = stage_memory_bytes(prefix, bounds, mu, n, o, schedule)
-        for k, d in enumerate(group.devices):
-            memory[d] = float(mem[k])
-            limit[d] = float(state.memory_bytes[devs[k]])
-        if n > 0:
-            unavailable = [
-                d for d, i in zip(group.devices, devs, strict=True) if not state.available[i]
-            ]
+        if group.batch > 0:
+            unavailable = [d for d, i in zip(group.devices, devs, strict=True) if not available[i]]
             if unavailable:
                 raise ValueError(f"groups[{g}].devices: device {unavailable[0]!r} is not available")
-            active.append((devs, bounds))
-            active_ids.append(group.devices)
-            sync_groups.append(SyncGroup(devs, bounds, mu, transfer_s, group_times[-1]))
-            used.extend(int(i) for i in devs)
-    sync = sync_times_s(state, prefix, active)
-    sync_by_id = {
-        d: float(t)
-        for ids, ts in zip(active_ids, sync, strict=True)
-        for d, t in zip(ids, ts, strict=True)
-    }
+        devs_of.append(devs)
+        all_bounds.append(bounds)
+    figures = _group_figures(state, prefix, plan, devs_of, all_bounds, o)
+    group_times = [f.group_time_s for f in figures]
+    limit_of = state.memory_bytes.tolist()
+    memory: dict[str, float] = {}
+    limit: dict[str, float] = {}
+    active_g: list[int] = []  # the active groups (b_g > 0), plan order
+    for g, (group, devs, fig) in enumerate(zip(plan.groups, devs_of, figures, strict=True)):
+        memory.update(zip(group.devices, fig.memory_bytes, strict=True))
+        limit.update((d, limit_of[i]) for d, i in zip(group.devices, devs, strict=True))
+        if group.batch > 0:
+            active_g.append(g)
+    refined = config.update_time_s_per_param_byte > 0 or config.group_time_jitter > 0
+    active = [
+        (np.array(devs_of[g], dtype=np.int64), np.array(all_bounds[g], dtype=np.int64))
+        for g in (active_g if config.sync_overlap or refined else ())
+    ]
+    used = [i for g in active_g for i in devs_of[g]]
+    compute_all = [f.compute_s for f in figures]
+    transfer_all = [f.transfer_s for f in figures]
+    # t_d of every stage of the active groups, flat in group then stage order (sync_times_s)
+    sync_by_id: dict[str, float] = {}
+    if active_g:
+        starts = [x for g in active_g for x in all_bounds[g][:-1]]
+        ends = [x for g in active_g for x in all_bounds[g][1:]]
+        t = flat_sync_times_s(state, prefix, np.array(used, dtype=np.int64),
+                              np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64),
+                              len(active_g))  # fmt: skip
+        ids = [d for g in active_g for d in plan.groups[g].devices]
+        sync_by_id.update(zip(ids, t.tolist(), strict=True))
     sync_time = max(sync_by_id.values(), default=0.0)
     exposed = None
     if config.sync_overlap:
-        edges = sync_bucket_edges(prefix, all_bounds, float(config.sync_bucket_cap_bytes))
+        sync_groups = [
+            SyncGroup(devs, bounds, plan.groups[g].microbatch_size,
+                      np.asarray(figures[g].transfer_s), figures[g].group_time_s)
+            for g, (devs, bounds) in zip(active_g, active, strict=True)
+        ]  # fmt: skip
+        edges = sync_bucket_edges(prefix, [np.asarray(b, dtype=np.int64) for b in all_bounds],
+                                  float(config.sync_bucket_cap_bytes))  # fmt: skip
         exposed = overlapped_sync_s(state, prefix, sync_groups, edges)
         # shared tensors (docs/model.md (v3)): their all-reduces are charged in full after the layer
         # buckets (not overlapped; docs/planner.md)
@@ -1094,13 +1163,13 @@ def evaluate_plan(
         exposed += max((float(np.max(t)) for t in shared if len(t)), default=0.0)
     charged = sync_time if exposed is None else exposed
     iteration = (max(group_times) if group_times else 0.0) + charged
-    if config.update_time_s_per_param_byte > 0 or config.group_time_jitter > 0:
+    if refined:
         # refinement (not docs/model.md §3): straggler of G' groups and the weight update
         updates = update_times_s(prefix, active, float(config.update_time_s_per_param_byte))
         iteration = refined_iteration_time_s(
             group_times, charged, updates, float(config.group_time_jitter)
         )
-    if active:
+    if active_g:
         # refinement (not docs/model.md §3): the loop's fixed time per iteration
         iteration += float(config.step_overhead_s)
     used_arr = np.asarray(used, dtype=np.int64)

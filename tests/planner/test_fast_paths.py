@@ -6,10 +6,30 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetrain.cluster import cluster_from_dict
-from hetrain.costmodel import profile_prefix
-from hetrain.planner.partition import SplitTable, envelope_splits, envelope_splits_many, pareto
+from hetrain.costmodel import (
+    TrainingConfig,
+    evaluate_plan,
+    group_fill_and_bottleneck_s,
+    group_time_s,
+    link_bandwidths_bytes_per_s,
+    profile_prefix,
+    stage_compute_s,
+    stage_memory_bytes,
+    stage_times_s,
+)
+from hetrain.plan import plan_from_dict
+from hetrain.planner.partition import (
+    SplitTable,
+    enumerate_splits,
+    envelope_splits,
+    envelope_splits_many,
+    pareto,
+)
+from hetrain.planner.search import SearchContext
 from hetrain.planner.shares import GroupOptions, ShareProblem, _min_max_step
 from hetrain.profile import profile_from_dict
 
@@ -121,3 +141,205 @@ def test_lp_bound_newton_matches_bisection_and_stays_below(seed: int) -> None:
         per = np.maximum((newton - delta) / alpha, 0.0)
         per_group = np.maximum.reduceat(per, problem._starts)
         assert float(np.dot(per_group, problem.counts)) <= problem.batch * (1 + 1e-9)
+
+
+# --- stage times: the broadcast calls of the planner and the grouped pass of evaluate_plan --
+
+
+@st.composite
+def measured_instances(draw: st.DrawFn) -> tuple[dict, dict, np.ndarray]:
+    """A random profile of 1-6 layers (FLOPs, ν_l) with measured times for some of 1-3 device
+    kinds (1-3 sizes, ±noise, times that may fall with μ), a cluster of 1-5 devices of those
+    kinds (κ, λ, one or two nodes) and a speed factor per device (a state whose speeds moved
+    away from the file's, so measured times scale)."""
+    num_layers = draw(st.integers(1, 6))
+    kinds = [f"k{q}" for q in range(draw(st.integers(1, 3)))]
+    floats = st.floats(0.0, 1.0, allow_nan=False)
+    layers = [
+        {"name": f"l{i}", "fwd_flops": draw(st.floats(0.0, 5e9)), "activation_bytes": 1e6,
+         "param_bytes": 1e6, "overhead_weight": draw(st.sampled_from([0.5, 1.0, 2.0]))}
+        for i in range(num_layers)
+    ]  # fmt: skip
+    measured = {}
+    for kind in kinds:
+        if not draw(st.booleans()):
+            continue  # this kind keeps the FLOP model
+        sizes = sorted(draw(st.sets(st.integers(1, 16), min_size=1, max_size=3)))
+        rows = [[draw(floats) * 1e-2 for _ in range(num_layers)] for _ in sizes]
+        back = [[draw(floats) * 1e-2 for _ in range(num_layers)] for _ in sizes]
+        measured[kind] = {"microbatch_sizes": sizes, "fwd_s": rows, "bwd_s": back}
+    num_dev = draw(st.integers(1, 5))
+    devices = [
+        {"id": f"dev{d}", "kind": draw(st.sampled_from(kinds)), "node": f"n{d % 2}",
+         "tflops": draw(st.sampled_from([0.5, 1.0, 4.0])), "memory_gib": 16, "nic_gbps": 10,
+         "microbatch_overhead_ms": draw(st.sampled_from([0.0, 2.0])),
+         "layer_overhead_ms": draw(st.sampled_from([0.0, 0.5]))}
+        for d in range(num_dev)
+    ]  # fmt: skip
+    factors = np.array([draw(st.sampled_from([0.5, 1.0, 1.7])) for _ in range(num_dev)])
+    profile = {"name": "p", "layers": layers, "measured_times": measured}
+    cluster = {"links": {"intra_node_gbps": 100, "latency_us": 5}, "devices": devices}
+    return profile, cluster, factors
+
+
+def _stage_definition_s(state, arrays, d: int, start: int, end: int, mu: float, part: str):
+    """docs/model.md §3's stage time, element by element: the kind's interpolated measured
+    times summed over the stage and scaled by nominal / speed, else the FLOP model."""
+    kinds = {m.kind.casefold(): m for m in arrays.measured}
+    table = kinds.get(state.kinds[d].casefold())
+    if table is not None:
+        scale = float(state.measured_time_scale()[d])
+        return scale * float(np.sum(table.layer_times_s(mu, part)[start:end]))
+    if part == "bwd":
+        return mu * float(np.sum(arrays.bwd_flops[start:end])) / state.speed_flops[d]
+    flops = float(np.sum(arrays.train_flops[start:end]))
+    units = float(np.sum(arrays.overhead_weights[start:end]))
+    return (mu * flops / state.speed_flops[d] + state.kappa_s[d]
+            + state.layer_overhead_s[d] * units)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(measured_instances(), st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       st.sampled_from(["train", "bwd"]))  # fmt: skip
+def test_stage_compute_s_broadcasts_equal_the_definition(instance, mus, part) -> None:
+    """Every shape the planner calls :func:`stage_compute_s` with (the partitioner's
+    ``(U, K, L + 1, L + 1)`` matrices with float μ, per-split μ, one μ) gives, element by
+    element, the stage time of docs/model.md §3 (measured or FLOP model)."""
+    profile, cluster, factors = instance
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    state = base.with_changes(speed_flops=base.speed_flops * factors)
+    prefix = profile_prefix(arrays)
+    num_layers, devs = arrays.num_layers, np.arange(state.num_devices)
+    total = max(
+        _stage_definition_s(state, arrays, int(d), 0, num_layers, float(mu), part)
+        for d in devs for mu in mus
+    )  # fmt: skip
+    tol = 1e-12 * max(total, 1e-300)  # prefix differences round like the whole chain
+    idx = np.arange(num_layers + 1)
+    mu4 = np.asarray(mus, dtype=float)[:, None, None, None]
+    got = stage_compute_s(state, prefix, devs[:, None, None], idx[:, None], idx[None, :], mu4,
+                          part)  # fmt: skip
+    got = np.broadcast_to(got, (len(mus), len(devs), num_layers + 1, num_layers + 1))
+    for u, mu in enumerate(mus):
+        for d in devs:
+            for i in range(num_layers):
+                for j in range(i + 1, num_layers + 1):
+                    want = _stage_definition_s(state, arrays, int(d), i, j, float(mu), part)
+                    assert got[u, d, i, j] == pytest.approx(want, rel=1e-12, abs=tol)
+    # per-split μ (split_rows) and one μ (stage_times_s): the same values as the matrices
+    starts = np.zeros(len(mus), dtype=np.int64)
+    ends = np.full(len(mus), num_layers)
+    rows = stage_compute_s(state, prefix, devs[-1], starts[:, None], ends[:, None],
+                           np.asarray(mus, dtype=np.int64)[:, None], part)  # fmt: skip
+    np.testing.assert_array_equal(rows[:, 0], got[:, -1, 0, num_layers])
+    one = stage_compute_s(state, prefix, devs, np.zeros_like(devs), np.full_like(devs, num_layers),
+                          mus[0], part)  # fmt: skip
+    np.testing.assert_array_equal(one, got[0, :, 0, num_layers])
+
+
+@settings(max_examples=40, deadline=None)
+@given(measured_instances(), st.randoms(use_true_random=False), st.sampled_from(["1f1b", "gpipe"]))
+def test_evaluate_plan_groups_equal_the_one_group_functions(instance, rng, schedule) -> None:
+    """:func:`evaluate_plan` times groups of one depth together; every figure equals the
+    one-group functions (:func:`stage_times_s`, :func:`group_fill_and_bottleneck_s`,
+    :func:`group_time_s`, :func:`stage_memory_bytes`) bit for bit, idle groups included."""
+    profile, cluster, factors = instance
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    state = base.with_changes(speed_flops=base.speed_flops * factors)
+    prefix = profile_prefix(arrays)
+    num_layers = arrays.num_layers
+    ids = list(state.ids)
+    rng.shuffle(ids)
+    groups, at = [], 0
+    while at < len(ids):
+        k = rng.randint(1, min(num_layers, len(ids) - at))
+        cuts = sorted(rng.sample(range(1, num_layers), k - 1))
+        bounds = [0, *cuts, num_layers]
+        groups.append({"devices": ids[at : at + k], "microbatch_size": rng.randint(1, 9),
+                       "stages": [[bounds[s], bounds[s + 1]] for s in range(k)],
+                       "batch": rng.choice([0, rng.randint(1, 30)])})  # fmt: skip
+        at += k
+    plan = plan_from_dict({"schedule": schedule, "groups": groups})
+    config = TrainingConfig(batch=max(1, sum(g["batch"] for g in groups)))
+    ev = evaluate_plan(plan, state, arrays, config)
+    index = state.index()
+    for g, group in enumerate(plan.groups):
+        devs = np.array([index[d] for d in group.devices])
+        bounds = np.array([s for s, _ in group.stages] + [num_layers])
+        compute, transfer = stage_times_s(state, prefix, devs, bounds, group.microbatch_size)
+        assert ev.stage_compute_s[g] == tuple(compute.tolist())
+        assert ev.stage_transfer_s[g] == tuple(transfer.tolist())
+        n = group.num_microbatches
+        assert ev.group_times_s[g] == group_time_s(
+            *group_fill_and_bottleneck_s(compute, transfer), n
+        )
+        memory = stage_memory_bytes(prefix, bounds, group.microbatch_size, n, 2.0, schedule)
+        assert [ev.memory_bytes[d] for d in group.devices] == memory.tolist()
+
+
+def test_share_solution_times_equal_time_for_of_every_member() -> None:
+    """:meth:`ShareProblem._finish` looks each (entry, share) pair up once: every member's
+    time and option equal :meth:`GroupOptions.time_for` of its own share."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        opts = []
+        for _ in range(int(rng.integers(1, 4))):
+            size = int(rng.integers(1, 6))
+            opts.append(GroupOptions(
+                rng.integers(1, 9, size), rng.random(size), rng.random(size) * 0.1,
+                rng.choice([1, 3, 100], size), np.zeros((size, 2), dtype=np.int64),
+            ))  # fmt: skip
+        counts = rng.integers(1, 5, len(opts))
+        problem = ShareProblem(opts, 40, counts)
+        shares = rng.integers(0, 41, int(counts.sum()))
+        sol = problem._finish(shares)
+        entry = np.repeat(np.arange(len(opts)), counts)
+        want = [opts[e].time_for(int(b)) for e, b in zip(entry, shares, strict=True)]
+        if not all(np.isfinite(t) for t, _ in want):
+            assert sol is None
+            continue
+        assert sol.group_times_s.tolist() == [t for t, _ in want]
+        assert sol.option.tolist() == [p for _, p in want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(measured_instances(), st.randoms(use_true_random=False), st.integers(1, 32))
+def test_rate_bound_equals_the_bottleneck_over_every_split(instance, rng, batch) -> None:
+    """:meth:`SearchContext.rate_bound` (a min-max DP that reads one row for the first stage
+    and one column for the last) is ``1 / min over splits of max_k`` of the per-sample stage
+    time (FLOP model ``F / s``, or the kind's per-sample rate bound times its scale; inf where
+    the stage's parameters do not fit) and boundary time ``2 a / bw``, over every split."""
+    profile, cluster, factors = instance
+    for dev, mem in zip(cluster["devices"], factors, strict=True):
+        dev["memory_gib"] = 2e6 * 4 * mem / 2**30 * rng.choice([0.5, 1.0, 10.0])
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    state = base.with_changes(speed_flops=base.speed_flops * factors)
+    ctx = SearchContext(state, arrays, TrainingConfig(batch=batch))
+    pre = ctx.prefix
+    num_layers = arrays.num_layers
+    order = list(range(state.num_devices))
+    rng.shuffle(order)
+    devs = order[: rng.randint(1, min(num_layers, len(order)))]
+    bw = link_bandwidths_bytes_per_s(state, np.array(devs))
+    theta = pre.fixed_memory_bytes(np.arange(num_layers + 1)[:, None],
+                                   np.arange(num_layers + 1)[None, :], 2.0)  # fmt: skip
+    best = np.inf
+    for bounds in enumerate_splits(num_layers, len(devs)):
+        worst = 0.0
+        for k, d in enumerate(devs):
+            i, j = int(bounds[k]), int(bounds[k + 1])
+            if theta[i, j] > state.memory_bytes[d]:
+                worst = np.inf
+            elif ctx.kind_index[d] >= 0:
+                rate = pre.measured_rate_prefix_s(batch)[ctx.kind_index[d]]
+                worst = max(worst, (rate[j] - rate[i]) * float(ctx.time_scale[d]))
+            else:
+                worst = max(worst, (pre.train_flops[j] - pre.train_flops[i]) / state.speed_flops[d])
+            if k < len(devs) - 1:
+                worst = max(worst, pre.boundary_bytes[j - 1] / bw[k])
+        best = min(best, worst)
+    want = 0.0 if not np.isfinite(best) else 1.0 / max(best, 1e-300)
+    assert ctx.rate_bound(tuple(devs)) == want

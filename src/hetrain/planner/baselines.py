@@ -56,31 +56,31 @@ def _fitting_mu(
     shared tensors once, docs/model.md (v3)) with ``h = 1`` under 1F1B (one stage)
     and ``h = ceil(share / μ)`` under GPipe (docs/model.md §3)."""
     prefix = profile_prefix(profile)
-    params = prefix.total_fixed_memory_bytes(config.optimizer_state_factor)
+    o = config.optimizer_state_factor
+    params = prefix.total_fixed_memory_bytes(o)
     act = prefix.act_mem_bytes[-1]
-    free = state.memory_bytes[devices] - params
+    limit = state.memory_bytes[devices]
+    free = limit - params
     shares = np.asarray(shares, dtype=np.int64)
-    out = np.zeros(len(devices), dtype=np.int64)
-    bounds = np.array([0, profile.num_layers])
-    for i, (room, share) in enumerate(zip(free, shares, strict=True)):
-        if room < 0 or share < 1:
-            continue
-        if config.schedule == "gpipe":
-            # h μ = ceil(share/μ) μ >= share: fits iff share * act <= room (any μ; take share)
-            mu = int(share) if share * act <= room else 0
-        else:
-            mu = int(share) if act <= 0 else int(min(share, room // act))
-        # confirm with the cost model's own expression (rounding)
-        while mu >= 1:
-            n = -(-int(share) // mu)
-            mem = stage_memory_bytes(
-                prefix, bounds, mu, n, config.optimizer_state_factor, config.schedule
-            )
-            if mem[0] <= state.memory_bytes[devices[i]]:
-                break
-            mu -= 1
-        out[i] = max(mu, 0)
-    return out
+    candidate = (free >= 0) & (shares >= 1)
+    if config.schedule == "gpipe":
+        # h μ = ceil(share/μ) μ >= share: fits iff share * act <= room (any μ; take share)
+        mu = np.where(shares * act <= free, shares, 0)
+    elif act <= 0:
+        mu = shares.copy()
+    else:
+        mu = np.minimum(shares, np.floor_divide(np.where(candidate, free, 0.0), act))
+    mu = np.where(candidate, mu, 0).astype(np.int64)
+    # confirm with the cost model's own expression (stage_memory_bytes of the whole model,
+    # rounding): step μ down where it does not fit
+    whole = prefix.fixed_memory_bytes(np.array([0]), np.array([profile.num_layers]), o)[0]
+    while True:
+        n = -(-shares // np.maximum(mu, 1))
+        alive = n if config.schedule == "gpipe" else np.minimum(n, 1)
+        over = (mu >= 1) & ~(whole + (alive * mu) * act <= limit)
+        if not np.any(over):
+            return mu
+        mu = np.where(over, mu - 1, mu)
 
 
 def _dp_plan(

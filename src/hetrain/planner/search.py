@@ -157,15 +157,20 @@ class SearchContext:
         return [base**i for i in range(int(math.log(b, base) + 1e-9) + 1)]
 
     def signature(self, devices: np.ndarray) -> tuple:
-        """What a group's splits depend on: speed, κ and memory per device, link bandwidths."""
-        s = self.state
-        per = tuple(self._device_key(int(d), False) for d in devices)
-        links = (
-            tuple(float(x) for x in link_bandwidths_bytes_per_s(s, devices))
-            if len(devices) > 1
-            else ()
-        )
-        return per, links
+        """What a group's splits depend on: speed, κ and memory per device, link bandwidths.
+        Cached per device sequence."""
+        devices = np.asarray(devices, dtype=np.int64)
+        key = ("signature", devices.tobytes())
+        out = self.option_cache.get(key)
+        if out is None:
+            per = tuple(self._device_key(int(d), False) for d in devices)
+            links = (
+                tuple(float(x) for x in link_bandwidths_bytes_per_s(self.state, devices))
+                if len(devices) > 1
+                else ()
+            )
+            out = self.option_cache[key] = (per, links)
+        return out
 
     def approx_signature(self, devices: np.ndarray) -> tuple:
         """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
@@ -230,8 +235,8 @@ class SearchContext:
             base = self.option_cache["rate-matrices"] = (valid, flops, theta, last)
         valid, flops, theta, last = base
         bws = link_bandwidths_bytes_per_s(st, devs) if len(devs) > 1 else np.zeros(0)
-        best = np.full(num_layers + 1, np.inf)
-        best[0] = 0.0
+        last_stage = len(devs) - 1
+        best = np.zeros(0)  # per layer j: the least bottleneck of the stages so far ending at j
         for k, d in enumerate(devs):
             # per-sample stage times where the stage's parameters fit d (per speed/memory)
             kind = int(self.kind_index[d])
@@ -247,9 +252,18 @@ class SearchContext:
                     per_sample = flops / st.speed_flops[d]
                 worst = np.where(valid & (theta <= st.memory_bytes[d]), per_sample, np.inf)
                 self.option_cache[dkey] = worst
-            if k < len(devs) - 1:
-                worst = np.maximum(worst, (pre.boundary_bytes[last] / bws[k])[None, :])
-            best = np.min(np.maximum(best[:, None], worst), axis=0)
+            # min-max DP over the stage's first layer i; the first stage starts at layer 0 and
+            # the last ends at L (one row, one column); the boundary after a stage ending at j
+            # does not depend on i, so it is charged after the minimum (max(min_i x_i, c) =
+            # min_i max(x_i, c): the same values as charging it inside)
+            if k == 0:
+                best = worst[0]
+            elif k == last_stage:
+                best = np.min(np.maximum(best, worst[:, -1]), keepdims=True)
+            else:
+                best = np.min(np.maximum(best[:, None], worst), axis=0)
+            if k < last_stage:
+                best = np.maximum(best, pre.boundary_bytes[last] / bws[k])
         bottleneck = float(best[-1])
         rate = 0.0 if not np.isfinite(bottleneck) else 1.0 / max(bottleneck, 1e-300)
         self.option_cache[key] = rate
@@ -939,11 +953,12 @@ def solve_structure(
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
-        index_of = {tuple(int(x) for x in garr[g]): g for g in range(len(garr))}
+        index_of = {garr[g].tobytes(): g for g in range(len(garr))}
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-            i = entry_of[index_of[tuple(int(x) for x in devs)]]
+            g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
+            i = entry_of[g]
             n = -(-b // mu)
-            ns = {n - 1, n, n + 1} if fixed[index_of[tuple(int(x) for x in devs)]] is not None \
+            ns = {n - 1, n, n + 1} if fixed[g] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
             extra.setdefault(i, set()).update(-(-b // m) for m in ns if m >= 1)
             # small shares: the neighbouring shares in one micro-batch or in n (the shares

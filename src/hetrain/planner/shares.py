@@ -188,7 +188,7 @@ class ShareProblem:
         if not len(self._mu):
             return out
         n = np.floor((time_s - self._fill) / self._bottleneck) + 1.0
-        n = np.clip(np.minimum(n, self._nmax), 0.0, None)
+        n = np.maximum(np.minimum(n, self._nmax), 0.0)
         per_option = self._mu * n
         out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
         return np.minimum(out, self.batch)
@@ -347,14 +347,13 @@ class ShareProblem:
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
         entry = np.repeat(np.arange(len(self.groups)), self.counts)
-        times = np.zeros(len(entry))
-        option = np.full(len(entry), -1, dtype=np.int64)
-        memo: dict[tuple[int, int], tuple[float, int]] = {}
-        for g, b in enumerate(shares):
-            key = (int(entry[g]), int(b))
-            if key not in memo:
-                memo[key] = self.groups[key[0]].time_for(key[1])
-            times[g], option[g] = memo[key]
+        # one GroupOptions.time_for per distinct (entry, share) pair
+        width = self.batch + 1
+        pairs, which = np.unique(entry * width + np.asarray(shares, dtype=np.int64),
+                                 return_inverse=True)  # fmt: skip
+        found = [self.groups[key // width].time_for(key % width) for key in pairs.tolist()]
+        times = np.array([t for t, _ in found], dtype=float)[which.ravel()]
+        option = np.array([p for _, p in found], dtype=np.int64)[which.ravel()]
         if not np.all(np.isfinite(times)):
             return None
         return ShareSolution(float(times.max(initial=0.0)), shares, option, times)
