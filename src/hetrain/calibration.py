@@ -14,10 +14,11 @@ Two tools:
   :func:`hetrain.costmodel.refined_iteration_time_s`): the time of the weight update per
   trainable parameter byte a device holds, and how much a device's time per iteration
   jitters from one iteration to the next.
-* :class:`EwmaEstimator` / :class:`ClusterEstimator` — online estimates the runtime feeds with
-  per-iteration measurements and the controller reads: an exponentially weighted moving average
-  with outlier rejection (robust to one-off stalls, but following a lasting change of level
-  after a few consistent samples).
+* :class:`EwmaEstimator` / :class:`ClusterEstimator` — online estimates fed with per-iteration
+  measurements (the prediction-error benchmark and the controller replays of tests/control; the
+  runtime's controller uses :class:`hetrain.control.estimates.SpeedEstimates`): an
+  exponentially weighted moving average with outlier rejection (robust to one-off stalls, but
+  following a lasting change of level after a few consistent samples).
 """
 
 from __future__ import annotations
