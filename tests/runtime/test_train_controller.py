@@ -176,6 +176,64 @@ def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
     assert thread.error is None
 
 
+def test_no_step_is_decided_while_a_posted_decision_is_not_yet_applied(tmp_path):
+    """The ranks keep reporting plan 0 after the controller posted a decision (rank 0 has not
+    applied it yet): the controller decides on no later step, so that a second decision can
+    neither overwrite the first in the store nor be made against a plan that never ran."""
+    thread = ControllerThread().start()
+    try:
+        link = ControllerLink(thread.endpoint, timeout_s=10)
+        others = [
+            ControllerLink(thread.endpoint, timeout_s=10, rank=r, round_id=link.round_id)
+            for r in range(1, len(DEVICES))
+        ]
+        ctl = _controller(60)
+        link.start_round(
+            {
+                "world_size": len(DEVICES),
+                "base_state": ctl.base_state,
+                "profile": ctl.profile,
+                "config": ctl.config,
+                "plan": ctl.current,
+                "steps": 60,
+                "start_step": 0,
+                "optimizer_state_factor": 2.0,
+                "checkpoint_dir": None,
+                "checkpoint_every": 0,
+                "log_path": str(tmp_path / "controller.jsonl"),
+            }
+        )
+        flops = float(ctl.profile.train_flops.sum())
+        steps = 40
+        for t in range(steps):
+            slow = 4.0 if t >= 5 else 1.0
+            compute = {d: flops * 16 / 2e10 * (slow if d == "w1" else 1.0) for d in DEVICES}
+            for rank, each in enumerate([link, *others]):
+                d = DEVICES[rank]
+                each.post(t, {"device": d, "plan_id": 0, "compute_time_s": compute[d],
+                              "iteration_time_s": max(compute.values()),
+                              "send_recv_time_s": 0.0, "sync_time_s": 0.0})  # fmt: skip
+            time.sleep(0.05)  # the thread keeps up: one step per tick, each one decidable
+        log = tmp_path / "controller.jsonl"
+        deadline = time.time() + 60  # searches take a while on a loaded machine
+        rows: list = []
+        while len(rows) < steps:
+            assert time.time() < deadline, (len(rows), [r["step"] for r in rows][-3:], thread.error)
+            time.sleep(0.05)
+            rows = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+        made = [r["step"] for r in rows if "decision" in r]
+        assert len(made) == 1, made  # w1 4x slower from step 5: one change of plan
+        assert [r["step"] for r in rows if r["decided"] and r["step"] > made[0]] == []
+        decision = link.poll(0)
+        assert decision is not None and decision.shares_before == {d: 16 for d in DEVICES}
+        link.close()
+        for each in others:
+            each.close()
+    finally:
+        thread.close()
+    assert thread.error is None
+
+
 def _main_job_late_shares(run_dir, out: str) -> list:
     """Run-level checks of the main job's metrics (asserted), and the steps from 70 on where
     w1's share exceeds half the mean used share (returned)."""
@@ -212,6 +270,12 @@ def _main_job_late_shares(run_dir, out: str) -> list:
     assert len(lines) == len(replans) >= 1
     for r in replans:
         assert r["predicted_time_s"] < r["current_time_s"]
+        # each re-plan was decided against the plan that ran (one decision in flight): its
+        # shares before are those of the plan it replaced, its shares after its own plan's
+        for key, plan_id in (("shares_before", r["old_plan_id"]), ("shares_after", r["plan_id"])):
+            ran = {d: 0 for d in r[key]}
+            ran.update({d: g["batch"] for g in plans[plan_id]["groups"] for d in g["devices"]})
+            assert r[key] == ran, (key, r)
         assert (
             set(r["shares_before"])
             == set(r["shares_after"])

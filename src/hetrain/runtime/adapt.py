@@ -226,7 +226,11 @@ class ControllerService:
                 except OSError:  # a full disk: that checkpoint goes without controller state
                     with contextlib.suppress(OSError):
                         tmp.unlink()
-            decided = newest - k < DECIDE_BACKLOG_STEPS
+            # one decision in flight: while the ranks still run another plan than the
+            # controller's last decision (posted, not yet applied), no step is decided on, so
+            # that every decision is made against, and reported from, the plan that runs
+            pending = int(rec["plan_id"]) != int(ctl.current.plan_id or 0)
+            decided = newest - k < DECIDE_BACKLOG_STEPS and not pending
             made = None
             if decided:
                 # one decision per measured step (decisions are a function of the log, the
