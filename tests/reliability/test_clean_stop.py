@@ -99,3 +99,32 @@ def test_signal_stops_cleanly_and_the_rerun_finishes(tmp_path, how):
     assert f"resumed from step {stop.step} of {found[0]}" in rerun.stderr
     logged = _steps_logged(metrics)
     assert logged == list(range(STEPS)), json.dumps(logged)
+
+
+def test_a_stop_without_a_checkpoint_folder_names_its_step(tmp_path):
+    """Ctrl-C to a run without ``--checkpoint-dir``: one line naming the step the ranks stopped
+    at (the metrics' ``stop`` event) and that nothing was saved; exit 128 + SIGINT."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = _command(tmp_path)
+    i = command.index("--checkpoint-dir")
+    del command[i : i + 4]  # --checkpoint-dir D --checkpoint-every N
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not _steps_logged(metrics) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err and "Traceback" not in out
+    events = [e for e in read_metrics(metrics) if e["event"] == "stop"]
+    assert len(events) == 1 and 1 <= events[0]["step"] < STEPS
+    lines = [ln for ln in err.splitlines() if ln.startswith("hetrain: stopped")]
+    step = events[0]["step"]
+    assert lines == [
+        f"hetrain: stopped at step {step} (SIGINT); no checkpoint (no --checkpoint-dir)"
+    ]

@@ -84,9 +84,22 @@ def _checkpoint_stamp(job: TrainJob) -> tuple[str, int] | None:
         return None
 
 
-def _stopped(job: TrainJob, signum: int, before: tuple[str, int] | None) -> RunStopped:
+def _metrics_stamp(job: TrainJob) -> int | None:
+    """Modification time (ns) of the run's metrics file, or None when there is none."""
+    try:
+        return Path(job.metrics_out).stat().st_mtime_ns if job.metrics_out else None
+    except OSError:
+        return None
+
+
+def _stopped(
+    job: TrainJob, signum: int, before: tuple[str, int] | None, metrics_before: int | None = None
+) -> RunStopped:
     """The :class:`RunStopped` of a launch ended by ``signum``: the stop checkpoint is the
-    newest checkpoint when it is new since ``before`` and its manifest records the stop."""
+    newest checkpoint when it is new since ``before`` and its manifest records the stop;
+    without one, the step is that of the metrics file's ``stop`` event when it is the file's
+    last event and the file changed since ``metrics_before`` (its stamp at launch), so that a
+    stop without ``--checkpoint-dir`` still names its step."""
     import signal
 
     from hetrain.runtime import checkpoint as ckpt
@@ -103,6 +116,13 @@ def _stopped(job: TrainJob, signum: int, before: tuple[str, int] | None) -> RunS
             found = None
         if found is not None and found.manifest.get("stop"):
             return RunStopped(str(found.manifest["stop"]), found.step, str(found.path))
+    stamp = _metrics_stamp(job)
+    if stamp is not None and stamp != metrics_before:
+        from hetrain.runtime.metrics import read_metrics
+
+        events = read_metrics(job.metrics_out)
+        if events and events[-1].get("event") == "stop":
+            return RunStopped(str(events[-1].get("reason") or name), int(events[-1]["step"]), None)
     return RunStopped(name, None, None)
 
 
@@ -310,6 +330,7 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
 
     started = time.time()
     before = _checkpoint_stamp(job)
+    metrics_before = _metrics_stamp(job)
     # the elastic agent logs a multi-line report of every failed child; the root cause is
     # reported below in one line (rank_errors.jsonl keeps every traceback)
     # (torch's elastic loggers have their own levels: each is set, not only the parents)
@@ -338,7 +359,7 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     except SignalException as exc:
         # SIGTERM/SIGINT to this process (or Ctrl-C to the whole group): the agent forwarded it
         # to the ranks, which wrote the stop checkpoint and exited; one line, no traceback
-        raise _stopped(job, int(exc.sigval), before) from None
+        raise _stopped(job, int(exc.sigval), before, metrics_before) from None
     finally:
         for lg, level in zip(quiet, levels, strict=True):
             lg.setLevel(level)
