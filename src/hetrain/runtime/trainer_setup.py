@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain._text import plural
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import spawn_controller_process
@@ -330,7 +331,7 @@ class TrainerSetup:
                 f"position {resumed['data_position']} samples)"
             )
         print(
-            f"hetrain: {what} on {len(job.devices)} devices ({', '.join(job.devices)})"
+            f"hetrain: {what} on {plural(len(job.devices), 'device')} ({', '.join(job.devices)})"
             + (f"; restart {self.restart_count}" if self.restart_count else ""),
             file=sys.stderr,
             flush=True,
