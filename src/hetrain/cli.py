@@ -8,7 +8,9 @@ runs; only ``train`` and ``profile`` import torch. Any bad input (an
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -454,38 +456,76 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if list(args[:2]) == ["profile", "merge"]:  # `hetrain profile merge ...` = merge-profiles
         args = ["merge-profiles", *args[2:]]
+    with _Interrupts() as interrupts:
+        rv = _run_app(args)
+    if interrupts.signum is not None:
+        # SIGINT/SIGTERM outside a training loop (start-up, report): typer turns the
+        # KeyboardInterrupt into a silent exit 130, so the line is printed here
+        name = signal.Signals(interrupts.signum).name
+        print(f"hetrain: interrupted ({name}) outside the training loop", file=sys.stderr)
+        return _exit(128 + interrupts.signum, argv)
+    return _exit(rv, argv)
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` in the main thread while a command runs,
+    and the signal is recorded (:attr:`signum`); the previous handlers come back on exit. A
+    training loop installs its own handlers (a clean stop) and restores these after."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002
+        self.signum = int(signum)
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _run_app(args: list[str]) -> int:
+    """The typer app on ``args``; bad input and faults become one line and an exit status."""
     try:
         rv = app(args=args, prog_name="hetrain", standalone_mode=False)
     except InputError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
-        return _exit(2, argv)
+        return 2
     except typer.Exit as exc:
-        return _exit(int(exc.exit_code or 0), argv)
+        return int(exc.exit_code or 0)
     except typer.Abort:
         print("hetrain: aborted", file=sys.stderr)
-        return _exit(130, argv)
+        return 130
     except SystemExit as exc:
-        return _exit(exc.code if isinstance(exc.code, int) else 1, argv)
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops cleanly itself)
-        print("hetrain: interrupted", file=sys.stderr)
-        return _exit(130, argv)
+        return exc.code if isinstance(exc.code, int) else 1
+    except KeyboardInterrupt:  # reported by main (the signal is known there)
+        return 130
     except BrokenPipeError:  # `hetrain plan --json | head`: the reader left, nothing to say
-        return _exit(1, argv)
+        return 1
     except OSError as exc:  # e.g. stdout on a full disk (/dev/full): one line, not a traceback
         where = exc.filename if exc.filename is not None else "output"
         print(f"hetrain: error: {where}: cannot write ({exc.strerror or exc})", file=sys.stderr)
-        return _exit(2, argv)
+        return 2
     except Exception as exc:
         # typer's (vendored click) usage errors: ClickException subclasses with exit_code 2
         if not hasattr(exc, "format_message") or not hasattr(exc, "exit_code"):
             raise
         if type(exc).__name__ == "NoArgsIsHelpError":
             print(exc.format_message())
-            return _exit(0, argv)
+            return 0
         message = " ".join(str(exc.format_message()).split())
         print(f"hetrain: error: {message}", file=sys.stderr)
-        return _exit(int(exc.exit_code) or 2, argv)
-    return _exit(int(rv or 0) if isinstance(rv, int) else 0, argv)
+        return int(exc.exit_code) or 2
+    return int(rv or 0) if isinstance(rv, int) else 0
 
 
 def _exit(code: int, argv: list[str] | None) -> int:

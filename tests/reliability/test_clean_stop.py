@@ -128,3 +128,31 @@ def test_a_stop_without_a_checkpoint_folder_names_its_step(tmp_path):
     assert lines == [
         f"hetrain: stopped at step {step} (SIGINT); no checkpoint (no --checkpoint-dir)"
     ]
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_gives_one_line(tmp_path, name):
+    """A signal while the launcher still builds the model (here a ``--model`` factory that
+    waits): one line naming the signal, exit 128 + signal, no traceback."""
+    started = tmp_path / "started"
+    (tmp_path / "waiting_factory.py").write_text(
+        "import time\nfrom pathlib import Path\n\n\ndef make():\n"
+        f"    Path({str(started)!r}).write_text('x')\n    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    command = [sys.executable, "-m", "hetrain", "train", "--model", "waiting_factory:make",
+               "--workers", "2", "--steps", "3", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists() and proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    signum = getattr(signal, name)
+    os.killpg(proc.pid, signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and "Traceback" not in out
+    assert err.strip().splitlines() == [f"hetrain: interrupted ({name}) outside the training loop"]
