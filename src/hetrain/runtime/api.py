@@ -93,7 +93,7 @@ def train(
     load_into_model: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
-    """Train ``model`` (an ``nn.Sequential`` or a list of blocks = the pipeline layers) on
+    """Train ``model`` (any ``nn.Module``, cut into pipeline layers at its blocks) on
     ``dataset`` with hetrain's runtime on local worker processes, adapting the plan online.
 
     Args:
