@@ -108,30 +108,38 @@ def test_replayed_log_applies_only_changes_that_hold_and_is_deterministic():
     ]
 
 
+def _service_round(thread, tmp_path, **init) -> tuple:
+    """A 60-step round of the 4 devices started on ``thread``'s service: rank 0's link, the
+    links of ranks 1-3 (every rank writes its own record), and the controller the round's
+    start was taken from; ``init``: the round's checkpoint fields."""
+    link = ControllerLink(thread.endpoint, timeout_s=10)
+    others = [
+        ControllerLink(thread.endpoint, timeout_s=10, rank=r, round_id=link.round_id)
+        for r in range(1, len(DEVICES))
+    ]
+    ctl = _controller(60)
+    link.start_round(
+        {
+            "world_size": len(DEVICES),
+            "base_state": ctl.base_state,
+            "profile": ctl.profile,
+            "config": ctl.config,
+            "plan": ctl.current,
+            "steps": 60,
+            "start_step": 0,
+            "optimizer_state_factor": 2.0,
+            "log_path": str(tmp_path / "controller.jsonl"),
+            **init,
+        }
+    )
+    return link, others, ctl
+
+
 def test_service_answers_through_the_store_and_saves_its_state(tmp_path):
     thread = ControllerThread().start()
     try:
-        # every rank writes its own record (ranks 1-3 through their own links)
-        link = ControllerLink(thread.endpoint, timeout_s=10)
-        others = [
-            ControllerLink(thread.endpoint, timeout_s=10, rank=r, round_id=link.round_id)
-            for r in range(1, len(DEVICES))
-        ]
-        ctl = _controller(60)
-        link.start_round(
-            {
-                "world_size": len(DEVICES),
-                "base_state": ctl.base_state,
-                "profile": ctl.profile,
-                "config": ctl.config,
-                "plan": ctl.current,
-                "steps": 60,
-                "start_step": 0,
-                "optimizer_state_factor": 2.0,
-                "checkpoint_dir": str(tmp_path / "ckpt"),
-                "checkpoint_every": 10,
-                "log_path": str(tmp_path / "controller.jsonl"),
-            }
+        link, others, ctl = _service_round(
+            thread, tmp_path, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=10
         )
         flops = float(ctl.profile.train_flops.sum())
         decision = None
@@ -182,26 +190,8 @@ def test_no_step_is_decided_while_a_posted_decision_is_not_yet_applied(tmp_path)
     neither overwrite the first in the store nor be made against a plan that never ran."""
     thread = ControllerThread().start()
     try:
-        link = ControllerLink(thread.endpoint, timeout_s=10)
-        others = [
-            ControllerLink(thread.endpoint, timeout_s=10, rank=r, round_id=link.round_id)
-            for r in range(1, len(DEVICES))
-        ]
-        ctl = _controller(60)
-        link.start_round(
-            {
-                "world_size": len(DEVICES),
-                "base_state": ctl.base_state,
-                "profile": ctl.profile,
-                "config": ctl.config,
-                "plan": ctl.current,
-                "steps": 60,
-                "start_step": 0,
-                "optimizer_state_factor": 2.0,
-                "checkpoint_dir": None,
-                "checkpoint_every": 0,
-                "log_path": str(tmp_path / "controller.jsonl"),
-            }
+        link, others, ctl = _service_round(
+            thread, tmp_path, checkpoint_dir=None, checkpoint_every=0
         )
         flops = float(ctl.profile.train_flops.sum())
         steps = 40
