@@ -184,6 +184,7 @@ def startup_measurements(
     factor = emu.factors(start_step)[job.devices[dist.get_rank()]]
     calib_device = coll
     calib_model = model.to(dtype=dtype, device=calib_device)
+    unit = _sample_unit(model, job.norm_block)  # the smallest micro-batch both timings run
     mine = _measure_device(
         job.task,
         calib_model,
@@ -193,7 +194,7 @@ def startup_measurements(
         factor,
         device=calib_device,
         overhead_weights=np.asarray(profile.overhead_weights),
-        sample_unit=_sample_unit(model, job.norm_block),
+        sample_unit=unit,
     )
     mine = (*mine, _measure_update_s_per_byte(calib_model, optimizer_spec(job)))
     layer_times = measure_layer_times(
@@ -203,7 +204,7 @@ def startup_measurements(
         sampler.indices(start_step),
         factor,
         device=calib_device,
-        sample_unit=_sample_unit(model, job.norm_block),
+        sample_unit=unit,
         activation_bytes_per_sample=float(np.sum(profile.activation_memory_bytes)),
     )
     gathered = [torch.zeros(5, dtype=torch.float64, device=coll) for _ in range(world)]
