@@ -207,11 +207,36 @@ def _fit_device(points, times, sizes, flops_per_sample, num_layers) -> tuple[flo
 class RankLayerTimes:
     """Measured per-layer times of one rank's device (emulated slow-down included):
     ``microbatch_sizes`` (shape ``(m,)``, samples, increasing) and ``fwd_s``, ``bwd_s`` (shape
-    ``(m, L)``, seconds per micro-batch of each size, per layer)."""
+    ``(m, L)``, seconds per micro-batch of each size, per layer); ``hardware``: the device's
+    hardware kind (:func:`hardware_kind`; empty: unknown) and ``factor``: the emulated
+    slow-down (>= 1) the times include."""
 
     microbatch_sizes: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
+    hardware: str = ""
+    factor: float = 1.0
+
+
+def hardware_kind(device: torch.device) -> str:
+    """The hardware kind of ``device``: a CUDA device's name (``torch.cuda.get_device_name``),
+    else the CPU's model name (``/proc/cpuinfo``'s ``model name``, else
+    ``platform.processor()``), prefixed ``cpu:``; ``"cpu"`` when neither names it."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    import platform
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor()
+    return f"cpu:{name}" if name else "cpu"
 
 
 def measure_layer_times(
@@ -280,10 +305,12 @@ def measure_layer_times(
     local = torch.as_tensor(mine, dtype=torch.float64, device=coll)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
+    kinds: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(kinds, (hardware_kind(device), float(factor)))
     sizes_arr = np.asarray(sizes, dtype=float)
     return [
-        RankLayerTimes(sizes_arr, t[0].cpu().numpy().copy(), t[1].cpu().numpy().copy())
-        for t in gathered
+        RankLayerTimes(sizes_arr, t[0].cpu().numpy().copy(), t[1].cpu().numpy().copy(), *k)
+        for t, k in zip(gathered, kinds, strict=True)
     ]
 
 
@@ -298,16 +325,23 @@ def with_layer_times(
     """The start-up state and profile the controller plans with, given every rank's measured
     layer times (docs/model.md §3 "Measured times", docs/runtime.md "Start-up calibration").
 
-    Kinds: with ``own_kinds`` (local ranks, no cluster file) every device is its own kind
-    (its id), so that a device emulated slower never shares times with a faster one; else
-    the kinds of ``state`` (the cluster file's ``kind``, default its id's prefix), and the
-    times of a kind are the per-layer, per-size median over its measured devices. A device's
-    ``nominal_speed_flops`` becomes its ``speed_flops`` times the ratio of its own total time
-    (all layers, forward + backward, at the largest size) to its kind's, so that at start-up
-    it runs the kind's times scaled to its own (``ClusterState.measured_time_scale``: 1 for a
-    device alone in its kind) and the controller's later speed estimates scale them from
-    there. Measured times the profile already has for other kinds are kept; those of a
-    measured kind are replaced.
+    Kinds: with ``own_kinds`` (local ranks, no cluster file) a device's kind is its
+    hardware (:attr:`RankLayerTimes.hardware`; its id where that is empty); else the kinds of
+    ``state`` (the cluster file's ``kind``, default its id's prefix). The times of a kind are
+    the per-layer, per-size median over its measured devices of their times with the emulated
+    slow-down divided out (:attr:`RankLayerTimes.factor`). A device runs its kind's times
+    scaled by ``r`` (``ClusterState.measured_time_scale``, through ``nominal_speed_flops =
+    speed_flops x r``), from where the controller's speed estimates scale them on:
+    - hardware kinds: ``r`` is the device's emulated factor. Ranks of one hardware kind are
+      the same device; what their start-up times differ by beyond the factor is contention
+      between ranks timing at once (two equal ranks measured 0.70-1.0 of each other on a
+      shared 2-core machine), which the median removes, so equal ranks start equal;
+    - a cluster file's kinds: ``r`` is the ratio of the device's own total time (all layers,
+      forward + backward, at the largest size, its emulated factor included) to its kind's
+      total, so that at start-up it runs its own measured total (its factor for a device
+      alone in its kind).
+    Measured times the profile already has for other kinds are kept; those of a measured kind
+    are replaced.
 
     Args:
         state: the start-up cluster state (measured ``speed_flops``; every id of ``devices``
@@ -322,7 +356,8 @@ def with_layer_times(
 
     Raises:
         ValueError: ``devices`` and ``times`` of different lengths, a device not in
-            ``state``, or times of another number of layers or other sizes than the first.
+            ``state``, times of another number of layers or other sizes than the first, or a
+            factor below 1.
     """
     if len(devices) != len(times):
         raise ValueError(f"with_layer_times: {len(devices)} devices but {len(times)} times")
@@ -332,8 +367,8 @@ def with_layer_times(
         raise ValueError(f"with_layer_times: devices {missing} are not in the state")
     kinds = list(state.kinds)
     if own_kinds:
-        for d in devices:
-            kinds[idx[d]] = d
+        for d, t in zip(devices, times, strict=True):
+            kinds[idx[d]] = t.hardware or d
     sizes = np.asarray(times[0].microbatch_sizes, dtype=float) if times else np.zeros(0)
     for d, t in zip(devices, times, strict=True):
         if t.fwd_s.shape != (len(sizes), profile.num_layers) or t.bwd_s.shape != t.fwd_s.shape:
@@ -343,14 +378,16 @@ def with_layer_times(
             )
         if not np.array_equal(np.asarray(t.microbatch_sizes, dtype=float), sizes):
             raise ValueError(f"with_layer_times: times of {d} at other micro-batch sizes")
+        if not t.factor >= 1.0:
+            raise ValueError(f"with_layer_times: emulated factor {t.factor} of {d} is below 1")
     by_kind: dict[str, list[int]] = {}
     for r, d in enumerate(devices):
         by_kind.setdefault(kinds[idx[d]].lower(), []).append(r)
     measured: dict[str, MeasuredTimes] = {}
     nominal = np.asarray(state.nominal_speed_flops, dtype=float).copy()
     for key, ranks in by_kind.items():
-        fwd = np.median(np.stack([times[r].fwd_s for r in ranks]), axis=0)
-        bwd = np.median(np.stack([times[r].bwd_s for r in ranks]), axis=0)
+        fwd = np.median(np.stack([times[r].fwd_s / times[r].factor for r in ranks]), axis=0)
+        bwd = np.median(np.stack([times[r].bwd_s / times[r].factor for r in ranks]), axis=0)
         kind = kinds[idx[devices[ranks[0]]]]
         measured[key] = MeasuredTimes(kind, sizes.copy(), fwd, bwd)
         kind_total = float(fwd[-1].sum() + bwd[-1].sum())
@@ -358,8 +395,11 @@ def with_layer_times(
             if kinds[i].lower() == key:
                 nominal[i] = float(state.speed_flops[i])
         for r in ranks:
-            own = float(times[r].fwd_s[-1].sum() + times[r].bwd_s[-1].sum())
-            ratio = own / kind_total if kind_total > 0 and own > 0 else 1.0
+            if own_kinds:
+                ratio = float(times[r].factor)
+            else:
+                own = float(times[r].fwd_s[-1].sum() + times[r].bwd_s[-1].sum())
+                ratio = own / kind_total if kind_total > 0 and own > 0 else times[r].factor
             nominal[idx[devices[r]]] = float(state.speed_flops[idx[devices[r]]]) * ratio
     kept = tuple(m for m in profile.measured if m.kind.lower() not in measured)
     profile = dataclasses.replace(profile, measured=kept + tuple(measured.values()))
