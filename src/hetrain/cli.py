@@ -522,10 +522,31 @@ def _run_app(args: list[str]) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":
             print(exc.format_message())
             return 0
-        message = " ".join(str(exc.format_message()).split())
+        message = _option_message(exc, args) or " ".join(str(exc.format_message()).split())
         print(f"hetrain: error: {message}", file=sys.stderr)
         return int(exc.exit_code) or 2
     return int(rv or 0) if isinstance(rv, int) else 0
+
+
+def _option_message(exc: Exception, args: list[str]) -> str | None:
+    """A value typer could not convert, in the ``--opt: expected ..., got V`` form of the
+    other option errors (the value as given: the word after the option or after ``=``);
+    None for other usage errors."""
+    param = getattr(exc, "param", None)
+    opts = [o for o in getattr(param, "opts", None) or [] if o.startswith("--")]
+    message = str(getattr(exc, "message", "") or "")
+    if not opts or not message:
+        return None
+    if message.startswith("Input should be "):
+        message = "expected " + message[len("Input should be ") :]
+    message = " ".join(message.split(", unable to parse")[0].split())
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and i + 1 < len(args):
+                return f"{opt}: {message}, got {args[i + 1]!r}"
+            if arg.startswith(opt + "="):
+                return f"{opt}: {message}, got {arg[len(opt) + 1 :]!r}"
+    return f"{opts[0]}: {message}"
 
 
 def _exit(code: int, argv: list[str] | None) -> int:
