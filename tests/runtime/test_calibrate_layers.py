@@ -170,8 +170,9 @@ def test_kinds_shared_by_devices_take_the_median_and_scale_each_device():
 def test_local_ranks_of_one_hardware_share_its_times_times_their_factor(factors, seed):
     """Local ranks of one hardware kind: whatever contention noise their tables carry (up to
     1.5x per layer and size), the kind's times are the median of the factor-free tables, and
-    each rank runs them times its emulated factor: equal ranks plan with equal times, a rank
-    emulated 3x slower with exactly 3x theirs. Two hardware kinds never share times."""
+    each rank runs them times its emulated factor: equal ranks plan with equal times (and
+    equal fitted speeds), a rank emulated 3x slower with exactly 3x theirs. Two hardware kinds
+    never share times."""
     rng = np.random.default_rng(seed)
     ids = [f"w{i}" for i in range(len(factors))]
     hw = ["cpu:A" if i % 3 else "gpu:B" for i in range(len(ids))]
@@ -192,6 +193,13 @@ def test_local_ranks_of_one_hardware_share_its_times_times_their_factor(factors,
     assert out.kinds == tuple(hw)
     assert sorted(m.kind for m in profile.measured) == sorted(set(hw))
     np.testing.assert_allclose(out.measured_time_scale(), factors, rtol=1e-12)
+    # one fitted speed per hardware kind too: the median of the factor-free fits, / factor
+    for h in set(hw):
+        mine = [i for i in range(len(ids)) if hw[i] == h]
+        kind_speed = np.median([state.speed_flops[i] * factors[i] for i in mine])
+        np.testing.assert_allclose(
+            [out.speed_flops[i] * factors[i] for i in mine], kind_speed, rtol=1e-12
+        )
     prefix = profile_prefix(profile)
     for h in set(hw):
         mine = [i for i in range(len(ids)) if hw[i] == h]
@@ -272,6 +280,7 @@ def test_startup_feeds_each_ranks_layer_times_to_the_controller(tmp_path):
     assert m.fwd_s.shape == m.bwd_s.shape == (4, 4)
     assert np.all(m.fwd_s > 0) and np.all(m.bwd_s > 0)
     np.testing.assert_allclose(state.measured_time_scale(), [1.0, 3.0], rtol=1e-12)
+    np.testing.assert_allclose(state.speed_flops[0], 3.0 * state.speed_flops[1], rtol=1e-12)
     train = m.fwd_s + m.bwd_s
     total = {"w0": float(train[-1].sum()), "w1": 3.0 * float(train[-1].sum())}
     # the planner's stage time of the whole model at 64 samples is the measured sum, and it

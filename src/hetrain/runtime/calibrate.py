@@ -335,7 +335,9 @@ def with_layer_times(
     - hardware kinds: ``r`` is the device's emulated factor. Ranks of one hardware kind are
       the same device; what their start-up times differ by beyond the factor is contention
       between ranks timing at once (two equal ranks measured 0.70-1.0 of each other on a
-      shared 2-core machine), which the median removes, so equal ranks start equal;
+      shared 2-core machine), which the median removes, so equal ranks start equal. Their
+      fitted ``speed_flops`` likewise become the kind's median of ``s_d x f_d`` divided by
+      each device's factor ``f_d``;
     - a cluster file's kinds: ``r`` is the ratio of the device's own total time (all layers,
       forward + backward, at the largest size, its emulated factor included) to its kind's
       total, so that at start-up it runs its own measured total (its factor for a device
@@ -351,7 +353,8 @@ def with_layer_times(
         times: :func:`measure_layer_times` of every rank (same sizes, ``L`` layers each).
 
     Returns:
-        ``(state, profile)``: ``state`` with ``kinds`` and ``nominal_speed_flops`` set,
+        ``(state, profile)``: ``state`` with ``kinds`` and ``nominal_speed_flops`` set (and
+        ``speed_flops`` with ``own_kinds``),
         ``profile`` with one :class:`~hetrain.profile.MeasuredTimes` per measured kind.
 
     Raises:
@@ -385,6 +388,7 @@ def with_layer_times(
         by_kind.setdefault(kinds[idx[d]].lower(), []).append(r)
     measured: dict[str, MeasuredTimes] = {}
     nominal = np.asarray(state.nominal_speed_flops, dtype=float).copy()
+    speed = np.asarray(state.speed_flops, dtype=float).copy()
     for key, ranks in by_kind.items():
         fwd = np.median(np.stack([times[r].fwd_s / times[r].factor for r in ranks]), axis=0)
         bwd = np.median(np.stack([times[r].bwd_s / times[r].factor for r in ranks]), axis=0)
@@ -393,15 +397,18 @@ def with_layer_times(
         kind_total = float(fwd[-1].sum() + bwd[-1].sum())
         for i in range(state.num_devices):
             if kinds[i].lower() == key:
-                nominal[i] = float(state.speed_flops[i])
+                nominal[i] = float(speed[i])
+        if own_kinds:  # one device: one fitted speed too (factor-free median, then / factor)
+            kind_speed = float(np.median([speed[idx[devices[r]]] * times[r].factor for r in ranks]))
+            for r in ranks:
+                speed[idx[devices[r]]] = kind_speed / times[r].factor
+                nominal[idx[devices[r]]] = kind_speed
+            continue
         for r in ranks:
-            if own_kinds:
-                ratio = float(times[r].factor)
-            else:
-                own = float(times[r].fwd_s[-1].sum() + times[r].bwd_s[-1].sum())
-                ratio = own / kind_total if kind_total > 0 and own > 0 else times[r].factor
-            nominal[idx[devices[r]]] = float(state.speed_flops[idx[devices[r]]]) * ratio
+            own = float(times[r].fwd_s[-1].sum() + times[r].bwd_s[-1].sum())
+            ratio = own / kind_total if kind_total > 0 and own > 0 else times[r].factor
+            nominal[idx[devices[r]]] = float(speed[idx[devices[r]]]) * ratio
     kept = tuple(m for m in profile.measured if m.kind.lower() not in measured)
     profile = dataclasses.replace(profile, measured=kept + tuple(measured.values()))
-    state = state.with_changes(kinds=tuple(kinds), nominal_speed_flops=nominal)
+    state = state.with_changes(kinds=tuple(kinds), nominal_speed_flops=nominal, speed_flops=speed)
     return state, profile
