@@ -511,6 +511,8 @@ class _Track(TorchFunctionMode):
     def _record_event(self, func, name, args, kwargs, tensors):  # noqa: ANN001, ANN202
         run = self.run
         cut = self.cut
+        if run.depth == 0:
+            cut._busy.add(run.phase)
         for t in tensors:
             k = run.key_of.get(id(t))
             if k is not None:

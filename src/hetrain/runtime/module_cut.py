@@ -20,6 +20,14 @@ from hetrain.runtime.cut_chains import (
     default_blocks,
     leaves,
 )
+from hetrain.runtime.cut_direct import (
+    boundary_extras,
+    boundary_tag,
+    direct_plan,
+    extras_now,
+    record_template,
+    run_direct,
+)
 from hetrain.runtime.cut_record import record_layers
 from hetrain.runtime.cut_track import (
     _MODES,
@@ -121,6 +129,9 @@ class ModuleCut(Chain):
         self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
         self._skippable: dict[int, list[tuple[nn.Module, dict]]] = {}
         self._meta_cache: dict[tuple, tuple] = {}  # meta results per call signature
+        self._templates: list = [None] * len(self.blocks)  # each block's recorded call
+        self._busy: set[int] = set()  # phases with torch or module calls outside the blocks
+        self._direct: dict[tuple[int, int], Any] = {}  # stage -> DirectPlan or None
         run = _Run(
             start=0,
             end=self.num_layers,
@@ -149,6 +160,8 @@ class ModuleCut(Chain):
             ]
             for b in range(self.num_layers + 1)
         ]
+        # boundaries where a stage of blocks only can start without the model's forward
+        self._extras_at = [boundary_extras(self, b) for b in range(self.num_layers + 1)]
 
     def boundary_keys(self, boundary: int) -> list[Key]:
         """The tensors that cross the boundary before layer ``boundary`` (``1 <= boundary <
@@ -169,10 +182,15 @@ class ModuleCut(Chain):
                 return None
             phase = i + 1
             if not run.record and phase == run.end:
-                raise _Stop(self._boundary(run, phase))
+                sent = self._boundary(run, phase)
+                extras = extras_now(self, phase, args, kwargs, run.key_of)
+                if extras is not None:
+                    sent = (*sent, *extras, boundary_tag(phase, run.device))
+                raise _Stop(sent)
             run.phase, run.depth, run.block = phase, 1, i
             if run.record:
                 run.block_args = {id(t) for t in leaves((args, kwargs))}
+                self._templates[i] = record_template(self, run.key_of, args, kwargs)
                 return None
             if phase < run.start:
                 return None  # skipped: its stand-in answers
@@ -374,6 +392,7 @@ class ModuleCut(Chain):
             return
         if run.record:
             self._outside[id(mod)] = mod
+            self._busy.add(run.phase)
         name = self._mod_names.get(id(mod), type(mod).__name__)
         c = run.calls.get((run.phase, name), 0)
         run.calls[(run.phase, name)] = c + 1
@@ -449,6 +468,16 @@ class ModuleCut(Chain):
         if start > 0:
             got = list(x) if isinstance(x, list | tuple) else [x]
             keys = self._live[start]
+            extras = self._extras_at[start]
+            if extras is not None and len(got) == len(keys) + len(extras) + 1:
+                # the first block's call came with its extras: the blocks may run directly
+                key = (start, end)
+                plan = self._direct.get(key, False)
+                if plan is False:
+                    plan = self._direct[key] = direct_plan(self, start, end)
+                if plan is not None:
+                    return run_direct(self, plan, got[: len(keys)], got[len(keys) : -1])
+                got = got[: len(keys)]
             if len(got) != len(keys):
                 raise CaptureError(
                     self.source,
