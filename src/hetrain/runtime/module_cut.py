@@ -4,6 +4,7 @@ is described in :mod:`hetrain.runtime.cutting`). Importing this module imports t
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -132,6 +133,7 @@ class ModuleCut(Chain):
         self._templates: list = [None] * len(self.blocks)  # each block's recorded call
         self._busy: set[int] = set()  # phases with torch or module calls outside the blocks
         self._direct: dict[tuple[int, int], Any] = {}  # stage -> DirectPlan or None
+        self._named_by_hooks: dict[int, bool] = {}
         run = _Run(
             start=0,
             end=self.num_layers,
@@ -323,8 +325,12 @@ class ModuleCut(Chain):
         )
         self._run = run
         attrs = [(m, n, getattr(m, n)) for m, n in self._plain_attrs]
+        # the first stage computes everything for real: when every tensor it sends is a
+        # module's or a block's output (named by the module hooks alone), no torch call needs
+        # following
+        light = run.light = not run.record and run.start == 0 and self._hooks_name_boundary(run.end)
         try:
-            with mode:
+            with contextlib.nullcontext() if light else mode:
                 try:
                     return call_inputs(self.module, inputs)
                 finally:
@@ -344,6 +350,16 @@ class ModuleCut(Chain):
                     del b.forward
                 else:
                     b.forward = f
+
+    def _hooks_name_boundary(self, boundary: int) -> bool:
+        """True when every tensor crossing ``boundary`` is the output of a module called
+        outside the blocks or of a block (the hooks name it), on a model with real tensors."""
+        hit = self._named_by_hooks.get(boundary)
+        if hit is None:
+            hit = self._named_by_hooks[boundary] = not self._meta_model and all(
+                k[3] == -1 for k in self._live[boundary]
+            )
+        return hit
 
     def _skippable_modules(self, start: int) -> list[tuple[nn.Module, dict]]:
         """Modules outside the blocks, called once per forward before stage ``start``, without
@@ -424,6 +440,10 @@ class ModuleCut(Chain):
                 )
         for j, t in enumerate(tensors):
             if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
+                if run.light:  # an op that returns its input (dropout with p = 0) was not
+                    # followed: the object also stands for the module's output
+                    run.obj_of[(run.phase, name, c, -1, j)] = t
+                    run.valid.add((run.phase, name, c, -1, j))
                 continue
             k = run.key_of.get(id(t))
             real = mode.is_real(t)
