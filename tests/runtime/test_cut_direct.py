@@ -169,3 +169,23 @@ def test_code_between_blocks_keeps_the_models_forward():
         for s, e in zip(cuts[:-1], cuts[1:], strict=True):
             y = chain.stage_forward(s, e, y, x)
         torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+def test_the_first_stage_runs_without_the_tracking_mode():
+    # every tensor it sends (embedding output, rotary tables, a block's output) is a module's
+    # output: the module hooks name them, no torch call is followed
+    model = _llama()
+    x = torch.randint(1, 256, (3, SEQ))
+    chain = cut_module(model, x[:2])
+    modes: list[int] = []
+    hook = model.model.embed_tokens.register_forward_pre_hook(
+        lambda mod, args: modes.append(torch._C._len_torch_function_stack())
+    )
+    try:
+        with torch.no_grad():
+            sent = chain.stage_forward(0, 2, None, x)
+            y = chain.stage_forward(2, chain.num_layers, sent, x)
+    finally:
+        hook.remove()
+    assert modes[0] == 0
+    torch.testing.assert_close(y.logits, model(x).logits, rtol=0, atol=0)
