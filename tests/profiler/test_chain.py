@@ -211,8 +211,9 @@ def test_meta_profile_of_hf_models_equals_the_cpu_profile(name):
         (tied,) = meta.shared
         assert tied.layers == [0, 5]
         assert tied.bytes == built[0].get_input_embeddings().weight.nbytes
-    if name == "gpt2":  # a block's boundary: 64 tokens x 64 wide (position ids are rebuilt)
-        assert meta.layers[1].activation_bytes == 64 * 64 * 4
+    if name == "gpt2":  # a block's boundary: 64 tokens x 64 wide, then the next block's
+        # position ids (1 x 64 int64) and the 0-dim int64 tag (per sample of the batch of 2)
+        assert meta.layers[1].activation_bytes == 64 * 64 * 4 + (64 * 8 + 8) / 2
 
 
 def test_cli_profile_of_an_hf_example_on_meta_and_cpu_agree(tmp_path, capsys):
@@ -240,7 +241,9 @@ def test_cli_measure_of_an_hf_example_times_its_blocks_with_a_progress_bar(tmp_p
     assert np.array(details["fwd_s"]).shape == (2, 6)  # prefix, 4 blocks, suffix
     assert details["stages"] == [[0, 3], [3, 6], [0, 6]]
     prof = load_profile(out)
-    assert prof.layers[0].activation_bytes == 64 * 64 * 4  # position ids are rebuilt
+    # hidden states; the first block's position ids (1 x 64 int64) and the 0-dim tag, per
+    # sample of the profile's batch
+    assert prof.layers[0].activation_bytes == 64 * 64 * 4 + (64 * 8 + 8) / 8
     cluster = load_cluster(tmp_path / "g.cluster.yaml")
     assert [d.id for d in cluster.devices] == ["w0", "w1"]
     assert cluster.devices[0].tflops == pytest.approx(

@@ -170,9 +170,10 @@ def test_profile_of_a_factory_module_lists_the_tied_tensor(factories, tmp_path, 
     (tied,) = prof.shared
     assert tied.name == "transformer.wte.weight" and tied.layers == [0, 5]
     assert tied.bytes == 256 * 64 * 4
-    # a block's boundary carries the hidden states (8 tokens x 64); the position ids and the
-    # causal mask come from the inputs alone, so every stage rebuilds them
-    assert prof.layers[1].activation_bytes == 8 * 64 * 4
+    # a block's boundary carries the hidden states (8 tokens x 64 floats), and for a next
+    # stage of blocks only the next block's other tensor arguments (the position ids, 1 x 8
+    # int64) and the 0-dim int64 tag; per sample of the batch of 2
+    assert prof.layers[1].activation_bytes == 8 * 64 * 4 + (8 * 8 + 8) / 2
 
 
 class _ScaledBlock(nn.Module):

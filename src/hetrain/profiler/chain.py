@@ -130,12 +130,13 @@ def profile_chain(model: Any, example_input: Any, *, name: str = "model") -> Mod
     Returns:
         A validated :class:`~hetrain.profile.ModelProfile`: FLOPs and bytes per sample;
         ``activation_bytes`` counts every tensor crossing the boundary after the layer (hidden
-        states, rotary tables, an encoder's output; not the masks and position ids every stage
-        rebuilds from the inputs); ``param_bytes`` the layer's own trainable parameters,
-        ``frozen_param_bytes`` its own parameters without gradient; ``overhead_weight`` its
-        ATen operator count over the mean (:func:`overhead_weights`); a tensor used by two or
-        more layers (tied weights) is listed once in ``shared`` (docs/model.md §2) and in no
-        layer.
+        states, rotary tables, an encoder's output; before a block, also that block's other
+        tensor arguments, e.g. position ids, which a next stage of blocks only receives instead
+        of running the model's forward: docs/runtime.md "Any model"); ``param_bytes`` the
+        layer's own trainable parameters, ``frozen_param_bytes`` its own parameters without
+        gradient; ``overhead_weight`` its ATen operator count over the mean
+        (:func:`overhead_weights`); a tensor used by two or more layers (tied weights) is
+        listed once in ``shared`` (docs/model.md §2) and in no layer.
 
     Raises:
         ValueError: ``model`` has no layers, the batch dimension is missing, or a layer's

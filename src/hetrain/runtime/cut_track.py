@@ -198,6 +198,7 @@ class _Run:
     depth: int = 0  # > 0 inside a cut-point block
     block: int = -1  # the cut-point block being run (depth > 0)
     quiet: bool = False  # a skipped block's stand-in is building its outputs
+    light: bool = False  # no tracking mode: the module and block hooks alone name tensors
     suspended: Any = None  # the tracking mode, popped while a closed block runs for real
     frames: list[tuple[str, int, int, int]] = field(default_factory=list)  # name, call,
     # phase and serial at the call
@@ -511,6 +512,8 @@ class _Track(TorchFunctionMode):
     def _record_event(self, func, name, args, kwargs, tensors):  # noqa: ANN001, ANN202
         run = self.run
         cut = self.cut
+        if run.depth == 0:
+            cut._busy.add(run.phase)
         for t in tensors:
             k = run.key_of.get(id(t))
             if k is not None:

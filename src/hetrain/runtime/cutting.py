@@ -27,7 +27,13 @@ the micro-batch's inputs and computes, with real tensors, only the stage's layer
   stage's first layer on, everything runs for real, each received tensor in place of its
   stand-in;
 * the stage stops at the call of the block that starts layer ``e`` and returns the tensors that
-  cross that boundary.
+  cross that boundary (then that block's other tensor arguments and a tag, for a next stage of
+  blocks only).
+
+A stage of blocks only (no prefix, no suffix) does not run the model's forward: it calls its
+blocks directly with the arguments recorded for them (:mod:`hetrain.runtime.cut_direct`), and
+falls back to the forward where the recording shows code between its blocks or the first
+block's call differs from the recorded one.
 
 Which tensors cross each boundary is recorded once, on the example inputs: every tensor made
 outside the blocks (named by the module call that made it: robust to how a module computes
@@ -43,8 +49,8 @@ fixes the micro-batch size.
 
 The code: :mod:`hetrain.runtime.cut_chains` (the chain interface, the default cut points),
 :mod:`hetrain.runtime.module_cut` (:class:`ModuleCut`), :mod:`hetrain.runtime.cut_record` (the
-first pass), :mod:`hetrain.runtime.cut_track` (the tracking mode). Importing this module
-imports torch.
+first pass), :mod:`hetrain.runtime.cut_track` (the tracking mode),
+:mod:`hetrain.runtime.cut_direct` (stages of blocks only). Importing this module imports torch.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ is described in :mod:`hetrain.runtime.cutting`). Importing this module imports t
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,14 @@ from hetrain.runtime.cut_chains import (
     call_inputs,
     default_blocks,
     leaves,
+)
+from hetrain.runtime.cut_direct import (
+    boundary_extras,
+    boundary_tag,
+    direct_plan,
+    extras_now,
+    record_template,
+    run_direct,
 )
 from hetrain.runtime.cut_record import record_layers
 from hetrain.runtime.cut_track import (
@@ -121,6 +130,10 @@ class ModuleCut(Chain):
         self._block_records: list[_BlockRecord | None] = [None] * len(self.blocks)
         self._skippable: dict[int, list[tuple[nn.Module, dict]]] = {}
         self._meta_cache: dict[tuple, tuple] = {}  # meta results per call signature
+        self._templates: list = [None] * len(self.blocks)  # each block's recorded call
+        self._busy: set[int] = set()  # phases with torch or module calls outside the blocks
+        self._direct: dict[tuple[int, int], Any] = {}  # stage -> DirectPlan or None
+        self._named_by_hooks: dict[int, bool] = {}
         run = _Run(
             start=0,
             end=self.num_layers,
@@ -149,6 +162,8 @@ class ModuleCut(Chain):
             ]
             for b in range(self.num_layers + 1)
         ]
+        # boundaries where a stage of blocks only can start without the model's forward
+        self._extras_at = [boundary_extras(self, b) for b in range(self.num_layers + 1)]
 
     def boundary_keys(self, boundary: int) -> list[Key]:
         """The tensors that cross the boundary before layer ``boundary`` (``1 <= boundary <
@@ -169,10 +184,15 @@ class ModuleCut(Chain):
                 return None
             phase = i + 1
             if not run.record and phase == run.end:
-                raise _Stop(self._boundary(run, phase))
+                sent = self._boundary(run, phase)
+                extras = extras_now(self, phase, args, kwargs, run.key_of)
+                if extras is not None:
+                    sent = (*sent, *extras, boundary_tag(phase, run.device))
+                raise _Stop(sent)
             run.phase, run.depth, run.block = phase, 1, i
             if run.record:
                 run.block_args = {id(t) for t in leaves((args, kwargs))}
+                self._templates[i] = record_template(self, run.key_of, args, kwargs)
                 return None
             if phase < run.start:
                 return None  # skipped: its stand-in answers
@@ -305,8 +325,12 @@ class ModuleCut(Chain):
         )
         self._run = run
         attrs = [(m, n, getattr(m, n)) for m, n in self._plain_attrs]
+        # the first stage computes everything for real: when every tensor it sends is a
+        # module's or a block's output (named by the module hooks alone), no torch call needs
+        # following
+        light = run.light = not run.record and run.start == 0 and self._hooks_name_boundary(run.end)
         try:
-            with mode:
+            with contextlib.nullcontext() if light else mode:
                 try:
                     return call_inputs(self.module, inputs)
                 finally:
@@ -326,6 +350,16 @@ class ModuleCut(Chain):
                     del b.forward
                 else:
                     b.forward = f
+
+    def _hooks_name_boundary(self, boundary: int) -> bool:
+        """True when every tensor crossing ``boundary`` is the output of a module called
+        outside the blocks or of a block (the hooks name it), on a model with real tensors."""
+        hit = self._named_by_hooks.get(boundary)
+        if hit is None:
+            hit = self._named_by_hooks[boundary] = not self._meta_model and all(
+                k[3] == -1 for k in self._live[boundary]
+            )
+        return hit
 
     def _skippable_modules(self, start: int) -> list[tuple[nn.Module, dict]]:
         """Modules outside the blocks, called once per forward before stage ``start``, without
@@ -374,6 +408,7 @@ class ModuleCut(Chain):
             return
         if run.record:
             self._outside[id(mod)] = mod
+            self._busy.add(run.phase)
         name = self._mod_names.get(id(mod), type(mod).__name__)
         c = run.calls.get((run.phase, name), 0)
         run.calls[(run.phase, name)] = c + 1
@@ -405,6 +440,10 @@ class ModuleCut(Chain):
                 )
         for j, t in enumerate(tensors):
             if run.serial_of.get(id(t), 0) <= serial and id(t) in run.key_of:
+                if run.light:  # an op that returns its input (dropout with p = 0) was not
+                    # followed: the object also stands for the module's output
+                    run.obj_of[(run.phase, name, c, -1, j)] = t
+                    run.valid.add((run.phase, name, c, -1, j))
                 continue
             k = run.key_of.get(id(t))
             real = mode.is_real(t)
@@ -449,6 +488,16 @@ class ModuleCut(Chain):
         if start > 0:
             got = list(x) if isinstance(x, list | tuple) else [x]
             keys = self._live[start]
+            extras = self._extras_at[start]
+            if extras is not None and len(got) == len(keys) + len(extras) + 1:
+                # the first block's call came with its extras: the blocks may run directly
+                key = (start, end)
+                plan = self._direct.get(key, False)
+                if plan is False:
+                    plan = self._direct[key] = direct_plan(self, start, end)
+                if plan is not None:
+                    return run_direct(self, plan, got[: len(keys)], got[len(keys) : -1])
+                got = got[: len(keys)]
             if len(got) != len(keys):
                 raise CaptureError(
                     self.source,
