@@ -56,8 +56,6 @@ DP2 = [
             "2",
             "covering layers [0, 6)",
         ),
-        # world size 3 but the plan names 2 devices
-        (DP2, "3", "world size 3"),
     ],
 )
 def test_bad_plan_exits_2_with_one_line(tmp_path, capsys, groups, workers, needle):
@@ -66,6 +64,34 @@ def test_bad_plan_exits_2_with_one_line(tmp_path, capsys, groups, workers, needl
     assert len(err.splitlines()) == 1 and err.startswith("hetrain: error:")
     assert needle in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plan_that_leaves_a_rank_out_runs_it_idle(tmp_path, capsys):
+    """``hetrain plan`` leaves out a device too slow to help: ``--plan`` with such a plan on
+    3 ranks runs w2 idle (a warning names it) and trains exactly as the same plan on 2 ranks
+    (it was refused: 'expected the plan to name every rank's device')."""
+    from hetrain.runtime.metrics import read_metrics
+
+    plan = _plan(tmp_path, DP2)
+    losses = {}
+    for workers in ("3", "2"):
+        out = tmp_path / f"m{workers}.jsonl"
+        code, err = _run(
+            capsys, "--workers", workers, "--plan", plan, "--metrics-out", str(out),
+            "--dtype", "float64",
+        )  # fmt: skip
+        assert code == 0, err
+        warned = [x for x in err.splitlines() if "idle" in x]
+        if workers == "3":
+            assert warned == [
+                f"hetrain: warning: {plan} leaves w2 out: idle (given no layers and no samples)"
+            ]
+        else:
+            assert warned == []
+        losses[workers] = [e["loss"] for e in read_metrics(out) if e.get("event") == "step"]
+    # the losses as reported (summed over 3 ranks, one of them idle, or over 2)
+    assert len(losses["3"]) == 2 and losses["3"] == pytest.approx(losses["2"], rel=1e-12)
+    assert losses["3"][0] != losses["3"][1]
 
 
 def test_microbatch_size_with_a_fixed_plan_exits_2(tmp_path, capsys):
