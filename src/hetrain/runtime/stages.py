@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -96,6 +97,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _trailer(buf: torch.Tensor) -> tuple[int, int]:
+    """``(flag, send time ns)`` of a packed message (one device-to-host read on a GPU)."""
+    tail = buf[buf.numel() - TRAILER * 8 :]
+    if tail.device.type == "cpu":
+        flag, sent_ns = tail.numpy().view(np.int64).tolist()
+    else:
+        flag, sent_ns = tail.view(torch.int64).tolist()
+    return int(flag), int(sent_ns)
+
+
 class P2P:
     """Messages between pipeline neighbours, with per-link bandwidth emulation.
 
@@ -138,6 +149,7 @@ class P2P:
         self.channels = channels or {}
         self.cache: dict[tuple[int, int], Any] = {} if cache is None else cache
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # src -> its next message
         self._link_free_ns: dict[int, int] = {}
 
     # -- raw messages
@@ -148,6 +160,26 @@ class P2P:
     def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         dist.recv(tensor, src, group=self.channels.get((src, self.rank)), tag=TAG_PAYLOAD)
         return tensor
+
+    def post_recv(self, src: int) -> None:
+        """Post now (non-blocking) the receive of the next message from ``src``, when its size
+        is known (a description of that channel is cached) and none is posted yet; the next
+        :meth:`recv_tree` from ``src`` takes it. Only call it when a message from ``src`` is
+        due later in the step (the receive must be matched).
+
+        Gloo's TCP transport sends a message's payload only once the receiver has posted its
+        receive (until then the sender's side only announces it, and the payload waits for a
+        round trip through the sender's transport thread): a receive posted before the
+        sender's send makes the transfer one-way, as ``torch.distributed.pipelining`` posts
+        its receives ahead (batched with its sends)."""
+        if src in self._posted:
+            return
+        cached = self.cache.get((src, self.rank))
+        if cached is None:
+            return
+        buf = torch.empty(cached[1], dtype=torch.uint8, device=self.device)
+        group = self.channels.get((src, self.rank))
+        self._posted[src] = (dist.irecv(buf, src, group=group, tag=TAG_PAYLOAD), buf)
 
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -160,8 +192,11 @@ class P2P:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
             buf[offset : offset + raw.numel()] = raw
             offset += _aligned(raw.numel())
-        trailer = buf[size - TRAILER * 8 :].view(torch.int64)
-        trailer[0], trailer[1] = flag, time.time_ns()
+        tail = buf[size - TRAILER * 8 :]
+        if tail.device.type == "cpu":  # through numpy: two int64 writes, no tensor indexing
+            tail.numpy().view(np.int64)[:] = (flag, time.time_ns())
+        else:  # one host-to-device copy
+            tail.copy_(torch.tensor([flag, time.time_ns()], dtype=torch.int64).view(torch.uint8))
         return buf
 
     # -- trees
@@ -205,10 +240,15 @@ class P2P:
         key = (src, self.rank)
         cached = self.cache.get(key)
         buf = None
-        if cached is not None:
+        posted = self._posted.pop(src, None)
+        if posted is not None:  # of the cached size: the description has not changed since
+            posted[0].wait()
+            buf = posted[1]
+        elif cached is not None:
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
-            if int(buf[cached[1] - TRAILER * 8 :].view(torch.int64)[0]) != 0:
-                buf = None
+        trailer = _trailer(buf) if buf is not None else None
+        if trailer is not None and trailer[0] != 0:  # the description changed
+            buf = None
         if buf is None:
             plain, length, count = self._recv(
                 torch.empty(3, dtype=torch.int64, device=self.device), src
@@ -251,6 +291,7 @@ class P2P:
             cached = ((bool(plain), blob, headers), _packed_size(headers), struct)
             self.cache[key] = cached
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
+            trailer = _trailer(buf)
         (plain, _, headers), size, struct = cached
         tensors, flags = [], []
         offset = 0
@@ -266,7 +307,7 @@ class P2P:
         num_bytes = sum(t.numel() * t.element_size() for t in tensors)
         em = self.emulation
         if em is not None and em.limits_links():
-            sent_ns = int(buf[size - TRAILER * 8 :].view(torch.int64)[1])
+            sent_ns = trailer[1]
             start_ns = max(sent_ns, self._link_free_ns.get(src, 0))
             busy_s = em.transfer_time_s(self.devices[src], self.devices[self.rank], num_bytes)
             arrival_ns = start_ns + int(busy_s * 1e9)
@@ -390,6 +431,12 @@ def run_stage(
     count_sum = torch.zeros((), dtype=torch.float64, device=device)
     sum_mode = False
     last_backward = max((n for n, (op, _) in enumerate(ops) if op == "B"), default=-1)
+    # messages due later in this step on each incoming channel: a receive is posted ahead for
+    # the next one as soon as the previous one is read (P2P.post_recv)
+    forwards_due = 0 if first else sum(1 for op, _ in ops if op == "F")
+    gradients_due = 0  # backwards whose forward sent a tensor that requires grad
+    if forwards_due:
+        p2p.post_recv(prev_rank)
     for n, (op, i) in enumerate(ops):
         start, end = microbatches[i]
         if op == "F":
@@ -397,6 +444,9 @@ def run_stage(
             grad_in: list[torch.Tensor] = []
             if not first:
                 x, flags = p2p.recv_tree(prev_rank)
+                forwards_due -= 1
+                if forwards_due:
+                    p2p.post_recv(prev_rank)
                 xs = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
                 for t, flag in zip(xs, flags, strict=True):
                     if flag and _float(t):
@@ -452,6 +502,9 @@ def run_stage(
                 p2p.send_tree(y, next_rank)
                 outs = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
                 outs = [t for t in outs if t.requires_grad]
+                if outs:
+                    gradients_due += 1
+                    p2p.post_recv(next_rank)
             saved[i] = (grad_in, outs)
             del x, y
         else:
@@ -459,6 +512,9 @@ def run_stage(
             grads = None
             if not last and outs:  # one message: the tensor, or a tuple of them
                 received, _ = p2p.recv_tree(next_rank)
+                gradients_due -= 1
+                if gradients_due:
+                    p2p.post_recv(next_rank)
                 grads = [received] if len(outs) == 1 else list(received)
             if n == last_backward and before_last_backward is not None:
                 before_last_backward(loss_sum, count_sum, sum_mode)
