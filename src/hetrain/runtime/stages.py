@@ -97,6 +97,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_NUMPY = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+"""The wire dtypes numpy has (all but bfloat16), by torch dtype."""
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a 1-d tensor of stride 1, conjugate and negative bits resolved (a
+    view of ``t`` where one exists; a size-1 dimension may keep any stride, so a "contiguous"
+    tensor can still need a copy)."""
+    a = t.detach()
+    if a.is_conj() or a.is_neg():
+        a = a.resolve_conj().resolve_neg()
+    flat = a.reshape(-1)
+    if flat.numel() == 0 or flat.stride(0) == 1:
+        return flat
+    return flat.clone(memory_format=torch.contiguous_format)
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a flat ``uint8`` numpy array (a view when it can be)."""
+    flat = _flat(t)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    if flat.dtype in _NUMPY:
+        return flat.numpy().view(np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
 def _trailer(buf: torch.Tensor) -> tuple[int, int]:
     """``(flag, send time ns)`` of a packed message (one device-to-host read on a GPU)."""
     tail = buf[buf.numel() - TRAILER * 8 :]
@@ -186,17 +225,28 @@ class P2P:
 
     def _pack(self, tensors: list[torch.Tensor], flag: int, size: int | None = None):
         size = size if size is not None else _packed_size(tuple(_header(t) for t in tensors))
+        if self.device.type == "cpu":
+            # through numpy: one allocation and one copy per tensor, no tensor slicing (each
+            # torch call here costs microseconds of dispatch, on every message)
+            out = np.empty(size, dtype=np.uint8)
+            offset = 0
+            for t in tensors:
+                raw = _host_bytes(t)
+                out[offset : offset + raw.size] = raw
+                offset += _aligned(raw.size)
+            out[size - TRAILER * 8 :].view(np.int64)[:] = (flag, time.time_ns())
+            return torch.from_numpy(out)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         offset = 0
         for t in tensors:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if t.numel() == 0:
+                continue
+            raw = _flat(t).view(torch.uint8)
             buf[offset : offset + raw.numel()] = raw
             offset += _aligned(raw.numel())
-        tail = buf[size - TRAILER * 8 :]
-        if tail.device.type == "cpu":  # through numpy: two int64 writes, no tensor indexing
-            tail.numpy().view(np.int64)[:] = (flag, time.time_ns())
-        else:  # one host-to-device copy
-            tail.copy_(torch.tensor([flag, time.time_ns()], dtype=torch.int64).view(torch.uint8))
+        # one host-to-device copy
+        trailer = torch.tensor([flag, time.time_ns()], dtype=torch.int64).view(torch.uint8)
+        buf[size - TRAILER * 8 :].copy_(trailer)
         return buf
 
     # -- trees
@@ -295,13 +345,19 @@ class P2P:
         (plain, _, headers), size, struct = cached
         tensors, flags = [], []
         offset = 0
+        host = buf.numpy() if buf.device.type == "cpu" else None
         for h in headers:
             dtype, shape = _DTYPES[h[0]], h[3:]
             numel = 1
             for d in shape:
                 numel *= d
             nbytes = numel * dtype.itemsize
-            tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
+            np_dtype = _NUMPY.get(dtype) if host is not None else None
+            if np_dtype is not None:  # one torch call (see _pack)
+                part = host[offset : offset + nbytes].view(np_dtype).reshape(shape)
+                tensors.append(torch.from_numpy(part))
+            else:
+                tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
             flags.append(bool(h[2]))
             offset += _aligned(nbytes)
         num_bytes = sum(t.numel() * t.element_size() for t in tensors)
