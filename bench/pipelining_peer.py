@@ -11,18 +11,24 @@ on CPU, one torch thread each:
 - ``torch``: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe`` (``scale_grads``: the
   gradients are divided by ``n``, as hetrain scales each micro-batch loss by ``rows / B``).
 
-Runs alternate (hetrain, torch) ``--repeats`` times per case; each run reports the wall time
-of its steps after ``--warmup`` (the slowest rank, barriers around); the ratio is the median
-torch time over the median hetrain time (> 1: hetrain faster). Per-step losses of the two
-sides must agree (float32, summation order only: relative difference <= 1e-4).
+Each case runs ``--repeats`` pairs of runs, one of each side, the order alternating (hetrain
+first, then torch first, ...); each run reports the wall time of its steps after ``--warmup``
+(the slowest rank, barriers around); the ratio is the median over the pairs of torch's time
+over hetrain's (> 1: hetrain faster; a pair's runs are adjacent in time, so a change of the
+host's load shifts both). Per-step losses of the two sides must agree (float32, summation
+order only: relative difference <= 1e-4).
 
 Cases:
 
 - ``equal-1f1b``, ``equal-gpipe``: equal devices. Target: hetrain >= 0.98x each peer.
-- ``slow-1f1b``: stage 1's rank 3x slower, emulated on both sides by sleeping ``(factor - 1)
-  x`` the measured forward / backward time of each micro-batch (hetrain's ``Emulation``; on
-  the torch side a wrapper module sleeps after the forward and a hook on the stage's first
-  weight sleeps at the end of each backward), the fixed even split. Target: >= 0.98x.
+- ``slow-1f1b``: stage 1's rank 3x slower, emulated on both sides alike: after each
+  micro-batch's forward (the stage's layers; the loss on the last stage) and after its whole
+  ``autograd.backward``, :func:`hetrain.runtime.emulation.slow_down` sleeps ``(factor - 1) x``
+  the measured time (hetrain's engine does this itself; on the torch side a ``PipelineStage``
+  subclass times ``forward_maybe_with_nosync`` and ``backward_maybe_with_nosync`` and the loss
+  function), the fixed even split. ``--compute-clock thread_cpu`` makes both sides multiply
+  the op's thread CPU time instead of its wall time (others' load then stretches no sleep).
+  Target: >= 0.98x.
 - ``train`` (``--train``): ``hetrain train`` without a plan vs the fixed plan ``hetrain plan``
   gives for the same measured devices (the speeds and ``κ`` that the first adaptive run's
   start-up calibration measured, w1's emulated slow-down included, as a cluster file; the
@@ -36,7 +42,7 @@ down (bench/runtime_vs_ddp.py does the same).
 
 Usage (a quiet machine; the last line is JSON with every ratio)::
 
-    PYTHONPATH=src python bench/pipelining_peer.py --steps 40 --warmup 5 --repeats 5 --train
+    PYTHONPATH=src python bench/pipelining_peer.py --steps 40 --warmup 5 --repeats 9 --train
     PYTHONPATH=src python bench/pipelining_peer.py --smoke   # a few steps, checks it runs
 """
 

@@ -6,11 +6,13 @@ and a trailer) whenever it is described like the previous message on that link d
 a description (dtypes, shapes, requires-grad flags, the structure of a non-tensor tree)
 travels first when it changes (:class:`P2P`), so any chain works (int64 token ids at the
 first stage, bf16 under autocast, a smaller last micro-batch) without shape inference. Sends
-are non-blocking (``isend``, waited at the end of the step) and receives blocking; with every
-stage issuing its forward messages and its backward messages in micro-batch order, 1F1B and
-GPipe cannot deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each
-direction of a link has its own two-rank process group (``GroupCache.pipeline_channels``),
-so with NCCL a queued activation send never blocks the gradient receive coming the other way.
+are non-blocking (``isend``, waited at the end of the step); each receive of a known size is
+posted ahead (``irecv``, :meth:`P2P.post_recv`) as soon as the previous message of its channel
+is read; with every stage issuing its forward messages and its backward messages in
+micro-batch order, 1F1B and GPipe cannot deadlock (Narayanan et al., *PipeDream-Flush /
+Megatron-LM 1F1B*, SC'21). Each direction of a link has its own two-rank process group
+(``GroupCache.pipeline_channels``), so with NCCL a queued activation send never blocks the
+gradient receive coming the other way.
 
 The wire format (tensor descriptions, a pytree's JSON structure, packed message layout) and its
 validation are in :mod:`hetrain.runtime.stagewire`: nothing received is unpickled, and a
