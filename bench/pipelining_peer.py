@@ -300,7 +300,11 @@ def compare(name, schedule, factors, args) -> dict:
 
 def _hetrain(*argv: str, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hetrain", *argv]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"hetrain {argv[0]} exited with {done.returncode}: {tail}")
+    return done
 
 
 def train_case(args) -> dict:
