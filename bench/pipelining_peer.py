@@ -11,22 +11,29 @@ on CPU, one torch thread each:
 - ``torch``: ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe`` (``scale_grads``: the
   gradients are divided by ``n``, as hetrain scales each micro-batch loss by ``rows / B``).
 
-Runs alternate (hetrain, torch) ``--repeats`` times per case; each run reports the wall time
-of its steps after ``--warmup`` (the slowest rank, barriers around); the ratio is the median
-torch time over the median hetrain time (> 1: hetrain faster). Per-step losses of the two
-sides must agree (float32, summation order only: relative difference <= 1e-4).
+Each case runs ``--repeats`` pairs of runs, one of each side, the order alternating (hetrain
+first, then torch first, ...); each run reports the wall time of its steps after ``--warmup``
+(the slowest rank, barriers around); the ratio is the median over the pairs of torch's time
+over hetrain's (> 1: hetrain faster; a pair's runs are adjacent in time, so a change of the
+host's load shifts both). Per-step losses of the two sides must agree (float32, summation
+order only: relative difference <= 1e-4).
 
 Cases:
 
 - ``equal-1f1b``, ``equal-gpipe``: equal devices. Target: hetrain >= 0.98x each peer.
-- ``slow-1f1b``: stage 1's rank 3x slower, emulated on both sides by sleeping ``(factor - 1)
-  x`` the measured forward / backward time of each micro-batch (hetrain's ``Emulation``; on
-  the torch side a wrapper module sleeps after the forward and a hook on the stage's first
-  weight sleeps at the end of each backward), the fixed even split. Target: >= 0.98x.
+- ``slow-1f1b``: stage 1's rank 3x slower, emulated on both sides alike: after each
+  micro-batch's forward (the stage's layers; the loss on the last stage) and after its whole
+  ``autograd.backward``, :func:`hetrain.runtime.emulation.slow_down` sleeps ``(factor - 1) x``
+  the measured time (hetrain's engine does this itself; on the torch side a ``PipelineStage``
+  subclass times ``forward_maybe_with_nosync`` and ``backward_maybe_with_nosync`` and the loss
+  function), the fixed even split. ``--compute-clock thread_cpu`` makes both sides multiply
+  the op's thread CPU time instead of its wall time (others' load then stretches no sleep).
+  Target: >= 0.98x.
 - ``train`` (``--train``): ``hetrain train`` without a plan vs the fixed plan ``hetrain plan``
   gives for the same measured devices (the speeds and ``κ`` that the first adaptive run's
   start-up calibration measured, w1's emulated slow-down included, as a cluster file; the
-  profile from ``hetrain profile --model``), both with ``--slowdown w1=3``, alternated; rate =
+  profile from ``hetrain profile --model``; a device the plan leaves out is added as an idle
+  group), both with ``--slowdown w1=3``, alternated; rate =
   steps after ``--warmup`` over their wall time (metrics ``time_s``). Target: the adaptive
   run >= 0.95 of the fixed plan's rate.
 
@@ -36,13 +43,14 @@ down (bench/runtime_vs_ddp.py does the same).
 
 Usage (a quiet machine; the last line is JSON with every ratio)::
 
-    PYTHONPATH=src python bench/pipelining_peer.py --steps 40 --warmup 5 --repeats 5 --train
+    PYTHONPATH=src python bench/pipelining_peer.py --steps 40 --warmup 5 --repeats 9 --train
     PYTHONPATH=src python bench/pipelining_peer.py --smoke   # a few steps, checks it runs
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -68,43 +76,40 @@ SLOW_FACTOR = 3.0
 LR, MOMENTUM = 0.01, 0.9
 
 
-class _BackwardClock(torch.autograd.Function):
-    """Identity; its backward (the first op of the stage's backward) records the time."""
+def _emulated_stage_class():
+    """``PipelineStage`` whose forward and backward of each micro-batch last ``factor`` times
+    as long: the same windows and rule as hetrain's engine (``stages.run_stage``), which times
+    the stage's forward (with the loss on the last stage) and the whole
+    ``torch.autograd.backward`` of the micro-batch and then calls
+    :func:`hetrain.runtime.emulation.slow_down` on the measured time; here the windows are
+    torch's ``forward_maybe_with_nosync`` (the stage module's call), the loss function and
+    ``backward_maybe_with_nosync`` (``stage_backward``: the ``autograd.backward`` call), and
+    the sleep is that same ``slow_down`` call."""
+    from torch.distributed.pipelining import PipelineStage
 
-    @staticmethod
-    def forward(ctx, x, box):
-        ctx.box = box
-        return x.view_as(x)
+    from hetrain.runtime.emulation import slow_down
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.box["bwd_start"] = time.perf_counter()
-        return grad, None
+    class EmulatedStage(PipelineStage):
+        def __init__(self, *args, emulation, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.emulation = emulation
 
+        def timed(self, fn, *args, **kwargs):
+            thread_cpu = self.emulation.compute_clock == "thread_cpu"
+            t0, c0 = time.perf_counter(), time.thread_time() if thread_cpu else 0.0
+            out = fn(*args, **kwargs)
+            dt = time.perf_counter() - t0
+            cpu = time.thread_time() - c0 if thread_cpu else None
+            slow_down(self.emulation, "self", dt, cpu_s=cpu)
+            return out
 
-class _Emulated(nn.Module):
-    """A stage that runs ``factor`` times slower: sleeps ``(factor - 1) x`` its forward time
-    after each forward, and ``(factor - 1) x`` the backward time so far when the gradient of
-    its first weight is computed (the end of its backward)."""
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            return self.timed(super().forward_maybe_with_nosync, *args, **kwargs)
 
-    def __init__(self, inner: nn.Module, factor: float) -> None:
-        super().__init__()
-        self.inner = inner
-        self.factor = factor
-        self.box = {"bwd_start": 0.0}
-        first = next(p for p in inner.parameters())
+        def backward_maybe_with_nosync(self, *args, **kwargs):
+            return self.timed(super().backward_maybe_with_nosync, *args, **kwargs)
 
-        def sleep_backward(grad):
-            time.sleep((self.factor - 1.0) * (time.perf_counter() - self.box["bwd_start"]))
-            return grad
-
-        first.register_hook(sleep_backward)
-
-    def forward(self, x):
-        t0 = time.perf_counter()
-        y = self.inner(x)
-        time.sleep((self.factor - 1.0) * (time.perf_counter() - t0))
-        return _BackwardClock.apply(y, self.box)
+    return EmulatedStage
 
 
 def _factors(slow: bool, base: float) -> list[float]:
@@ -122,7 +127,9 @@ def _batch(data, step: int, batch: int):
     return x[start : start + batch], y[start : start + batch]
 
 
-def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) -> None:
+def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, clock, out) -> None:
+    from hetrain.runtime.emulation import Emulation
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -138,7 +145,6 @@ def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) 
     if side == "hetrain":
         from hetrain.plan import plan_from_dict
         from hetrain.runtime import OptimizerSpec, Worker
-        from hetrain.runtime.emulation import Emulation
 
         plan = plan_from_dict(
             {
@@ -155,7 +161,9 @@ def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) 
         )
         emulation = None
         if any(f > 1.0 for f in factors):
-            emulation = Emulation(slowdown={f"w{r}": f for r, f in enumerate(factors)})
+            emulation = Emulation(
+                slowdown={f"w{r}": f for r, f in enumerate(factors)}, compute_clock=clock
+            )
         worker = Worker(
             model,
             plan,
@@ -175,10 +183,20 @@ def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) 
 
         s0, s1 = _stages()[rank]
         inner = nn.Sequential(*[model[i] for i in range(s0, s1)])
-        module = _Emulated(inner, factors[rank]) if factors[rank] > 1.0 else inner
-        stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+        loss_fn = peer.loss_fn
+        if factors[rank] > 1.0:
+            stage = _emulated_stage_class()(
+                inner,
+                rank,
+                WORLD,
+                torch.device("cpu"),
+                emulation=Emulation(slowdown={"self": factors[rank]}, compute_clock=clock),
+            )
+            loss_fn = functools.partial(stage.timed, peer.loss_fn)
+        else:
+            stage = PipelineStage(inner, rank, WORLD, torch.device("cpu"))
         kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        sched = kind(stage, n_microbatches=nmb, loss_fn=peer.loss_fn)
+        sched = kind(stage, n_microbatches=nmb, loss_fn=loss_fn)
         opts = [
             torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM, foreach=False)
             for m in inner
@@ -214,7 +232,9 @@ def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, out) 
     out.put((rank, elapsed, losses))
 
 
-def run_once(side, schedule, steps, warmup, batch, nmb, factors) -> tuple[float, list[float]]:
+def run_once(
+    side, schedule, steps, warmup, batch, nmb, factors, clock="wall"
+) -> tuple[float, list[float]]:
     """One run of ``side``; returns (seconds of the timed steps on the slowest rank, losses of
     the last stage, one per step)."""
     ctx = mp.get_context("fork")
@@ -225,7 +245,7 @@ def run_once(side, schedule, steps, warmup, batch, nmb, factors) -> tuple[float,
         procs = [
             ctx.Process(
                 target=_rank,
-                args=(r, store, side, schedule, steps, warmup, batch, nmb, factors, out),
+                args=(r, store, side, schedule, steps, warmup, batch, nmb, factors, clock, out),
             )
             for r in range(WORLD)
         ]
@@ -243,25 +263,35 @@ def run_once(side, schedule, steps, warmup, batch, nmb, factors) -> tuple[float,
 
 
 def compare(name, schedule, factors, args) -> dict:
-    """Alternated runs of both sides; medians, ratio, loss agreement."""
+    """``args.repeats`` pairs of runs, one of each side, the order alternating (hetrain first,
+    then torch first, ...); the ratio is the median over the pairs of torch's time over
+    hetrain's (a pair's two runs are adjacent in time, so a change of the host's load shifts
+    both), the rates are the medians per side; the losses of the two sides must agree."""
     times: dict[str, list[float]] = {"hetrain": [], "torch": []}
     losses: dict[str, list[float]] = {}
-    for _ in range(args.repeats):
-        for side in ("hetrain", "torch"):
+    for i in range(args.repeats):
+        for side in ("hetrain", "torch") if i % 2 == 0 else ("torch", "hetrain"):
             t, lo = run_once(
-                side, schedule, args.steps, args.warmup, args.batch, args.microbatches, factors
+                side,
+                schedule,
+                args.steps,
+                args.warmup,
+                args.batch,
+                args.microbatches,
+                factors,
+                args.compute_clock,
             )
             times[side].append(t)
             losses[side] = lo
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["torch"] / med["hetrain"]
     ratios = [tt / th for th, tt in zip(times["hetrain"], times["torch"], strict=True)]
+    ratio = statistics.median(ratios)
     pairs = zip(losses["hetrain"], losses["torch"], strict=True)
     diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     timed = args.steps - args.warmup
     print(
         f"{name:12s} hetrain {timed / med['hetrain']:7.2f} it/s   torch {timed / med['torch']:7.2f}"
-        f" it/s   ratio {ratio:.3f} (runs {min(ratios):.3f}-{max(ratios):.3f})   loss max rel "
+        f" it/s   ratio {ratio:.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})   loss max rel "
         f"diff {diff:.1e}",
         flush=True,
     )
@@ -271,7 +301,11 @@ def compare(name, schedule, factors, args) -> dict:
 
 def _hetrain(*argv: str, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hetrain", *argv]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"hetrain {argv[0]} exited with {done.returncode}: {tail}")
+    return done
 
 
 def train_case(args) -> dict:
@@ -308,7 +342,7 @@ def train_case(args) -> dict:
                                        str(profile), "--batch", str(args.batch),
                                        "--optimizer-state-factor", "1", "--json",
                                        env=env).stdout  # fmt: skip
-                    plan_path.write_text(planned)
+                    plan_path.write_text(json.dumps(_every_rank(json.loads(planned))))
         med = {k: statistics.median(v) for k, v in rates.items()}
         fraction = med["adaptive"] / med["fixed"]
         shares = [(g["devices"], g["batch"]) for g in json.loads(planned)["groups"]]
@@ -321,6 +355,19 @@ def train_case(args) -> dict:
                 "adaptive_it_per_s": med["adaptive"], "plan_shares": shares}  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _every_rank(plan: dict) -> dict:
+    """``plan`` with each local rank's device it leaves out (the planner drops a device too slow
+    to help) added as an idle group (``b_g = 0``): ``hetrain train --plan`` wants every rank
+    named, and the runtime leaves idle groups out (they hold nothing and are sent nothing)."""
+    named = {d for g in plan["groups"] for d in g["devices"]}
+    idle = [
+        {"devices": [d], "stages": [[0, peer.BLOCKS]], "microbatch_size": 1, "batch": 0}
+        for d in (f"w{r}" for r in range(WORLD))
+        if d not in named
+    ]
+    return {**plan, "groups": [*plan["groups"], *idle]}
 
 
 def _measured_cluster(metrics: Path) -> dict:
@@ -362,6 +409,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--base-slowdown", type=float, default=1.0)
+    parser.add_argument(
+        "--compute-clock",
+        choices=("wall", "thread_cpu"),
+        default="wall",
+        help="what the emulated slow-down multiplies, on both sides (Emulation.compute_clock)",
+    )
     parser.add_argument("--train", action="store_true", help="also the hetrain train case")
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--smoke", action="store_true", help="a few steps of every case")
@@ -370,7 +423,8 @@ def main() -> None:
         args.steps, args.warmup, args.repeats, args.train_steps = 4, 1, 1, 8
     summary: dict = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                      "batch": args.batch, "microbatches": args.microbatches,
-                     "base_slowdown": args.base_slowdown, "hidden": peer.HIDDEN,
+                     "base_slowdown": args.base_slowdown,
+                     "compute_clock": args.compute_clock, "hidden": peer.HIDDEN,
                      "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0]}  # fmt: skip
     equal = _factors(False, args.base_slowdown)
     summary["equal_1f1b"] = compare("equal-1f1b", "1f1b", equal, args)

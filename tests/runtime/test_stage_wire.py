@@ -172,3 +172,69 @@ def test_malformed_descriptions_are_rejected(tmp_path, description, header, what
         )
     kind, message, _ = info.value.failures[1]
     assert (kind, message) == ("StageMessageError", f"stage message from rank 0: {what}")
+
+
+def _message(k: int):
+    """Message ``k`` of a seeded population: a tensor, a tuple or a dict of 1-3 tensors of any
+    wire dtype (bfloat16, bool and complex included), 0-4 dims (0-dim and empty included),
+    some non-contiguous, some requiring grad; every third message repeats the previous
+    description (the cached path), the others change it (the changed-description path)."""
+    from hetrain.runtime.stagewire import _DTYPES
+
+    rng = torch.Generator().manual_seed(1000 + k - (k % 3 == 2))  # repeat: the same draws
+
+    def one():
+        dtype = _DTYPES[int(torch.randint(len(_DTYPES), (), generator=rng))]
+        shape = [int(v) for v in torch.randint(0, 5, (int(torch.randint(5, (), generator=rng)),),
+                                               generator=rng)]  # fmt: skip
+        t = torch.randn([*shape, 2], generator=rng, dtype=torch.float64) * 50
+        t = t[..., 0] if int(torch.randint(2, (), generator=rng)) else t[..., 1].contiguous()
+        t = t.to(dtype) if not dtype.is_complex else torch.complex(t, -t).to(dtype)
+        if (t.is_floating_point() or t.is_complex()) and int(torch.randint(2, (), generator=rng)):
+            t = t.requires_grad_(True) * 1
+        return t
+
+    kind = int(torch.randint(3, (), generator=rng))
+    if kind == 0:
+        return one()
+    parts = [one() for _ in range(int(torch.randint(1, 4, (), generator=rng)))]
+    return tuple(parts) if kind == 1 else {f"t{i}": p for i, p in enumerate(parts)}
+
+
+def _wire_bytes(tree):
+    """(dtype, shape, requires grad, bytes) of every tensor of a tree, in tree order."""
+    out = []
+    for t in tree_flatten(tree)[0]:
+        flat = t.detach().resolve_conj().reshape(-1).clone(memory_format=torch.contiguous_format)
+        raw = bytes(flat.view(torch.uint8)) if t.numel() else b""
+        out.append((str(t.dtype), tuple(t.shape), t.requires_grad, raw))
+    return out
+
+
+def _sequence_peer(rank, world, count):
+    p2p = P2P(torch.device("cpu"), ("w0", "w1"), rank, Timers(), None)
+    if rank == 0:
+        for k in range(count):
+            p2p.send_tree(_message(k), 1)
+        p2p.wait_sends()
+        return None
+    got = []
+    for k in range(count):
+        tree, flags = p2p.recv_tree(0)
+        if k + 1 < count:
+            p2p.post_recv(0)  # the next message's receive, posted ahead as run_stage does
+        for t, flag in zip(tree_flatten(tree)[0], flags, strict=True):
+            if flag:
+                t.requires_grad_(True)
+        got.append(_wire_bytes(tree))
+    return got
+
+
+def test_message_sequences_arrive_bit_exact_through_posted_receives(tmp_path):
+    """60 messages of every wire dtype, shape and tree kind, their descriptions changing or
+    repeating, arrive bit-exact (dtypes, shapes, requires-grad flags, bytes) while the
+    receiver posts each next receive ahead (``P2P.post_recv``) of the size it knows."""
+    count = 60
+    out = run_ranks(_sequence_peer, 2, tmp_path, args=(count,), timeout_s=120)
+    expected = [_wire_bytes(_message(k)) for k in range(count)]
+    assert out[1] == expected

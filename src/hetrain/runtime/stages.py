@@ -6,11 +6,13 @@ and a trailer) whenever it is described like the previous message on that link d
 a description (dtypes, shapes, requires-grad flags, the structure of a non-tensor tree)
 travels first when it changes (:class:`P2P`), so any chain works (int64 token ids at the
 first stage, bf16 under autocast, a smaller last micro-batch) without shape inference. Sends
-are non-blocking (``isend``, waited at the end of the step) and receives blocking; with every
-stage issuing its forward messages and its backward messages in micro-batch order, 1F1B and
-GPipe cannot deadlock (Narayanan et al., *PipeDream-Flush / Megatron-LM 1F1B*, SC'21). Each
-direction of a link has its own two-rank process group (``GroupCache.pipeline_channels``),
-so with NCCL a queued activation send never blocks the gradient receive coming the other way.
+are non-blocking (``isend``, waited at the end of the step); each receive of a known size is
+posted ahead (``irecv``, :meth:`P2P.post_recv`) as soon as the previous message of its channel
+is read; with every stage issuing its forward messages and its backward messages in
+micro-batch order, 1F1B and GPipe cannot deadlock (Narayanan et al., *PipeDream-Flush /
+Megatron-LM 1F1B*, SC'21). Each direction of a link has its own two-rank process group
+(``GroupCache.pipeline_channels``), so with NCCL a queued activation send never blocks the
+gradient receive coming the other way.
 
 The wire format (tensor descriptions, a pytree's JSON structure, packed message layout) and its
 validation are in :mod:`hetrain.runtime.stagewire`: nothing received is unpickled, and a
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -96,6 +99,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_NUMPY = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+"""The wire dtypes numpy has (all but bfloat16), by torch dtype."""
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as a 1-d tensor of stride 1, conjugate and negative bits resolved (a
+    view of ``t`` where one exists; a size-1 dimension may keep any stride, so a "contiguous"
+    tensor can still need a copy)."""
+    a = t.detach()
+    if a.is_conj() or a.is_neg():
+        a = a.resolve_conj().resolve_neg()
+    flat = a.reshape(-1)
+    if flat.numel() == 0 or flat.stride(0) == 1:
+        return flat
+    return flat.clone(memory_format=torch.contiguous_format)
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a flat ``uint8`` numpy array (a view when it can be)."""
+    flat = _flat(t)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    if flat.dtype in _NUMPY:
+        return flat.numpy().view(np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def _trailer(buf: torch.Tensor) -> tuple[int, int]:
+    """``(flag, send time ns)`` of a packed message (one device-to-host read on a GPU)."""
+    tail = buf[buf.numel() - TRAILER * 8 :]
+    if tail.device.type == "cpu":
+        flag, sent_ns = tail.numpy().view(np.int64).tolist()
+    else:
+        flag, sent_ns = tail.view(torch.int64).tolist()
+    return int(flag), int(sent_ns)
+
+
 class P2P:
     """Messages between pipeline neighbours, with per-link bandwidth emulation.
 
@@ -138,6 +190,7 @@ class P2P:
         self.channels = channels or {}
         self.cache: dict[tuple[int, int], Any] = {} if cache is None else cache
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # src -> its next message
         self._link_free_ns: dict[int, int] = {}
 
     # -- raw messages
@@ -149,19 +202,53 @@ class P2P:
         dist.recv(tensor, src, group=self.channels.get((src, self.rank)), tag=TAG_PAYLOAD)
         return tensor
 
+    def post_recv(self, src: int) -> None:
+        """Post now (non-blocking) the receive of the next message from ``src``, when its size
+        is known (a description of that channel is cached) and none is posted yet; the next
+        :meth:`recv_tree` from ``src`` takes it. Only call it when a message from ``src`` is
+        due later in the step (the receive must be matched).
+
+        Gloo's TCP transport sends a message's payload only once the receiver has posted its
+        receive (until then the sender's side only announces it, and the payload waits for a
+        round trip through the sender's transport thread): a receive posted before the
+        sender's send makes the transfer one-way, as ``torch.distributed.pipelining`` posts
+        its receives ahead (batched with its sends)."""
+        if src in self._posted:
+            return
+        cached = self.cache.get((src, self.rank))
+        if cached is None:
+            return
+        buf = torch.empty(cached[1], dtype=torch.uint8, device=self.device)
+        group = self.channels.get((src, self.rank))
+        self._posted[src] = (dist.irecv(buf, src, group=group, tag=TAG_PAYLOAD), buf)
+
     def _ints(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _pack(self, tensors: list[torch.Tensor], flag: int, size: int | None = None):
         size = size if size is not None else _packed_size(tuple(_header(t) for t in tensors))
+        if self.device.type == "cpu":
+            # through numpy: one allocation and one copy per tensor, no tensor slicing (each
+            # torch call here costs microseconds of dispatch, on every message)
+            out = np.empty(size, dtype=np.uint8)
+            offset = 0
+            for t in tensors:
+                raw = _host_bytes(t)
+                out[offset : offset + raw.size] = raw
+                offset += _aligned(raw.size)
+            out[size - TRAILER * 8 :].view(np.int64)[:] = (flag, time.time_ns())
+            return torch.from_numpy(out)
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         offset = 0
         for t in tensors:
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if t.numel() == 0:
+                continue
+            raw = _flat(t).view(torch.uint8)
             buf[offset : offset + raw.numel()] = raw
             offset += _aligned(raw.numel())
-        trailer = buf[size - TRAILER * 8 :].view(torch.int64)
-        trailer[0], trailer[1] = flag, time.time_ns()
+        # one host-to-device copy
+        trailer = torch.tensor([flag, time.time_ns()], dtype=torch.int64).view(torch.uint8)
+        buf[size - TRAILER * 8 :].copy_(trailer)
         return buf
 
     # -- trees
@@ -205,10 +292,15 @@ class P2P:
         key = (src, self.rank)
         cached = self.cache.get(key)
         buf = None
-        if cached is not None:
+        posted = self._posted.pop(src, None)
+        if posted is not None:  # of the cached size: the description has not changed since
+            posted[0].wait()
+            buf = posted[1]
+        elif cached is not None:
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
-            if int(buf[cached[1] - TRAILER * 8 :].view(torch.int64)[0]) != 0:
-                buf = None
+        trailer = _trailer(buf) if buf is not None else None
+        if trailer is not None and trailer[0] != 0:  # the description changed
+            buf = None
         if buf is None:
             plain, length, count = self._recv(
                 torch.empty(3, dtype=torch.int64, device=self.device), src
@@ -251,22 +343,29 @@ class P2P:
             cached = ((bool(plain), blob, headers), _packed_size(headers), struct)
             self.cache[key] = cached
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
+            trailer = _trailer(buf)
         (plain, _, headers), size, struct = cached
         tensors, flags = [], []
         offset = 0
+        host = buf.numpy() if buf.device.type == "cpu" else None
         for h in headers:
             dtype, shape = _DTYPES[h[0]], h[3:]
             numel = 1
             for d in shape:
                 numel *= d
             nbytes = numel * dtype.itemsize
-            tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
+            np_dtype = _NUMPY.get(dtype) if host is not None else None
+            if np_dtype is not None:  # one torch call (see _pack)
+                part = host[offset : offset + nbytes].view(np_dtype).reshape(shape)
+                tensors.append(torch.from_numpy(part))
+            else:
+                tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
             flags.append(bool(h[2]))
             offset += _aligned(nbytes)
         num_bytes = sum(t.numel() * t.element_size() for t in tensors)
         em = self.emulation
         if em is not None and em.limits_links():
-            sent_ns = int(buf[size - TRAILER * 8 :].view(torch.int64)[1])
+            sent_ns = trailer[1]
             start_ns = max(sent_ns, self._link_free_ns.get(src, 0))
             busy_s = em.transfer_time_s(self.devices[src], self.devices[self.rank], num_bytes)
             arrival_ns = start_ns + int(busy_s * 1e9)
@@ -390,6 +489,12 @@ def run_stage(
     count_sum = torch.zeros((), dtype=torch.float64, device=device)
     sum_mode = False
     last_backward = max((n for n, (op, _) in enumerate(ops) if op == "B"), default=-1)
+    # messages due later in this step on each incoming channel: a receive is posted ahead for
+    # the next one as soon as the previous one is read (P2P.post_recv)
+    forwards_due = 0 if first else sum(1 for op, _ in ops if op == "F")
+    gradients_due = 0  # backwards whose forward sent a tensor that requires grad
+    if forwards_due:
+        p2p.post_recv(prev_rank)
     for n, (op, i) in enumerate(ops):
         start, end = microbatches[i]
         if op == "F":
@@ -397,6 +502,9 @@ def run_stage(
             grad_in: list[torch.Tensor] = []
             if not first:
                 x, flags = p2p.recv_tree(prev_rank)
+                forwards_due -= 1
+                if forwards_due:
+                    p2p.post_recv(prev_rank)
                 xs = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
                 for t, flag in zip(xs, flags, strict=True):
                     if flag and _float(t):
@@ -452,6 +560,9 @@ def run_stage(
                 p2p.send_tree(y, next_rank)
                 outs = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
                 outs = [t for t in outs if t.requires_grad]
+                if outs:
+                    gradients_due += 1
+                    p2p.post_recv(next_rank)
             saved[i] = (grad_in, outs)
             del x, y
         else:
@@ -459,6 +570,9 @@ def run_stage(
             grads = None
             if not last and outs:  # one message: the tensor, or a tuple of them
                 received, _ = p2p.recv_tree(next_rank)
+                gradients_due -= 1
+                if gradients_due:
+                    p2p.post_recv(next_rank)
                 grads = [received] if len(outs) == 1 else list(received)
             if n == last_backward and before_last_backward is not None:
                 before_last_backward(loss_sum, count_sum, sum_mode)
