@@ -32,10 +32,9 @@ Cases:
 - ``train`` (``--train``): ``hetrain train`` without a plan vs the fixed plan ``hetrain plan``
   gives for the same measured devices (the speeds and ``κ`` that the first adaptive run's
   start-up calibration measured, w1's emulated slow-down included, as a cluster file; the
-  profile from ``hetrain profile --model``; a device the plan leaves out is added as an idle
-  group), both with ``--slowdown w1=3``, alternated; rate =
-  steps after ``--warmup`` over their wall time (metrics ``time_s``). Target: the adaptive
-  run >= 0.95 of the fixed plan's rate.
+  profile from ``hetrain profile --model``; a device the plan leaves out runs idle), both
+  with ``--slowdown w1=3``, alternated; rate = steps after ``--warmup`` over their wall time
+  (metrics ``time_s``). Target: the adaptive run >= 0.95 of the fixed plan's rate.
 
 ``--base-slowdown F`` makes every rank emulate a device ``F`` times slower than one host core
 (both sides; the slow rank ``3 F``), so that 4 ranks on a 2-core machine do not slow each other
@@ -342,7 +341,7 @@ def train_case(args) -> dict:
                                        str(profile), "--batch", str(args.batch),
                                        "--optimizer-state-factor", "1", "--json",
                                        env=env).stdout  # fmt: skip
-                    plan_path.write_text(json.dumps(_every_rank(json.loads(planned))))
+                    plan_path.write_text(planned)
         med = {k: statistics.median(v) for k, v in rates.items()}
         fraction = med["adaptive"] / med["fixed"]
         shares = [(g["devices"], g["batch"]) for g in json.loads(planned)["groups"]]
@@ -355,19 +354,6 @@ def train_case(args) -> dict:
                 "adaptive_it_per_s": med["adaptive"], "plan_shares": shares}  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _every_rank(plan: dict) -> dict:
-    """``plan`` with each local rank's device it leaves out (the planner drops a device too slow
-    to help) added as an idle group (``b_g = 0``): ``hetrain train --plan`` wants every rank
-    named, and the runtime leaves idle groups out (they hold nothing and are sent nothing)."""
-    named = {d for g in plan["groups"] for d in g["devices"]}
-    idle = [
-        {"devices": [d], "stages": [[0, peer.BLOCKS]], "microbatch_size": 1, "batch": 0}
-        for d in (f"w{r}" for r in range(WORLD))
-        if d not in named
-    ]
-    return {**plan, "groups": [*plan["groups"], *idle]}
 
 
 def _measured_cluster(metrics: Path) -> dict:
