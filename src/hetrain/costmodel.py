@@ -227,16 +227,23 @@ class ProfilePrefix:
         """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.prefix_s`) of
         every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
         ``(N_kinds, U, L + 1)``, seconds per micro-batch; so that stage ``[i, j)`` of kind
-        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per sizes and part."""
-        sizes = tuple(float(x) for x in np.asarray(microbatch_sizes, dtype=float).ravel())
-        key = ("measured-prefix", part, sizes)
-        out = self._cache.get(key)
-        if out is None:
-            out = np.array(
-                [[table.prefix_s(mu, part) for mu in sizes] for table in self.measured]
-            ).reshape(len(self.measured), len(sizes), self.num_layers + 1)
-            self._cache[key] = out
-        return out
+        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per size and part."""
+        sizes = np.asarray(microbatch_sizes, dtype=float).ravel().tolist()
+        per_size = []
+        for mu in sizes:
+            key = ("measured-prefix", part, mu)
+            out = self._cache.get(key)
+            if out is None:
+                out = np.array([table.prefix_s(mu, part) for table in self.measured]).reshape(
+                    len(self.measured), self.num_layers + 1
+                )
+                self._cache[key] = out
+            per_size.append(out)
+        if len(per_size) <= 1:
+            return (per_size[0][:, None, :] if per_size
+                    else np.zeros((len(self.measured), 0, self.num_layers + 1)))  # fmt: skip
+        return np.stack(per_size, axis=1).reshape(len(self.measured), len(sizes),
+                                                  self.num_layers + 1)  # fmt: skip
 
     def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
         """Per kind, :meth:`MeasuredTimes.rate_prefix_s`: prefix sums over layers of a lower
@@ -694,13 +701,11 @@ def flat_sync_bandwidths_bytes_per_s(
     ends = np.asarray(ends, dtype=np.int64)
     # owner_node[g, l]: node of the device of active group g that holds layer l
     owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    # same[l]: all owners of layer l on one node; a stage's owner of l is then on that node
+    # too, so d's layers are all node-local to d's node iff `same` holds on all of them
     same = np.all(owner_node == owner_node[:1], axis=0)
-    # layer_node[l]: the common node of layer l's owners, or -1 when they span nodes
-    layer_node = np.where(same, owner_node[0], -1)
-    local = np.cumsum(owner_node == layer_node[None, :], axis=1)
-    local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
-    row = np.cumsum(starts == 0) - 1  # the group of each stage
-    all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
+    local = np.concatenate(([0], np.cumsum(same)))
+    all_local = (local[ends] - local[starts]) == (ends - starts)
     return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
 
 

@@ -34,6 +34,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from hetrain.planner.partition import SplitTable
 
+BISECTION_DEPTH = 3  # halvings of the share bisection whose capacities are computed together
+
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -134,6 +136,52 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return np.where(use_left, left, right), np.where(use_left, first_left, x0)
 
 
+class ShareChain:
+    """The share DP's states along one sequence of group options, kept for the next problem
+    whose members start with the same options (the same objects): the search solves the
+    prefixes of one ranked list of groups (all of them, then without the last, ...), and the
+    DP over members ``1..m`` is the first ``m − 1`` steps of the DP over more members. The
+    states are those of the DP run on the problem alone (the same steps on the same tables),
+    so solutions are identical; one chain per ranked list (and per batch ``B``)."""
+
+    def __init__(self) -> None:
+        self._members: list[GroupOptions] = []  # the options of member k (chain order)
+        self._best: list[np.ndarray] = []  # DP value after members 0..k, shape (B + 1,)
+        self._choices: list[np.ndarray] = []  # first x reaching it at step k (k ≥ 1)
+        self._tables: dict[int, tuple[GroupOptions, np.ndarray]] = {}  # id → T_g(b) table
+        self._batch: int | None = None
+
+    def _table(self, options: GroupOptions, batch: int) -> np.ndarray:
+        found = self._tables.get(id(options))
+        if found is None or found[0] is not options:
+            found = (options, options.time_table(batch)[0])
+            self._tables[id(options)] = found
+        return found[1]
+
+    def run(self, members: Sequence[GroupOptions], batch: int
+            ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        """``(h, choices)``: the min-max DP value over ``members`` (shape ``(B + 1,)``) and the
+        first ``x`` reaching it at each step ``1..m − 1`` (:func:`_min_max_step`)."""
+        if batch != self._batch:
+            self.__init__()
+            self._batch = batch
+        common = 0
+        while (common < min(len(members), len(self._members))
+               and self._members[common] is members[common]):  # fmt: skip
+            common += 1
+        del self._members[common:], self._best[common:], self._choices[max(common - 1, 0) :]
+        for k in range(common, len(members)):
+            table = self._table(members[k], batch)
+            if k == 0:
+                self._best.append(table)
+            else:
+                value, arg = _min_max_step(self._best[k - 1], table)
+                self._best.append(value)
+                self._choices.append(arg)
+            self._members.append(members[k])
+        return self._best[len(members) - 1], self._choices[: len(members) - 1]
+
+
 @dataclass(frozen=True)
 class ShareSolution:
     """``max_group_time_s`` = ``max_g T_g``; ``shares`` ``b_g`` and chosen ``option`` index per
@@ -159,9 +207,11 @@ class ShareProblem:
         groups: Sequence[GroupOptions],
         batch: int,
         counts: Sequence[int] | np.ndarray | None = None,
+        chain: ShareChain | None = None,
     ) -> None:
         self.groups = list(groups)
         self.batch = int(batch)
+        self.chain = chain
         self.counts = (
             np.ones(len(self.groups), dtype=np.int64)
             if counts is None
@@ -270,17 +320,13 @@ class ShareProblem:
 
     def _solve_dp(self) -> ShareSolution | None:
         b_total = self.batch
-        # (members of one entry share their table)
-        per_entry = [g.time_table(b_total)[0] for g in self.groups]
-        tables = [per_entry[e] for e, c in enumerate(self.counts) for _ in range(c)]
-        best = tables[0]
-        choices = []
-        for t in tables[1:]:
-            best, arg = _min_max_step(best, t)
-            choices.append(arg)
+        members = [g for g, c in zip(self.groups, self.counts, strict=True) for _ in range(c)]
+        chain = self.chain if self.chain is not None else ShareChain()
+        best, choices = chain.run(members, b_total)
+        g_count = len(members)
         if not np.isfinite(best[b_total]):
             return None
-        shares = np.zeros(g_count := len(tables), dtype=np.int64)
+        shares = np.zeros(g_count, dtype=np.int64)
         left = b_total
         for g in range(g_count - 1, 0, -1):
             x = int(choices[g - 1][left])
@@ -305,15 +351,7 @@ class ShareProblem:
             hi *= 2.0
         else:
             return None
-        lo = 0.0
-        for _ in range(80):
-            mid = 0.5 * (lo + hi)
-            if mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
-                break
-            if self.total_capacity(mid) >= b_total:
-                hi = mid
-            else:
-                lo = mid
+        lo, hi = self._bisect(0.0, hi)
         hi = self._snap(lo, hi)
         cap = np.repeat(self.capacity(hi).astype(np.int64), self.counts)
         excess = int(cap.sum()) - b_total
@@ -325,6 +363,91 @@ class ShareProblem:
             cap[g] -= take
             excess -= take
         return self._finish(cap)
+
+    def _padded(self) -> tuple[np.ndarray, ...]:
+        """The options as ``(G, P_max)`` arrays ``(μ, A, M, n_max)`` (entry by entry, padded
+        with options that never take a sample: ``A = inf``, ``n_max = 0``); built once."""
+        padded = getattr(self, "_padded_arrays", None)
+        if padded is None:
+            sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
+            width = max(int(sizes.max(initial=0)), 1)
+            rows = np.repeat(np.arange(len(self.groups)), sizes)
+            cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            padded = []
+            for values, pad in ((self._mu, 0.0), (self._fill, np.inf),
+                                (self._bottleneck, 1.0), (self._nmax, 0.0)):  # fmt: skip
+                out = np.full((len(self.groups), width), pad)
+                out[rows, cols] = values
+                padded.append(out)
+            padded = self._padded_arrays = tuple(padded)
+        return padded
+
+    def _time_arrays(self) -> tuple[np.ndarray, ...]:
+        """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
+        ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches), padded
+        with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``; built once."""
+        arrays = getattr(self, "_time_padded", None)
+        if arrays is None:
+            sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
+            width = max(int(sizes.max(initial=0)), 1)
+            arrays = []
+            mu_type = np.result_type(np.int64, *[g.microbatch_size for g in self.groups])
+            for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
+                                     ("bottleneck_s", 0.0, float),
+                                     ("max_microbatches", -1.0, float)):  # fmt: skip
+                out = np.full((len(self.groups), width), pad, dtype=dtype)
+                for g, opts in enumerate(self.groups):
+                    out[g, : len(opts)] = getattr(opts, name)
+                arrays.append(out)
+            arrays = self._time_padded = tuple(arrays)
+        return arrays
+
+    def total_capacities(self, times_s: np.ndarray) -> np.ndarray:
+        """:meth:`total_capacity` at each time of ``times_s`` (shape ``(N,)``), shape
+        ``(N,)``: the same elementwise operations on ``(N, G, P_max)`` arrays (padding takes
+        0 samples, and every capacity is ``≥ 0``, so the per-group maxima are those of the
+        options; capacities are whole numbers of samples, so the sums are exact whatever
+        their order)."""
+        times = np.asarray(times_s, dtype=float)
+        mu, fill, bottleneck, nmax = self._padded()
+        n = np.floor((times[:, None, None] - fill) / bottleneck) + 1.0
+        n = np.maximum(np.minimum(n, nmax), 0.0)
+        per_group = np.minimum(np.max(mu * n, axis=2), self.batch)
+        return per_group @ self.counts.astype(float)
+
+    def _bisect(self, lo: float, hi: float, depth: int = BISECTION_DEPTH) -> tuple[float, float]:
+        """Bisection for the least ``T`` with ``Σ_g counts_g cap_g(T) ≥ B`` from ``lo``
+        (infeasible) and ``hi`` (feasible), at most 80 halvings, stopping when the midpoint is
+        no longer inside or the bracket is within a relative ``1e-7``; returns the final
+        ``(lo, hi)``. The capacities of the next ``depth`` halvings are computed together:
+        the ``2^depth − 1`` midpoints they can visit (:meth:`total_capacities`), then the
+        halvings walk that tree — the same midpoints, tests and bracket as one halving at a
+        time, with a numpy pass per ``depth`` halvings."""
+        b_total = self.batch
+        steps = 0
+        while steps < 80:
+            # heap order: node n's bracket is `brackets[n]`, its halves are 2n + 1 (feasible
+            # midpoint: the lower half) and 2n + 2
+            brackets = [(lo, hi)]
+            mids = []
+            for n in range(2**depth - 1):
+                a, b = brackets[n]
+                m = 0.5 * (a + b)
+                mids.append(m)
+                brackets.append((a, m))
+                brackets.append((m, b))
+            feasible = self.total_capacities(np.array(mids)) >= b_total
+            n = 0
+            for _ in range(depth):
+                mid = mids[n]
+                if steps >= 80 or mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
+                    return lo, hi
+                steps += 1
+                if feasible[n]:
+                    hi, n = mid, 2 * n + 1
+                else:
+                    lo, n = mid, 2 * n + 2
+        return lo, hi
 
     def _snap(self, lo: float, hi: float) -> float:
         """The least staircase breakpoint ``A_p + j M_p`` in ``(lo, hi]`` at which the
@@ -347,13 +470,21 @@ class ShareProblem:
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
         entry = np.repeat(np.arange(len(self.groups)), self.counts)
-        # one GroupOptions.time_for per distinct (entry, share) pair
+        # GroupOptions.time_for of each distinct (entry, share) pair, all pairs in one pass
+        # over the options padded to (G, P_max) (padding never fits: n_max = -1, so it is
+        # inf and after every option, and argmin keeps time_for's first index)
         width = self.batch + 1
         pairs, which = np.unique(entry * width + np.asarray(shares, dtype=np.int64),
                                  return_inverse=True)  # fmt: skip
-        found = [self.groups[key // width].time_for(key % width) for key in pairs.tolist()]
-        times = np.array([t for t, _ in found], dtype=float)[which.ravel()]
-        option = np.array([p for _, p in found], dtype=np.int64)[which.ravel()]
+        e, b = pairs // width, pairs % width
+        mu, fill, bottleneck, nmax = self._time_arrays()
+        n = -(-b[:, None] // mu[e])
+        t = np.where(n <= nmax[e], fill[e] + (n - 1) * bottleneck[e], np.inf)
+        p = np.argmin(t, axis=1)
+        found_t = np.where(b <= 0, 0.0, t[np.arange(len(p)), p])
+        found_p = np.where((b <= 0) | ~np.isfinite(found_t), -1, p)
+        times = found_t[which.ravel()]
+        option = found_p[which.ravel()]
         if not np.all(np.isfinite(times)):
             return None
         return ShareSolution(float(times.max(initial=0.0)), shares, option, times)
