@@ -245,6 +245,30 @@ class ProfilePrefix:
         return np.stack(per_size, axis=1).reshape(len(self.measured), len(sizes),
                                                   self.num_layers + 1)  # fmt: skip
 
+    def measured_prefix_by_size_s(self, sizes: np.ndarray, part: str = "train") -> np.ndarray:
+        """:meth:`measured_prefix_s` of every whole size from 0 to at least ``max(sizes)``,
+        shape ``(N_kinds, S, L + 1)`` with row ``u`` the size ``u`` (rows of sizes not asked
+        for yet are zeros): indexed by the sizes themselves, no lookup per call. ``sizes``:
+        whole numbers ``≥ 1`` (int array). The same values as :meth:`measured_prefix_s`;
+        grown and filled as sizes are asked for, cached per part."""
+        key = ("measured-prefix-by-size", part)
+        dense, filled = self._cache.get(key, (None, None))
+        top = int(sizes.max(initial=0))
+        if dense is None or dense.shape[1] <= top:
+            width = max(top + 1, 2 * (0 if dense is None else dense.shape[1]), 17)
+            grown = np.zeros((len(self.measured), width, self.num_layers + 1))
+            grown_filled = np.zeros(width, dtype=bool)
+            if dense is not None:
+                grown[:, : dense.shape[1]] = dense
+                grown_filled[: len(filled)] = filled
+            dense, filled = grown, grown_filled
+            self._cache[key] = (dense, filled)
+        if not filled[sizes].all():
+            for mu in np.unique(sizes[~filled[sizes]]).tolist():
+                dense[:, mu] = self.measured_prefix_s(np.array([mu]), part)[:, 0]
+                filled[mu] = True
+        return dense
+
     def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
         """Per kind, :meth:`MeasuredTimes.rate_prefix_s`: prefix sums over layers of a lower
         bound on each layer's seconds per sample at every micro-batch size ``1..max``, shape
@@ -360,8 +384,9 @@ def stage_compute_s(
     if part not in ("train", "bwd"):
         raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
     kind = prefix.kind_index(state)[devices] if prefix.measured else None
-    some = kind is not None and bool(np.any(kind >= 0))
-    if some and bool(np.all(kind >= 0)):
+    mine = None if kind is None else kind >= 0
+    some = mine is not None and bool(mine.any())
+    if some and bool(mine.all()):
         return _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
     if part == "train":
         flops = prefix.train_flops[ends] - prefix.train_flops[starts]
@@ -375,7 +400,7 @@ def stage_compute_s(
     if not some:
         return out
     measured = _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
-    return np.where(kind >= 0, measured, out)
+    return np.where(mine, measured, out)
 
 
 def _measured_stage_s(
@@ -399,13 +424,20 @@ def _measured_stage_s(
     if mu.size == 1:  # one size (the common case): no per-element size index
         table = prefix.measured_prefix_s(mu.reshape(1), part)[:, 0]  # (N_kinds, L + 1)
         measured = table[q, ends] * scale - table[q, starts] * scale
+        if mu.ndim <= measured.ndim:  # (a size-1 array adds no axis: the shape is final)
+            return measured
+        return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
+    whole = mu.astype(np.int64)
+    if np.array_equal(whole, mu) and whole.min() >= 1:
+        # whole sizes (the planner's): the table's row is the size itself
+        which = whole
+        table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)
     else:
-        sizes, which = np.unique(mu, return_inverse=True)
-        which = which.reshape(mu.shape)
+        sizes = np.unique(mu)
+        which = np.searchsorted(sizes, mu)  # (the index of each size in `sizes`, mu's shape)
         table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
-        measured = table[q, which, ends] * scale - table[q, which, starts] * scale
-    shape = np.broadcast_shapes(measured.shape, mu.shape)
-    return measured if measured.shape == shape else np.broadcast_to(measured, shape).copy()
+    # (mu's shape is in the index, so the result has the broadcast shape of all inputs)
+    return table[q, which, ends] * scale - table[q, which, starts] * scale
 
 
 def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:

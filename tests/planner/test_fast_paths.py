@@ -521,3 +521,19 @@ def test_flat_sync_bandwidths_equal_the_definition(seed: int) -> None:
         got = flat_sync_bandwidths_bytes_per_s(state, prefix, *args, groups)
         want = _sync_bandwidths_per_group(state, prefix, *args, groups)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_time_table_equals_time_for_of_every_share(seed: int) -> None:
+    """:meth:`GroupOptions.time_table` (a float ceil over a ``(B + 1, P)`` array) gives, for
+    every share ``b``, :meth:`GroupOptions.time_for`'s time and first best option."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        (opts,) = _random_options(rng, 1)
+        batch = int(rng.integers(0, 300))
+        times, best = opts.time_table(batch)
+        for b in range(batch + 1):
+            t, p = opts.time_for(b)
+            assert times[b] == t
+            if np.isfinite(t) and b > 0:
+                assert best[b] == p

@@ -960,8 +960,9 @@ def solve_structure(
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
+    chain = ShareChain()  # (the refined pass keeps the time tables of unchanged entries)
     cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick,
-                          all_active)  # fmt: skip
+                          all_active, chain)  # fmt: skip
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -988,7 +989,7 @@ def solve_structure(
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
         cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
-                              all_active)  # fmt: skip
+                              all_active, chain)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
@@ -1056,11 +1057,13 @@ def _solve_entries(
     bound: float | None = None,
     quick: bool = False,
     all_active: bool = False,
+    chain: ShareChain | None = None,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
     otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped.
     ``all_active``: only the whole structure (the share solver may still idle groups; the
-    structure search enumerates the smaller structures itself)."""
+    structure search enumerates the smaller structures itself). ``chain``: the share DP's
+    states and time tables (:class:`ShareChain`), shared with the caller's other calls."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
@@ -1088,7 +1091,7 @@ def _solve_entries(
                        reverse=True)  # fmt: skip
     speeds = ctx.bound_speed
     stacks: dict[int, np.ndarray] = {}
-    chain = ShareChain()  # (the prefixes share the share DP's states)
+    chain = chain if chain is not None else ShareChain()  # (shared by the prefixes)
     for size in sizes:
         # the first `size` members in ranked order
         take, left = [], size

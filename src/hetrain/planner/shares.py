@@ -93,11 +93,13 @@ class GroupOptions:
             t = np.full(batch + 1, np.inf)
             t[0] = 0.0
             return t, np.full(batch + 1, -1)
-        n = -(-b[None, :] // self.microbatch_size[:, None])
-        t = self.fill_s[:, None] + (n - 1) * self.bottleneck_s[:, None]
-        t = np.where(n <= self.max_microbatches[:, None], t, np.inf)
-        p = np.argmin(t, axis=0)
-        best = t[p, b]
+        # (B + 1, P): ceil(b / μ) by a float division (exact: b / μ is an integer or at least
+        # 1/μ from one, far above the rounding error while B < 2^40), the argmin along rows
+        n = np.ceil(b[:, None] / self.microbatch_size.astype(float))
+        t = self.fill_s + (n - 1.0) * self.bottleneck_s
+        t[n > self.max_microbatches] = np.inf
+        p = np.argmin(t, axis=1)
+        best = t[b, p]
         best[0] = 0.0
         p[0] = -1
         return best, p
@@ -364,56 +366,40 @@ class ShareProblem:
             excess -= take
         return self._finish(cap)
 
-    def _padded(self) -> tuple[np.ndarray, ...]:
-        """The options as ``(G, P_max)`` arrays ``(μ, A, M, n_max)`` (entry by entry, padded
-        with options that never take a sample: ``A = inf``, ``n_max = 0``); built once."""
-        padded = getattr(self, "_padded_arrays", None)
-        if padded is None:
-            sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
-            width = max(int(sizes.max(initial=0)), 1)
-            rows = np.repeat(np.arange(len(self.groups)), sizes)
-            cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-            padded = []
-            for values, pad in ((self._mu, 0.0), (self._fill, np.inf),
-                                (self._bottleneck, 1.0), (self._nmax, 0.0)):  # fmt: skip
-                out = np.full((len(self.groups), width), pad)
-                out[rows, cols] = values
-                padded.append(out)
-            padded = self._padded_arrays = tuple(padded)
-        return padded
-
     def _time_arrays(self) -> tuple[np.ndarray, ...]:
         """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
-        ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches), padded
-        with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``; built once."""
-        arrays = getattr(self, "_time_padded", None)
-        if arrays is None:
-            sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
-            width = max(int(sizes.max(initial=0)), 1)
-            arrays = []
-            mu_type = np.result_type(np.int64, *[g.microbatch_size for g in self.groups])
-            for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
-                                     ("bottleneck_s", 0.0, float),
-                                     ("max_microbatches", -1.0, float)):  # fmt: skip
-                out = np.full((len(self.groups), width), pad, dtype=dtype)
-                for g, opts in enumerate(self.groups):
-                    out[g, : len(opts)] = getattr(opts, name)
-                arrays.append(out)
-            arrays = self._time_padded = tuple(arrays)
-        return arrays
+        ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches),
+        padded with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``."""
+        sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
+        width = max(int(sizes.max(initial=0)), 1)
+        rows = np.repeat(np.arange(len(self.groups)), sizes)
+        cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        mu_type = np.result_type(np.int64, *[g.microbatch_size for g in self.groups])
+        arrays = []
+        for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
+                                 ("bottleneck_s", 0.0, float),
+                                 ("max_microbatches", -1.0, float)):  # fmt: skip
+            out = np.full((len(self.groups), width), pad, dtype=dtype)
+            if len(rows):
+                out[rows, cols] = np.concatenate([getattr(g, name) for g in self.groups])
+            arrays.append(out)
+        return tuple(arrays)
 
     def total_capacities(self, times_s: np.ndarray) -> np.ndarray:
         """:meth:`total_capacity` at each time of ``times_s`` (shape ``(N,)``), shape
-        ``(N,)``: the same elementwise operations on ``(N, G, P_max)`` arrays (padding takes
-        0 samples, and every capacity is ``≥ 0``, so the per-group maxima are those of the
-        options; capacities are whole numbers of samples, so the sums are exact whatever
-        their order)."""
+        ``(N,)``: the same elementwise operations on an ``(N, P)`` array and per-group maxima
+        by one ``reduceat`` over its rows laid end to end (capacities are whole numbers of
+        samples, so the sums are exact whatever their order)."""
         times = np.asarray(times_s, dtype=float)
-        mu, fill, bottleneck, nmax = self._padded()
-        n = np.floor((times[:, None, None] - fill) / bottleneck) + 1.0
-        n = np.maximum(np.minimum(n, nmax), 0.0)
-        per_group = np.minimum(np.max(mu * n, axis=2), self.batch)
-        return per_group @ self.counts.astype(float)
+        out = np.zeros((len(times), len(self.groups)))
+        count = len(self._mu)
+        if count:
+            n = np.floor((times[:, None] - self._fill) / self._bottleneck) + 1.0
+            n = np.maximum(np.minimum(n, self._nmax), 0.0)
+            at = (np.arange(len(times)) * count)[:, None] + self._starts[None, :]
+            best = np.maximum.reduceat((self._mu * n).ravel(), at.ravel())
+            out[:, self._nonempty] = best.reshape(len(times), len(self._starts))
+        return np.minimum(out, self.batch) @ self.counts.astype(float)
 
     def _bisect(self, lo: float, hi: float, depth: int = BISECTION_DEPTH) -> tuple[float, float]:
         """Bisection for the least ``T`` with ``Σ_g counts_g cap_g(T) ≥ B`` from ``lo``
