@@ -450,8 +450,9 @@ def test_bisection_in_rounds_visits_the_same_brackets(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_share_chain_gives_each_prefix_its_own_solution(seed: int) -> None:
     """Share problems over prefixes of one ranked list (the search's active prefixes, largest
-    first, then a different list) solved through one :class:`ShareChain` equal each problem
-    solved alone (the DP over its own tables)."""
+    first, then a different list) built through one :class:`ShareChain` (DP states, option
+    arrays sliced from the longest list) equal each problem built alone: LP bound, DP and
+    bisection solutions."""
     rng = np.random.default_rng(seed)
     chain = ShareChain()
     for _ in range(15):
@@ -466,15 +467,18 @@ def test_share_chain_gives_each_prefix_its_own_solution(seed: int) -> None:
                     break
                 take.append((o, min(c, left)))
                 left -= min(c, left)
-            alone = ShareProblem([o for o, _ in take], batch, [m for _, m in take])._solve_dp()
-            shared = ShareProblem([o for o, _ in take], batch, [m for _, m in take],
-                                  chain)._solve_dp()  # fmt: skip
-            if alone is None:
-                assert shared is None
-                continue
-            assert shared.max_group_time_s == alone.max_group_time_s
-            assert shared.shares.tolist() == alone.shares.tolist()
-            assert shared.option.tolist() == alone.option.tolist()
+            plain = ShareProblem([o for o, _ in take], batch, [m for _, m in take])
+            chained = ShareProblem([o for o, _ in take], batch, [m for _, m in take], chain)
+            assert chained.lp_bound_s() == plain.lp_bound_s()
+            for method in ("_solve_dp", "_solve_bisection"):
+                alone, shared = getattr(plain, method)(), getattr(chained, method)()
+                if alone is None:
+                    assert shared is None
+                    continue
+                assert shared.max_group_time_s == alone.max_group_time_s
+                assert shared.shares.tolist() == alone.shares.tolist()
+                assert shared.option.tolist() == alone.option.tolist()
+                assert shared.group_times_s.tolist() == alone.group_times_s.tolist()
 
 
 def _sync_bandwidths_per_group(state, prefix, devices, starts, ends, num_active):

@@ -138,6 +138,49 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return np.where(use_left, left, right), np.where(use_left, first_left, x0)
 
 
+def _option_arrays(groups: Sequence[GroupOptions], batch: int) -> dict:
+    """The options of ``groups`` laid end to end (groups with options only): ``mu`` (float),
+    ``fill``, ``bottleneck`` (at least 1e-300), ``nmax`` (at most ``ceil(B / μ)``, float),
+    shape ``(P,)``; ``starts`` (each such group's first option), ``nonempty`` (per group),
+    ``sizes`` (options per group)."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    nonempty = sizes > 0
+    live = [g for g in groups if len(g)]
+    out = {"groups": list(groups), "batch": int(batch), "sizes": sizes, "nonempty": nonempty,
+           "starts": np.concatenate(([0], np.cumsum(sizes[nonempty])[:-1]))}  # fmt: skip
+    if live:
+        mu = np.concatenate([g.microbatch_size for g in live]).astype(float)
+        nmax = np.concatenate([g.max_microbatches for g in live])
+        out["mu"] = mu
+        out["fill"] = np.concatenate([g.fill_s for g in live])
+        out["bottleneck"] = np.maximum(np.concatenate([g.bottleneck_s for g in live]), 1e-300)
+        # no group ever needs more than ceil(B / μ) micro-batches
+        out["nmax"] = np.minimum(nmax, -(-int(batch) // mu)).astype(float)
+    else:
+        out["mu"] = out["fill"] = out["bottleneck"] = out["nmax"] = np.zeros(0)
+    return out
+
+
+def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...]:
+    """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
+    ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches),
+    padded with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    width = max(int(sizes.max(initial=0)), 1)
+    rows = np.repeat(np.arange(len(groups)), sizes)
+    cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    mu_type = np.result_type(np.int64, *[g.microbatch_size for g in groups])
+    arrays = []
+    for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
+                             ("bottleneck_s", 0.0, float),
+                             ("max_microbatches", -1.0, float)):  # fmt: skip
+        out = np.full((len(groups), width), pad, dtype=dtype)
+        if len(rows):
+            out[rows, cols] = np.concatenate([getattr(g, name) for g in groups])
+        arrays.append(out)
+    return tuple(arrays)
+
+
 class ShareChain:
     """The share DP's states along one sequence of group options, kept for the next problem
     whose members start with the same options (the same objects): the search solves the
@@ -152,6 +195,29 @@ class ShareChain:
         self._choices: list[np.ndarray] = []  # first x reaching it at step k (k ≥ 1)
         self._tables: dict[int, tuple[GroupOptions, np.ndarray]] = {}  # id → T_g(b) table
         self._batch: int | None = None
+        self._arrays: dict | None = None  # _option_arrays of the longest list asked for
+
+    def option_arrays(self, groups: Sequence[GroupOptions], batch: int) -> dict:
+        """:func:`_option_arrays` (with ``"time"``: :func:`_padded_time_arrays`) of
+        ``groups``: a slice of those of the last list asked for when ``groups`` starts it
+        (the same objects; the options of the first groups are the first entries, padding
+        columns never win), else computed and kept."""
+        full = self._arrays
+        count = len(groups)
+        if (full is None or full["batch"] != batch or len(full["groups"]) < count
+                or any(a is not b for a, b in zip(full["groups"][:count], groups, strict=True))
+                ):  # fmt: skip
+            full = self._arrays = _option_arrays(groups, batch)
+            full["time"] = _padded_time_arrays(groups)
+        if len(full["groups"]) == count:
+            return full
+        nonempty = full["nonempty"][:count]
+        total = int(full["sizes"][:count].sum())
+        out = {"nonempty": nonempty, "starts": full["starts"][: int(nonempty.sum())]}
+        for name in ("mu", "fill", "bottleneck", "nmax"):
+            out[name] = full[name][:total]
+        out["time"] = tuple(a[:count] for a in full["time"])
+        return out
 
     def _table(self, options: GroupOptions, batch: int) -> np.ndarray:
         found = self._tables.get(id(options))
@@ -219,19 +285,16 @@ class ShareProblem:
             if counts is None
             else np.asarray(counts, dtype=np.int64)
         )
-        sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
-        self._nonempty = sizes > 0
-        live = [g for g in self.groups if len(g)]
-        self._starts = np.concatenate(([0], np.cumsum(sizes[self._nonempty])[:-1]))
-        if live:
-            self._mu = np.concatenate([g.microbatch_size for g in live]).astype(float)
-            self._fill = np.concatenate([g.fill_s for g in live])
-            self._bottleneck = np.maximum(np.concatenate([g.bottleneck_s for g in live]), 1e-300)
-            nmax = np.concatenate([g.max_microbatches for g in live])
-            # no group ever needs more than ceil(B / μ) micro-batches
-            self._nmax = np.minimum(nmax, -(-self.batch // self._mu)).astype(float)
-        else:
-            self._mu = self._fill = self._bottleneck = self._nmax = np.zeros(0)
+        arrays = (
+            _option_arrays(self.groups, self.batch)
+            if chain is None
+            else chain.option_arrays(self.groups, self.batch)
+        )
+        self._nonempty = arrays["nonempty"]
+        self._starts = arrays["starts"]
+        self._mu, self._fill = arrays["mu"], arrays["fill"]
+        self._bottleneck, self._nmax = arrays["bottleneck"], arrays["nmax"]
+        self._time_padded = arrays.get("time")
 
     # -- capacities -----------------------------------------------------------------------
     def capacity(self, time_s: float) -> np.ndarray:
@@ -367,23 +430,10 @@ class ShareProblem:
         return self._finish(cap)
 
     def _time_arrays(self) -> tuple[np.ndarray, ...]:
-        """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
-        ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches),
-        padded with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``."""
-        sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
-        width = max(int(sizes.max(initial=0)), 1)
-        rows = np.repeat(np.arange(len(self.groups)), sizes)
-        cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        mu_type = np.result_type(np.int64, *[g.microbatch_size for g in self.groups])
-        arrays = []
-        for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
-                                 ("bottleneck_s", 0.0, float),
-                                 ("max_microbatches", -1.0, float)):  # fmt: skip
-            out = np.full((len(self.groups), width), pad, dtype=dtype)
-            if len(rows):
-                out[rows, cols] = np.concatenate([getattr(g, name) for g in self.groups])
-            arrays.append(out)
-        return tuple(arrays)
+        """:func:`_padded_time_arrays` of the groups (the chain's, when it has them)."""
+        if self._time_padded is None:
+            self._time_padded = _padded_time_arrays(self.groups)
+        return self._time_padded
 
     def total_capacities(self, times_s: np.ndarray) -> np.ndarray:
         """:meth:`total_capacity` at each time of ``times_s`` (shape ``(N,)``), shape
