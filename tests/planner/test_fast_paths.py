@@ -398,19 +398,6 @@ def test_masked_skips_the_memory_check_only_where_everything_fits(seed: int) -> 
     assert fast > 0
 
 
-def _bisect_one_at_a_time(problem: ShareProblem, lo: float, hi: float) -> tuple[float, float]:
-    """The share bisection one halving (one :meth:`ShareProblem.total_capacity`) at a time."""
-    for _ in range(80):
-        mid = 0.5 * (lo + hi)
-        if mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
-            break
-        if problem.total_capacity(mid) >= problem.batch:
-            hi = mid
-        else:
-            lo = mid
-    return lo, hi
-
-
 def _random_options(rng: np.random.Generator, groups: int) -> list[GroupOptions]:
     out = []
     for _ in range(groups):
@@ -422,29 +409,6 @@ def _random_options(rng: np.random.Generator, groups: int) -> list[GroupOptions]
             rng.choice([1, 3, 50, 10**9], count), np.zeros((count, 2), np.int64),
         ))  # fmt: skip
     return out
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_bisection_in_rounds_visits_the_same_brackets(seed: int) -> None:
-    """:meth:`ShareProblem._bisect` (the capacities of ``depth`` halvings at once) ends with
-    the bracket of one halving at a time, for every depth; its capacities equal
-    :meth:`ShareProblem.total_capacity` at each time."""
-    rng = np.random.default_rng(seed)
-    for _ in range(40):
-        opts = _random_options(rng, int(rng.integers(1, 6)))
-        problem = ShareProblem(opts, int(rng.integers(1, 5000)), rng.integers(1, 50, len(opts)))
-        if not len(problem._mu):
-            continue
-        times = rng.uniform(0.0, 50.0, 20)
-        assert problem.total_capacities(times).tolist() == [
-            problem.total_capacity(float(t)) for t in times
-        ]
-        hi = float(rng.choice([1.0, 1e3, 1e6]))
-        if problem.total_capacity(hi) < problem.batch:
-            continue
-        want = _bisect_one_at_a_time(problem, 0.0, hi)
-        for depth in (1, 2, 5, 7):
-            assert problem._bisect(0.0, hi, depth) == want
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -250,6 +250,14 @@ def _stage_positions(k_stages: int, num_layers: int) -> np.ndarray:
     return ok
 
 
+@functools.lru_cache(maxsize=16)
+def _stage_outside(k_stages: int, num_layers: int) -> np.ndarray:
+    """``~`` :func:`_stage_positions` (read-only)."""
+    out = ~_stage_positions(k_stages, num_layers)
+    out.flags.writeable = False
+    return out
+
+
 def _stage_matrices(
     state: ClusterState,
     prefix: ProfilePrefix,
@@ -305,10 +313,10 @@ def _stage_matrices(
     else:
         total = worst = compute
     # entries where stage k cannot hold [i, j): inf (in place; total and worst are new arrays)
-    outside = ~_stage_positions(k_stages, num_layers)
-    total[:, outside] = np.inf
+    outside = _stage_outside(k_stages, num_layers)
+    np.copyto(total, np.inf, where=outside)
     if worst is not total:
-        worst[:, outside] = np.inf
+        np.copyto(worst, np.inf, where=outside)
     # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
     # and every split found is re-checked exactly by split_table
     return _StageMatrices(

@@ -34,8 +34,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from hetrain.planner.partition import SplitTable
 
-BISECTION_DEPTH = 3  # halvings of the share bisection whose capacities are computed together
-
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -97,7 +95,7 @@ class GroupOptions:
         # 1/μ from one, far above the rounding error while B < 2^40), the argmin along rows
         n = np.ceil(b[:, None] / self.microbatch_size.astype(float))
         t = self.fill_s + (n - 1.0) * self.bottleneck_s
-        t[n > self.max_microbatches] = np.inf
+        np.copyto(t, np.inf, where=n > self.max_microbatches)
         p = np.argmin(t, axis=1)
         best = t[b, p]
         best[0] = 0.0
@@ -416,7 +414,15 @@ class ShareProblem:
             hi *= 2.0
         else:
             return None
-        lo, hi = self._bisect(0.0, hi)
+        lo = 0.0
+        for _ in range(80):
+            mid = 0.5 * (lo + hi)
+            if mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
+                break
+            if self.total_capacity(mid) >= b_total:
+                hi = mid
+            else:
+                lo = mid
         hi = self._snap(lo, hi)
         cap = np.repeat(self.capacity(hi).astype(np.int64), self.counts)
         excess = int(cap.sum()) - b_total
@@ -434,56 +440,6 @@ class ShareProblem:
         if self._time_padded is None:
             self._time_padded = _padded_time_arrays(self.groups)
         return self._time_padded
-
-    def total_capacities(self, times_s: np.ndarray) -> np.ndarray:
-        """:meth:`total_capacity` at each time of ``times_s`` (shape ``(N,)``), shape
-        ``(N,)``: the same elementwise operations on an ``(N, P)`` array and per-group maxima
-        by one ``reduceat`` over its rows laid end to end (capacities are whole numbers of
-        samples, so the sums are exact whatever their order)."""
-        times = np.asarray(times_s, dtype=float)
-        out = np.zeros((len(times), len(self.groups)))
-        count = len(self._mu)
-        if count:
-            n = np.floor((times[:, None] - self._fill) / self._bottleneck) + 1.0
-            n = np.maximum(np.minimum(n, self._nmax), 0.0)
-            at = (np.arange(len(times)) * count)[:, None] + self._starts[None, :]
-            best = np.maximum.reduceat((self._mu * n).ravel(), at.ravel())
-            out[:, self._nonempty] = best.reshape(len(times), len(self._starts))
-        return np.minimum(out, self.batch) @ self.counts.astype(float)
-
-    def _bisect(self, lo: float, hi: float, depth: int = BISECTION_DEPTH) -> tuple[float, float]:
-        """Bisection for the least ``T`` with ``Σ_g counts_g cap_g(T) ≥ B`` from ``lo``
-        (infeasible) and ``hi`` (feasible), at most 80 halvings, stopping when the midpoint is
-        no longer inside or the bracket is within a relative ``1e-7``; returns the final
-        ``(lo, hi)``. The capacities of the next ``depth`` halvings are computed together:
-        the ``2^depth − 1`` midpoints they can visit (:meth:`total_capacities`), then the
-        halvings walk that tree — the same midpoints, tests and bracket as one halving at a
-        time, with a numpy pass per ``depth`` halvings."""
-        b_total = self.batch
-        steps = 0
-        while steps < 80:
-            # heap order: node n's bracket is `brackets[n]`, its halves are 2n + 1 (feasible
-            # midpoint: the lower half) and 2n + 2
-            brackets = [(lo, hi)]
-            mids = []
-            for n in range(2**depth - 1):
-                a, b = brackets[n]
-                m = 0.5 * (a + b)
-                mids.append(m)
-                brackets.append((a, m))
-                brackets.append((m, b))
-            feasible = self.total_capacities(np.array(mids)) >= b_total
-            n = 0
-            for _ in range(depth):
-                mid = mids[n]
-                if steps >= 80 or mid <= lo or mid >= hi or hi - lo <= 1e-7 * hi:
-                    return lo, hi
-                steps += 1
-                if feasible[n]:
-                    hi, n = mid, 2 * n + 1
-                else:
-                    lo, n = mid, 2 * n + 2
-        return lo, hi
 
     def _snap(self, lo: float, hi: float) -> float:
         """The least staircase breakpoint ``A_p + j M_p`` in ``(lo, hi]`` at which the
