@@ -428,7 +428,7 @@ def _measured_stage_s(
             return measured
         return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
     whole = mu.astype(np.int64)
-    if np.array_equal(whole, mu) and whole.min() >= 1:
+    if np.array_equal(whole, mu) and whole.min(initial=1) >= 1:
         # whole sizes (the planner's): the table's row is the size itself
         which = whole
         table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)

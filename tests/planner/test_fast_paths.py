@@ -505,3 +505,25 @@ def test_time_table_equals_time_for_of_every_share(seed: int) -> None:
             assert times[b] == t
             if np.isfinite(t) and b > 0:
                 assert best[b] == p
+
+
+def test_measured_stage_times_of_no_splits() -> None:
+    """A split table without rows (a μ per row, none): stage times of shape ``(0, K)`` also
+    for devices with measured times (the whole-size table path with nothing to look up)."""
+    layers = [{"fwd_flops": 1e9, "activation_bytes": 1e6, "param_bytes": 1e6}] * 3
+    measured = {"ka": {"microbatch_sizes": [1, 4], "fwd_s": [[1e-3] * 3, [3e-3] * 3],
+                       "bwd_s": [[2e-3] * 3, [6e-3] * 3]}}  # fmt: skip
+    arrays = profile_from_dict({"layers": layers, "measured_times": measured}).arrays()
+    devices = [{"id": f"ka-{i}", "tflops": 1.0, "memory_gib": 16, "nic_gbps": 10}
+               for i in range(2)]  # fmt: skip
+    state = cluster_from_dict({"devices": devices}).state()
+    prefix = profile_prefix(arrays)
+    bounds = np.zeros((0, 3), dtype=np.int64)
+    mus = np.zeros((0, 1), dtype=np.int64)
+    out = stage_compute_s(state, prefix, np.arange(2), bounds[:, :-1], bounds[:, 1:], mus)
+    assert out.shape == (0, 2)
+    one = stage_compute_s(state, prefix, np.arange(2), np.array([[0, 1]]), np.array([[1, 3]]),
+                          np.array([[3]]))  # fmt: skip
+    # μ = 3 between the measured 1 and 4: 1e-3 + 2/3 · 2e-3 forward, 2e-3 + 2/3 · 4e-3
+    # backward, 7e-3 s per layer
+    np.testing.assert_allclose(one, [[7e-3, 14e-3]], rtol=1e-12)
