@@ -289,6 +289,7 @@ class ShareProblem:
             else chain.option_arrays(self.groups, self.batch)
         )
         self._nonempty = arrays["nonempty"]
+        self._every_group_has_options = bool(self._nonempty.all())
         self._starts = arrays["starts"]
         self._mu, self._fill = arrays["mu"], arrays["fill"]
         self._bottleneck, self._nmax = arrays["bottleneck"], arrays["nmax"]
@@ -297,13 +298,16 @@ class ShareProblem:
     # -- capacities -----------------------------------------------------------------------
     def capacity(self, time_s: float) -> np.ndarray:
         """``cap_g(T)`` samples per group, shape ``(G,)`` (capped at ``B``)."""
-        out = np.zeros(len(self.groups))
         if not len(self._mu):
-            return out
+            return np.zeros(len(self.groups))
         n = np.floor((time_s - self._fill) / self._bottleneck) + 1.0
         n = np.maximum(np.minimum(n, self._nmax), 0.0)
         per_option = self._mu * n
-        out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
+        if self._every_group_has_options:
+            out = np.maximum.reduceat(per_option, self._starts)
+        else:
+            out = np.zeros(len(self.groups))
+            out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
         return np.minimum(out, self.batch)
 
     def total_capacity(self, time_s: float) -> float:
@@ -402,10 +406,10 @@ class ShareProblem:
         b_total = self.batch
         if not len(self._mu):
             return None
-        hi = np.inf
-        for g in self.groups:
-            t, _ = g.time_for(b_total)
-            hi = min(hi, t)
+        # the least GroupOptions.time_for(B) over the groups, every option at once
+        mu, fill, bottleneck, nmax = self._time_arrays()
+        n = -(-b_total // mu)
+        hi = float(np.min(np.where(n <= nmax, fill + (n - 1) * bottleneck, np.inf)))
         # (nudged: the floor in `capacity` must not lose the breakpoint to rounding)
         hi = hi * (1 + 1e-9) if np.isfinite(hi) else max(float(np.max(self._fill)), 1e-12)
         for _ in range(200):
