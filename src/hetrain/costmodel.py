@@ -227,16 +227,47 @@ class ProfilePrefix:
         """Prefix sums over layers of the measured times (:meth:`MeasuredTimes.prefix_s`) of
         every kind at each micro-batch size of ``microbatch_sizes`` (shape ``(U,)``), shape
         ``(N_kinds, U, L + 1)``, seconds per micro-batch; so that stage ``[i, j)`` of kind
-        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per sizes and part."""
-        sizes = tuple(float(x) for x in np.asarray(microbatch_sizes, dtype=float).ravel())
-        key = ("measured-prefix", part, sizes)
-        out = self._cache.get(key)
-        if out is None:
-            out = np.array(
-                [[table.prefix_s(mu, part) for mu in sizes] for table in self.measured]
-            ).reshape(len(self.measured), len(sizes), self.num_layers + 1)
-            self._cache[key] = out
-        return out
+        ``q`` at size ``u`` takes ``P[q, u, j] − P[q, u, i]``. Cached per size and part."""
+        sizes = np.asarray(microbatch_sizes, dtype=float).ravel().tolist()
+        per_size = []
+        for mu in sizes:
+            key = ("measured-prefix", part, mu)
+            out = self._cache.get(key)
+            if out is None:
+                out = np.array([table.prefix_s(mu, part) for table in self.measured]).reshape(
+                    len(self.measured), self.num_layers + 1
+                )
+                self._cache[key] = out
+            per_size.append(out)
+        if len(per_size) <= 1:
+            return (per_size[0][:, None, :] if per_size
+                    else np.zeros((len(self.measured), 0, self.num_layers + 1)))  # fmt: skip
+        return np.stack(per_size, axis=1).reshape(len(self.measured), len(sizes),
+                                                  self.num_layers + 1)  # fmt: skip
+
+    def measured_prefix_by_size_s(self, sizes: np.ndarray, part: str = "train") -> np.ndarray:
+        """:meth:`measured_prefix_s` of every whole size from 0 to at least ``max(sizes)``,
+        shape ``(N_kinds, S, L + 1)`` with row ``u`` the size ``u`` (rows of sizes not asked
+        for yet are zeros): indexed by the sizes themselves, no lookup per call. ``sizes``:
+        whole numbers ``≥ 1`` (int array). The same values as :meth:`measured_prefix_s`;
+        grown and filled as sizes are asked for, cached per part."""
+        key = ("measured-prefix-by-size", part)
+        dense, filled = self._cache.get(key, (None, None))
+        top = int(sizes.max(initial=0))
+        if dense is None or dense.shape[1] <= top:
+            width = max(top + 1, 2 * (0 if dense is None else dense.shape[1]), 17)
+            grown = np.zeros((len(self.measured), width, self.num_layers + 1))
+            grown_filled = np.zeros(width, dtype=bool)
+            if dense is not None:
+                grown[:, : dense.shape[1]] = dense
+                grown_filled[: len(filled)] = filled
+            dense, filled = grown, grown_filled
+            self._cache[key] = (dense, filled)
+        if not filled[sizes].all():
+            for mu in np.unique(sizes[~filled[sizes]]).tolist():
+                dense[:, mu] = self.measured_prefix_s(np.array([mu]), part)[:, 0]
+                filled[mu] = True
+        return dense
 
     def measured_rate_prefix_s(self, max_microbatch_size: int) -> np.ndarray:
         """Per kind, :meth:`MeasuredTimes.rate_prefix_s`: prefix sums over layers of a lower
@@ -353,8 +384,9 @@ def stage_compute_s(
     if part not in ("train", "bwd"):
         raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
     kind = prefix.kind_index(state)[devices] if prefix.measured else None
-    some = kind is not None and bool(np.any(kind >= 0))
-    if some and bool(np.all(kind >= 0)):
+    mine = None if kind is None else kind >= 0
+    some = mine is not None and bool(mine.any())
+    if some and bool(mine.all()):
         return _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
     if part == "train":
         flops = prefix.train_flops[ends] - prefix.train_flops[starts]
@@ -368,7 +400,7 @@ def stage_compute_s(
     if not some:
         return out
     measured = _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
-    return np.where(kind >= 0, measured, out)
+    return np.where(mine, measured, out)
 
 
 def _measured_stage_s(
@@ -392,13 +424,20 @@ def _measured_stage_s(
     if mu.size == 1:  # one size (the common case): no per-element size index
         table = prefix.measured_prefix_s(mu.reshape(1), part)[:, 0]  # (N_kinds, L + 1)
         measured = table[q, ends] * scale - table[q, starts] * scale
+        if mu.ndim <= measured.ndim:  # (a size-1 array adds no axis: the shape is final)
+            return measured
+        return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
+    whole = mu.astype(np.int64)
+    if np.array_equal(whole, mu) and whole.min(initial=1) >= 1:
+        # whole sizes (the planner's): the table's row is the size itself
+        which = whole
+        table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)
     else:
-        sizes, which = np.unique(mu, return_inverse=True)
-        which = which.reshape(mu.shape)
+        sizes = np.unique(mu)
+        which = np.searchsorted(sizes, mu)  # (the index of each size in `sizes`, mu's shape)
         table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
-        measured = table[q, which, ends] * scale - table[q, which, starts] * scale
-    shape = np.broadcast_shapes(measured.shape, mu.shape)
-    return measured if measured.shape == shape else np.broadcast_to(measured, shape).copy()
+    # (mu's shape is in the index, so the result has the broadcast shape of all inputs)
+    return table[q, which, ends] * scale - table[q, which, starts] * scale
 
 
 def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
@@ -694,13 +733,11 @@ def flat_sync_bandwidths_bytes_per_s(
     ends = np.asarray(ends, dtype=np.int64)
     # owner_node[g, l]: node of the device of active group g that holds layer l
     owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    # same[l]: all owners of layer l on one node; a stage's owner of l is then on that node
+    # too, so d's layers are all node-local to d's node iff `same` holds on all of them
     same = np.all(owner_node == owner_node[:1], axis=0)
-    # layer_node[l]: the common node of layer l's owners, or -1 when they span nodes
-    layer_node = np.where(same, owner_node[0], -1)
-    local = np.cumsum(owner_node == layer_node[None, :], axis=1)
-    local = np.concatenate((np.zeros((num_active, 1), dtype=local.dtype), local), axis=1)
-    row = np.cumsum(starts == 0) - 1  # the group of each stage
-    all_local = (local[row, ends] - local[row, starts]) == (ends - starts)
+    local = np.concatenate(([0], np.cumsum(same)))
+    all_local = (local[ends] - local[starts]) == (ends - starts)
     return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])
 
 

@@ -4,6 +4,8 @@ plans depend on both."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from hetrain.cluster import cluster_from_dict
 from hetrain.costmodel import (
     TrainingConfig,
     evaluate_plan,
+    flat_sync_bandwidths_bytes_per_s,
     group_fill_and_bottleneck_s,
     group_time_s,
     link_bandwidths_bytes_per_s,
@@ -24,13 +27,14 @@ from hetrain.costmodel import (
 from hetrain.plan import plan_from_dict
 from hetrain.planner.partition import (
     SplitTable,
+    _stage_matrices,
     enumerate_splits,
     envelope_splits,
     envelope_splits_many,
     pareto,
 )
 from hetrain.planner.search import SearchContext
-from hetrain.planner.shares import GroupOptions, ShareProblem, _min_max_step
+from hetrain.planner.shares import GroupOptions, ShareChain, ShareProblem, _min_max_step
 from hetrain.profile import profile_from_dict
 
 
@@ -343,3 +347,183 @@ def test_rate_bound_equals_the_bottleneck_over_every_split(instance, rng, batch)
         best = min(best, worst)
     want = 0.0 if not np.isfinite(best) else 1.0 / max(best, 1e-300)
     assert ctx.rate_bound(tuple(devs)) == want
+
+
+# --- issue 21 (planning time with measured times): the fast paths below against the plain
+# computations they replace
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_masked_skips_the_memory_check_only_where_everything_fits(seed: int) -> None:
+    """:meth:`_StageMatrices.masked` returns the stage matrices unmasked when each stage's
+    largest layer range fits (memory grows with the range): the same arrays as the check over
+    every ``(i, j)`` (``monotone=False``), for ample, tight and too small memory, both
+    schedules and every level; the fast path must be taken in some of them."""
+    rng = np.random.default_rng(seed)
+    fast = 0
+    for _ in range(12):
+        layers = [
+            {"fwd_flops": float(rng.uniform(1e9, 5e10)),
+             "activation_bytes": float(rng.uniform(1e5, 3e7)),
+             "param_bytes": float(rng.uniform(1e6, 6e7)),
+             "frozen_param_bytes": float(rng.choice([0.0, 1e7]))}
+            for _ in range(int(rng.integers(3, 12)))
+        ]  # fmt: skip
+        profile: dict = {"layers": layers}
+        if rng.random() < 0.5:
+            profile["shared"] = [{"name": "tied", "bytes": 3e7, "layers": [0, len(layers) - 1],
+                                  "frozen": bool(rng.random() < 0.5)}]  # fmt: skip
+        devices = [
+            {"id": f"d{i}", "node": "n0", "tflops": float(rng.uniform(1, 50)),
+             "memory_gib": float(rng.choice([0.3, 1.0, 4.0, 64.0])), "nic_gbps": 100}
+            for i in range(4)
+        ]  # fmt: skip
+        state = cluster_from_dict({"devices": devices}).state()
+        prefix = profile_prefix(profile_from_dict(profile).arrays())
+        k = int(rng.integers(1, min(4, len(layers)) + 1))
+        mus = sorted({int(x) for x in rng.integers(1, 40, 4)})
+        schedule = str(rng.choice(["1f1b", "gpipe"]))
+        mats = _stage_matrices(state, prefix, np.arange(k), mus, 2.0, schedule)
+        assert mats.monotone
+        plain = dataclasses.replace(mats, monotone=False)
+        for levels in ([1] * len(mus), [k] * len(mus), list(rng.integers(1, 9, len(mus)))):
+            rows = np.arange(len(mus))
+            for rows_asked in (rows, rows[::2]):
+                lv = np.asarray(levels)[rows_asked]
+                got = mats.masked(lv, rows_asked)
+                want = plain.masked(lv, rows_asked)
+                fast += got[0] is mats.total
+                np.testing.assert_array_equal(got[0], want[0])
+                np.testing.assert_array_equal(got[1], want[1])
+    assert fast > 0
+
+
+def _random_options(rng: np.random.Generator, groups: int) -> list[GroupOptions]:
+    out = []
+    for _ in range(groups):
+        count = int(rng.integers(0, 6)) if rng.random() < 0.1 else int(rng.integers(1, 6))
+        bottleneck = rng.choice([0.25, 0.5, 1.0], count) if rng.random() < 0.3 \
+            else rng.uniform(1e-3, 1.0, count)  # fmt: skip
+        out.append(GroupOptions(
+            rng.integers(1, 30, count), bottleneck * rng.uniform(1.0, 6.0, count), bottleneck,
+            rng.choice([1, 3, 50, 10**9], count), np.zeros((count, 2), np.int64),
+        ))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_share_chain_gives_each_prefix_its_own_solution(seed: int) -> None:
+    """Share problems over prefixes of one ranked list (the search's active prefixes, largest
+    first, then a different list) built through one :class:`ShareChain` (DP states, option
+    arrays sliced from the longest list) equal each problem built alone: LP bound, DP and
+    bisection solutions."""
+    rng = np.random.default_rng(seed)
+    chain = ShareChain()
+    for _ in range(15):
+        batch = int(rng.integers(1, 90))
+        opts = _random_options(rng, int(rng.integers(1, 5)))
+        counts = list(rng.integers(1, 3, len(opts)))
+        sizes = range(sum(counts), 0, -1)
+        for size in rng.permutation(list(sizes)) if rng.random() < 0.3 else sizes:
+            take, left = [], int(size)
+            for o, c in zip(opts, counts, strict=True):
+                if left <= 0:
+                    break
+                take.append((o, min(c, left)))
+                left -= min(c, left)
+            plain = ShareProblem([o for o, _ in take], batch, [m for _, m in take])
+            chained = ShareProblem([o for o, _ in take], batch, [m for _, m in take], chain)
+            assert chained.lp_bound_s() == plain.lp_bound_s()
+            for method in ("_solve_dp", "_solve_bisection"):
+                alone, shared = getattr(plain, method)(), getattr(chained, method)()
+                if alone is None:
+                    assert shared is None
+                    continue
+                assert shared.max_group_time_s == alone.max_group_time_s
+                assert shared.shares.tolist() == alone.shares.tolist()
+                assert shared.option.tolist() == alone.option.tolist()
+                assert shared.group_times_s.tolist() == alone.group_times_s.tolist()
+
+
+def _sync_bandwidths_per_group(state, prefix, devices, starts, ends, num_active):
+    """docs/model.md §3's ``β_d`` by its words: intra-node iff every owner, in every active
+    group, of every layer of ``d`` is on ``d``'s node."""
+    group = np.cumsum(starts == 0) - 1
+    owner = np.full((num_active, prefix.num_layers), -1)
+    for g, d, s, e in zip(group, devices, starts, ends, strict=True):
+        owner[g, s:e] = state.node[d]
+    out = []
+    for d, s, e in zip(devices, starts, ends, strict=True):
+        local = bool(np.all(owner[:, s:e] == state.node[d]))
+        out.append(state.intra_node_bytes_per_s if local else state.nic_bytes_per_s[d])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_sync_bandwidths_equal_the_definition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        num_dev = int(rng.integers(2, 12))
+        devices = [{"id": f"d{i}", "node": f"n{rng.integers(0, 3)}", "tflops": 1.0,
+                    "memory_gib": 16, "nic_gbps": float(rng.choice([1, 10, 25]))}
+                   for i in range(num_dev)]  # fmt: skip
+        state = cluster_from_dict({"devices": devices}).state()
+        num_layers = int(rng.integers(1, 8))
+        prefix = profile_prefix(profile_from_dict(
+            {"layers": [{"fwd_flops": 1e9, "activation_bytes": 1e6, "param_bytes": 1e6}]
+             * num_layers}).arrays())  # fmt: skip
+        order = rng.permutation(num_dev)
+        devs, starts, ends, used, groups = [], [], [], 0, 0
+        while used < num_dev:
+            k = int(rng.integers(1, min(num_layers, num_dev - used) + 1))
+            cuts = np.sort(rng.choice(np.arange(1, num_layers), k - 1, replace=False))
+            bounds = np.concatenate(([0], cuts, [num_layers])).astype(np.int64)
+            devs.extend(order[used : used + k])
+            starts.extend(bounds[:-1])
+            ends.extend(bounds[1:])
+            used += k
+            groups += 1
+        if groups < 2:
+            continue
+        args = (np.array(devs), np.array(starts), np.array(ends))
+        got = flat_sync_bandwidths_bytes_per_s(state, prefix, *args, groups)
+        want = _sync_bandwidths_per_group(state, prefix, *args, groups)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_time_table_equals_time_for_of_every_share(seed: int) -> None:
+    """:meth:`GroupOptions.time_table` (a float ceil over a ``(B + 1, P)`` array) gives, for
+    every share ``b``, :meth:`GroupOptions.time_for`'s time and first best option."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        (opts,) = _random_options(rng, 1)
+        batch = int(rng.integers(0, 300))
+        times, best = opts.time_table(batch)
+        for b in range(batch + 1):
+            t, p = opts.time_for(b)
+            assert times[b] == t
+            if np.isfinite(t) and b > 0:
+                assert best[b] == p
+
+
+def test_measured_stage_times_of_no_splits() -> None:
+    """A split table without rows (a μ per row, none): stage times of shape ``(0, K)`` also
+    for devices with measured times (the whole-size table path with nothing to look up)."""
+    layers = [{"fwd_flops": 1e9, "activation_bytes": 1e6, "param_bytes": 1e6}] * 3
+    measured = {"ka": {"microbatch_sizes": [1, 4], "fwd_s": [[1e-3] * 3, [3e-3] * 3],
+                       "bwd_s": [[2e-3] * 3, [6e-3] * 3]}}  # fmt: skip
+    arrays = profile_from_dict({"layers": layers, "measured_times": measured}).arrays()
+    devices = [{"id": f"ka-{i}", "tflops": 1.0, "memory_gib": 16, "nic_gbps": 10}
+               for i in range(2)]  # fmt: skip
+    state = cluster_from_dict({"devices": devices}).state()
+    prefix = profile_prefix(arrays)
+    bounds = np.zeros((0, 3), dtype=np.int64)
+    mus = np.zeros((0, 1), dtype=np.int64)
+    out = stage_compute_s(state, prefix, np.arange(2), bounds[:, :-1], bounds[:, 1:], mus)
+    assert out.shape == (0, 2)
+    one = stage_compute_s(state, prefix, np.arange(2), np.array([[0, 1]]), np.array([[1, 3]]),
+                          np.array([[3]]))  # fmt: skip
+    # μ = 3 between the measured 1 and 4: 1e-3 + 2/3 · 2e-3 forward, 2e-3 + 2/3 · 4e-3
+    # backward, 7e-3 s per layer
+    np.testing.assert_allclose(one, [[7e-3, 14e-3]], rtol=1e-12)

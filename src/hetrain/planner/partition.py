@@ -189,24 +189,32 @@ STAGE_MATRIX_ELEMENTS = 1 << 18
 class _StageMatrices:
     """Per micro-batch size ``u`` and stage ``k`` over ``(i, j)`` (stage = layers ``[i, j)``),
     shape ``(U, K, L + 1, L + 1)``: ``total`` = ``C_k + E_k``, ``worst`` = ``max(C_k, E_k)``
-    (meaningful where ``position``, shape ``(K, L + 1, L + 1)``, is true); the memory terms
-    ``fixed`` (``θ' (2 + o) + φ``, bytes, shape ``(1, L + 1, L + 1)``) and ``per_alive``
-    (``μ Σ m``, bytes per micro-batch held alive, shape ``(U, 1, L + 1, L + 1)``), with
-    ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``)."""
+    where stage ``k`` can hold ``[i, j)`` (:func:`_stage_positions`), inf elsewhere; the
+    memory terms ``fixed`` (``θ' (2 + o) + φ``, bytes, shape ``(1, L + 1, L + 1)``) and
+    ``per_alive`` (``μ Σ m``, bytes per micro-batch held alive, shape
+    ``(U, 1, L + 1, L + 1)``), with ``limit`` ``M_{d_k}`` (shape ``(K, 1, 1)``).
+    ``monotone``: both memory terms grow with the layer range (no negative bytes in the
+    profile), so each stage's largest range needs the most memory."""
 
     total: np.ndarray
     worst: np.ndarray
-    position: np.ndarray
     fixed: np.ndarray
     per_alive: np.ndarray
     limit: np.ndarray
     schedule: str
+    monotone: bool
 
     def masked(self, levels: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(total, worst)`` of the micro-batch sizes ``rows`` (shape ``(R,)``), shape
         ``(R, K, L + 1, L + 1)``, with stages that do not fit ``levels[r]`` micro-batches set to
-        inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe)."""
-        k_stages = self.total.shape[1]
+        inf (``h_k = min(n, K − k + 1)`` under 1F1B, ``n`` under GPipe). The result may be
+        ``total`` / ``worst`` themselves (when every row is asked for and every range fits):
+        callers must not write into it.
+
+        When ``monotone`` and each stage's largest range ``[k, L − (K − 1 − k))`` fits (the
+        same sum and comparison as the full check, on one entry per row and stage), every
+        range fits and the memory check over all ``(i, j)`` is skipped: the same arrays."""
+        k_stages, n1 = self.total.shape[1], self.total.shape[2]
         n_d = np.maximum(np.asarray(levels, dtype=np.int64), 1)[:, None, None, None]
         if self.schedule == "gpipe":
             alive = np.broadcast_to(n_d, (len(n_d), k_stages, 1, 1))
@@ -215,10 +223,16 @@ class _StageMatrices:
         alive = alive.astype(float)  # (small integers: exact; no casting in the product)
         every = len(rows) == len(self.total) and np.array_equal(rows, np.arange(len(rows)))
         per_alive = self.per_alive if every else self.per_alive[rows]
-        ok = self.fixed + alive * per_alive <= self.limit
-        ok &= self.position
         total = self.total if every else self.total[rows]
         worst = self.worst if every else self.worst[rows]
+        if self.monotone:
+            first = np.arange(k_stages)
+            last = (n1 - 1) - (k_stages - 1 - first)
+            need = (self.fixed[0, first, last][None, :]
+                    + alive[:, :, 0, 0] * per_alive[:, 0, first, last])  # fmt: skip
+            if np.all(need <= self.limit[None, :, 0, 0]):
+                return total, worst
+        ok = self.fixed + alive * per_alive <= self.limit
         return np.where(ok, total, np.inf), np.where(ok, worst, np.inf)
 
 
@@ -234,6 +248,14 @@ def _stage_positions(k_stages: int, num_layers: int) -> np.ndarray:
     ok &= (kk != k_stages - 1) | (j == num_layers)
     ok.flags.writeable = False
     return ok
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_outside(k_stages: int, num_layers: int) -> np.ndarray:
+    """``~`` :func:`_stage_positions` (read-only)."""
+    out = ~_stage_positions(k_stages, num_layers)
+    out.flags.writeable = False
+    return out
 
 
 def _stage_matrices(
@@ -257,10 +279,16 @@ def _stage_matrices(
         idx = np.arange(num_layers + 1)
         fixed = prefix.fixed_memory_bytes(idx[:, None], idx[None, :], optimizer_state_factor)[None]
         act = (prefix.act_mem_bytes[None, :] - prefix.act_mem_bytes[:, None])[None]
-        base = (fixed, act)
+        monotone = bool(
+            np.all(np.diff(prefix.param_bytes) >= 0)
+            and np.all(np.diff(prefix.frozen_bytes) >= 0)
+            and np.all(np.diff(prefix.act_mem_bytes) >= 0)
+            and np.all(prefix.shared_bytes >= 0)
+        )
+        base = (fixed, act, monotone)
         if cache is not None:
             cache[key] = base
-    fixed, act = base
+    fixed, act, monotone = base
     idx = np.arange(num_layers + 1)
     # (U, 1, 1, 1); integers as floats: exact, and no casting in the products
     mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
@@ -284,16 +312,21 @@ def _stage_matrices(
         worst = np.maximum(compute, transfer, out=compute)
     else:
         total = worst = compute
+    # entries where stage k cannot hold [i, j): inf (in place; total and worst are new arrays)
+    outside = _stage_outside(k_stages, num_layers)
+    np.copyto(total, np.inf, where=outside)
+    if worst is not total:
+        np.copyto(worst, np.inf, where=outside)
     # (alive * mu) * act in the cost model; here alive * (mu * act): equal up to rounding,
     # and every split found is re-checked exactly by split_table
     return _StageMatrices(
         total=total,
         worst=worst,
-        position=_stage_positions(k_stages, num_layers),
         fixed=fixed,
         per_alive=mu * act,
         limit=state.memory_bytes[devices][:, None, None],
         schedule=schedule,
+        monotone=monotone,
     )
 
 
@@ -447,12 +480,22 @@ def envelope_splits_many(
         return [none_fit(mu) for mu in mus]
     # (a lower bound on the memory every split needs: shared tensors counted once)
     params = prefix.total_fixed_memory_bytes(optimizer_state_factor)
-    if params > float(np.sum(state.memory_bytes[devices])):
+    memory = float(np.sum(state.memory_bytes[devices]))
+    if params > memory:
         return [none_fit(mu) for mu in mus]
     out: list[SplitTable | None] = [None] * len(mus)
+    if np.all(np.diff(prefix.act_mem_bytes) >= 0):
+        # every stage holds at least one micro-batch of its layers' activations, so a split
+        # that fits needs at least params + μ Σ m bytes on the group's devices (a relative
+        # 1e-9 above, for the rounding of the per-stage sums): the μ above have no split
+        act_total = float(prefix.act_mem_bytes[-1])
+        for u, mu in enumerate(mus):
+            if params + mu * act_total > memory * (1.0 + 1e-9):
+                out[u] = none_fit(mu)
+    live = [u for u in range(len(mus)) if out[u] is None]
     step = max(1, STAGE_MATRIX_ELEMENTS // (k_stages * (num_layers + 1) ** 2))
-    for c0 in range(0, len(mus), step):
-        chunk = list(range(c0, min(len(mus), c0 + step)))
+    for c0 in range(0, len(live), step):
+        chunk = live[c0 : c0 + step]
         mats = _stage_matrices(state, prefix, devices, [mus[u] for u in chunk],
                                optimizer_state_factor, schedule, cache)  # fmt: skip
         count = len(chunk)
@@ -480,6 +523,8 @@ def envelope_splits_many(
             b2 = _least_bottleneck(m2)
             for p, row in enumerate(rows_p):
                 if np.isfinite(b2[p]):
+                    if sums is mats.total or maxes is mats.worst:  # (never write into them)
+                        sums, maxes = sums.copy(), maxes.copy()
                     sums[row], maxes[row], beta_star[row] = s2[p], m2[p], b2[p]
                     del ladders[int(row)]
                 elif not ladders[int(row)]:

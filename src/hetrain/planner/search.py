@@ -70,7 +70,7 @@ from hetrain.planner.partition import (
     split_rows,
     split_table,
 )
-from hetrain.planner.shares import GroupOptions, ShareProblem, ShareSolution
+from hetrain.planner.shares import GroupOptions, ShareChain, ShareProblem, ShareSolution
 from hetrain.profile import ProfileArrays
 
 EXHAUSTIVE_MAX_DEVICES = 4
@@ -170,6 +170,18 @@ class SearchContext:
                 else ()
             )
             out = self.option_cache[key] = (per, links)
+        return out
+
+    def signature_id(self, devices: np.ndarray) -> int:
+        """A small integer per distinct :meth:`signature` (equal signatures, equal ids), for
+        cache and dict keys (hashing an int instead of the nested tuple). Cached per device
+        sequence."""
+        devices = np.asarray(devices, dtype=np.int64)
+        key = ("signature-id", devices.tobytes())
+        out = self.option_cache.get(key)
+        if out is None:
+            ids = self.option_cache.setdefault("signature-ids", {})
+            out = self.option_cache[key] = ids.setdefault(self.signature(devices), len(ids))
         return out
 
     def approx_signature(self, devices: np.ndarray) -> tuple:
@@ -278,7 +290,7 @@ class SearchContext:
         """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
         :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
         ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
-        sig = self.signature(devices)
+        sig = self.signature_id(devices)
         fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
         mus = [int(mu) for mu in mus]
         cache = self.option_cache
@@ -894,7 +906,7 @@ def solve_structure(
     entries: dict[tuple, list[int]] = {}
     for g, devs in enumerate(garr):
         fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
-        entries.setdefault((ctx.signature(devs), fk), []).append(g)
+        entries.setdefault((ctx.signature_id(devs), fk), []).append(g)
     keys = list(entries)
     if best is not None:
         # no μ, split or share of these groups (nor of any subset of them kept active) takes
@@ -948,8 +960,9 @@ def solve_structure(
         return best
     # this structure's own solution (pruned only against a loose bound), then refined
     bound = None if best is None else best.objective * 1.5
+    chain = ShareChain()  # (the refined pass keeps the time tables of unchanged entries)
     cand = _solve_entries(ctx, garr, entries, keys, opts, feasible, None, bound, quick,
-                          all_active)  # fmt: skip
+                          all_active, chain)  # fmt: skip
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
@@ -976,7 +989,7 @@ def solve_structure(
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
         cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
-                              all_active)  # fmt: skip
+                              all_active, chain)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
@@ -1044,11 +1057,13 @@ def _solve_entries(
     bound: float | None = None,
     quick: bool = False,
     all_active: bool = False,
+    chain: ShareChain | None = None,
 ) -> Candidate | None:
     """Best solution over active prefixes (ranked entries) that beats ``best`` (returned
     otherwise); prefixes whose lower bounds reach ``bound`` (or ``best``) are skipped.
     ``all_active``: only the whole structure (the share solver may still idle groups; the
-    structure search enumerates the smaller structures itself)."""
+    structure search enumerates the smaller structures itself). ``chain``: the share DP's
+    states and time tables (:class:`ShareChain`), shared with the caller's other calls."""
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
@@ -1076,6 +1091,7 @@ def _solve_entries(
                        reverse=True)  # fmt: skip
     speeds = ctx.bound_speed
     stacks: dict[int, np.ndarray] = {}
+    chain = chain if chain is not None else ShareChain()  # (shared by the prefixes)
     for size in sizes:
         # the first `size` members in ranked order
         take, left = [], size
@@ -1093,7 +1109,8 @@ def _solve_entries(
         )
         if t_floor * ctx.weight(used) >= limit:
             continue
-        problem = ShareProblem([opts[i] for i, _ in take], ctx.batch, [m for _, m in take])
+        problem = ShareProblem([opts[i] for i, _ in take], ctx.batch, [m for _, m in take],
+                               chain)  # fmt: skip
         if np.isfinite(limit) and problem.lp_bound_s() * ctx.weight(used) >= limit:
             continue
         sol = problem.solve()
@@ -1182,12 +1199,12 @@ def _score_entries(
     groups, bounds, mus = [], [], []
     for (i, members), (_, _, sl) in zip(blocks, parts, strict=True):
         o = opts[i]
-        for g, share, p in zip(members, shares[sl], option[sl], strict=True):
-            if share > 0:
-                groups.append(garr[g])
-                bounds.append(o.bounds[p])
-                mus.append(int(o.microbatch_size[p]))
-    return Candidate(obj, t, groups, bounds, mus, [int(b) for b in shares[shares > 0]])
+        act = np.flatnonzero(shares[sl] > 0)
+        chosen = option[sl][act]
+        groups.extend(garr[members[k]] for k in act.tolist())
+        bounds.extend(o.bounds[chosen])
+        mus.extend(o.microbatch_size[chosen].tolist())
+    return Candidate(obj, t, groups, bounds, mus, shares[shares > 0].tolist())
 
 
 def pruned_search(
@@ -1238,7 +1255,7 @@ def _structure_moves(
     num_layers = ctx.prefix.num_layers
     classes: dict[tuple, list[int]] = {}
     for g, devs in enumerate(groups):
-        classes.setdefault(ctx.signature(np.asarray(devs, dtype=np.int64)), []).append(g)
+        classes.setdefault(ctx.signature_id(np.asarray(devs, dtype=np.int64)), []).append(g)
     members = list(classes.values())
 
     def rebuild(changed: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, ...]]:

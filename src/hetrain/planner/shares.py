@@ -91,11 +91,13 @@ class GroupOptions:
             t = np.full(batch + 1, np.inf)
             t[0] = 0.0
             return t, np.full(batch + 1, -1)
-        n = -(-b[None, :] // self.microbatch_size[:, None])
-        t = self.fill_s[:, None] + (n - 1) * self.bottleneck_s[:, None]
-        t = np.where(n <= self.max_microbatches[:, None], t, np.inf)
-        p = np.argmin(t, axis=0)
-        best = t[p, b]
+        # (B + 1, P): ceil(b / μ) by a float division (exact: b / μ is an integer or at least
+        # 1/μ from one, far above the rounding error while B < 2^40), the argmin along rows
+        n = np.ceil(b[:, None] / self.microbatch_size.astype(float))
+        t = self.fill_s + (n - 1.0) * self.bottleneck_s
+        np.copyto(t, np.inf, where=n > self.max_microbatches)
+        p = np.argmin(t, axis=1)
+        best = t[b, p]
         best[0] = 0.0
         p[0] = -1
         return best, p
@@ -134,6 +136,118 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return np.where(use_left, left, right), np.where(use_left, first_left, x0)
 
 
+def _option_arrays(groups: Sequence[GroupOptions], batch: int) -> dict:
+    """The options of ``groups`` laid end to end (groups with options only): ``mu`` (float),
+    ``fill``, ``bottleneck`` (at least 1e-300), ``nmax`` (at most ``ceil(B / μ)``, float),
+    shape ``(P,)``; ``starts`` (each such group's first option), ``nonempty`` (per group),
+    ``sizes`` (options per group)."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    nonempty = sizes > 0
+    live = [g for g in groups if len(g)]
+    out = {"groups": list(groups), "batch": int(batch), "sizes": sizes, "nonempty": nonempty,
+           "starts": np.concatenate(([0], np.cumsum(sizes[nonempty])[:-1]))}  # fmt: skip
+    if live:
+        mu = np.concatenate([g.microbatch_size for g in live]).astype(float)
+        nmax = np.concatenate([g.max_microbatches for g in live])
+        out["mu"] = mu
+        out["fill"] = np.concatenate([g.fill_s for g in live])
+        out["bottleneck"] = np.maximum(np.concatenate([g.bottleneck_s for g in live]), 1e-300)
+        # no group ever needs more than ceil(B / μ) micro-batches
+        out["nmax"] = np.minimum(nmax, -(-int(batch) // mu)).astype(float)
+    else:
+        out["mu"] = out["fill"] = out["bottleneck"] = out["nmax"] = np.zeros(0)
+    return out
+
+
+def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...]:
+    """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
+    ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches),
+    padded with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    width = max(int(sizes.max(initial=0)), 1)
+    rows = np.repeat(np.arange(len(groups)), sizes)
+    cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    mu_type = np.result_type(np.int64, *[g.microbatch_size for g in groups])
+    arrays = []
+    for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
+                             ("bottleneck_s", 0.0, float),
+                             ("max_microbatches", -1.0, float)):  # fmt: skip
+        out = np.full((len(groups), width), pad, dtype=dtype)
+        if len(rows):
+            out[rows, cols] = np.concatenate([getattr(g, name) for g in groups])
+        arrays.append(out)
+    return tuple(arrays)
+
+
+class ShareChain:
+    """The share DP's states along one sequence of group options, kept for the next problem
+    whose members start with the same options (the same objects): the search solves the
+    prefixes of one ranked list of groups (all of them, then without the last, ...), and the
+    DP over members ``1..m`` is the first ``m − 1`` steps of the DP over more members. The
+    states are those of the DP run on the problem alone (the same steps on the same tables),
+    so solutions are identical; one chain per ranked list (and per batch ``B``)."""
+
+    def __init__(self) -> None:
+        self._members: list[GroupOptions] = []  # the options of member k (chain order)
+        self._best: list[np.ndarray] = []  # DP value after members 0..k, shape (B + 1,)
+        self._choices: list[np.ndarray] = []  # first x reaching it at step k (k ≥ 1)
+        self._tables: dict[int, tuple[GroupOptions, np.ndarray]] = {}  # id → T_g(b) table
+        self._batch: int | None = None
+        self._arrays: dict | None = None  # _option_arrays of the longest list asked for
+
+    def option_arrays(self, groups: Sequence[GroupOptions], batch: int) -> dict:
+        """:func:`_option_arrays` (with ``"time"``: :func:`_padded_time_arrays`) of
+        ``groups``: a slice of those of the last list asked for when ``groups`` starts it
+        (the same objects; the options of the first groups are the first entries, padding
+        columns never win), else computed and kept."""
+        full = self._arrays
+        count = len(groups)
+        if (full is None or full["batch"] != batch or len(full["groups"]) < count
+                or any(a is not b for a, b in zip(full["groups"][:count], groups, strict=True))
+                ):  # fmt: skip
+            full = self._arrays = _option_arrays(groups, batch)
+            full["time"] = _padded_time_arrays(groups)
+        if len(full["groups"]) == count:
+            return full
+        nonempty = full["nonempty"][:count]
+        total = int(full["sizes"][:count].sum())
+        out = {"nonempty": nonempty, "starts": full["starts"][: int(nonempty.sum())]}
+        for name in ("mu", "fill", "bottleneck", "nmax"):
+            out[name] = full[name][:total]
+        out["time"] = tuple(a[:count] for a in full["time"])
+        return out
+
+    def _table(self, options: GroupOptions, batch: int) -> np.ndarray:
+        found = self._tables.get(id(options))
+        if found is None or found[0] is not options:
+            found = (options, options.time_table(batch)[0])
+            self._tables[id(options)] = found
+        return found[1]
+
+    def run(self, members: Sequence[GroupOptions], batch: int
+            ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        """``(h, choices)``: the min-max DP value over ``members`` (shape ``(B + 1,)``) and the
+        first ``x`` reaching it at each step ``1..m − 1`` (:func:`_min_max_step`)."""
+        if batch != self._batch:
+            self.__init__()
+            self._batch = batch
+        common = 0
+        while (common < min(len(members), len(self._members))
+               and self._members[common] is members[common]):  # fmt: skip
+            common += 1
+        del self._members[common:], self._best[common:], self._choices[max(common - 1, 0) :]
+        for k in range(common, len(members)):
+            table = self._table(members[k], batch)
+            if k == 0:
+                self._best.append(table)
+            else:
+                value, arg = _min_max_step(self._best[k - 1], table)
+                self._best.append(value)
+                self._choices.append(arg)
+            self._members.append(members[k])
+        return self._best[len(members) - 1], self._choices[: len(members) - 1]
+
+
 @dataclass(frozen=True)
 class ShareSolution:
     """``max_group_time_s`` = ``max_g T_g``; ``shares`` ``b_g`` and chosen ``option`` index per
@@ -159,38 +273,41 @@ class ShareProblem:
         groups: Sequence[GroupOptions],
         batch: int,
         counts: Sequence[int] | np.ndarray | None = None,
+        chain: ShareChain | None = None,
     ) -> None:
         self.groups = list(groups)
         self.batch = int(batch)
+        self.chain = chain
         self.counts = (
             np.ones(len(self.groups), dtype=np.int64)
             if counts is None
             else np.asarray(counts, dtype=np.int64)
         )
-        sizes = np.array([len(g) for g in self.groups], dtype=np.int64)
-        self._nonempty = sizes > 0
-        live = [g for g in self.groups if len(g)]
-        self._starts = np.concatenate(([0], np.cumsum(sizes[self._nonempty])[:-1]))
-        if live:
-            self._mu = np.concatenate([g.microbatch_size for g in live]).astype(float)
-            self._fill = np.concatenate([g.fill_s for g in live])
-            self._bottleneck = np.maximum(np.concatenate([g.bottleneck_s for g in live]), 1e-300)
-            nmax = np.concatenate([g.max_microbatches for g in live])
-            # no group ever needs more than ceil(B / μ) micro-batches
-            self._nmax = np.minimum(nmax, -(-self.batch // self._mu)).astype(float)
-        else:
-            self._mu = self._fill = self._bottleneck = self._nmax = np.zeros(0)
+        arrays = (
+            _option_arrays(self.groups, self.batch)
+            if chain is None
+            else chain.option_arrays(self.groups, self.batch)
+        )
+        self._nonempty = arrays["nonempty"]
+        self._every_group_has_options = bool(self._nonempty.all())
+        self._starts = arrays["starts"]
+        self._mu, self._fill = arrays["mu"], arrays["fill"]
+        self._bottleneck, self._nmax = arrays["bottleneck"], arrays["nmax"]
+        self._time_padded = arrays.get("time")
 
     # -- capacities -----------------------------------------------------------------------
     def capacity(self, time_s: float) -> np.ndarray:
         """``cap_g(T)`` samples per group, shape ``(G,)`` (capped at ``B``)."""
-        out = np.zeros(len(self.groups))
         if not len(self._mu):
-            return out
+            return np.zeros(len(self.groups))
         n = np.floor((time_s - self._fill) / self._bottleneck) + 1.0
         n = np.maximum(np.minimum(n, self._nmax), 0.0)
         per_option = self._mu * n
-        out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
+        if self._every_group_has_options:
+            out = np.maximum.reduceat(per_option, self._starts)
+        else:
+            out = np.zeros(len(self.groups))
+            out[self._nonempty] = np.maximum.reduceat(per_option, self._starts)
         return np.minimum(out, self.batch)
 
     def total_capacity(self, time_s: float) -> float:
@@ -270,17 +387,13 @@ class ShareProblem:
 
     def _solve_dp(self) -> ShareSolution | None:
         b_total = self.batch
-        # (members of one entry share their table)
-        per_entry = [g.time_table(b_total)[0] for g in self.groups]
-        tables = [per_entry[e] for e, c in enumerate(self.counts) for _ in range(c)]
-        best = tables[0]
-        choices = []
-        for t in tables[1:]:
-            best, arg = _min_max_step(best, t)
-            choices.append(arg)
+        members = [g for g, c in zip(self.groups, self.counts, strict=True) for _ in range(c)]
+        chain = self.chain if self.chain is not None else ShareChain()
+        best, choices = chain.run(members, b_total)
+        g_count = len(members)
         if not np.isfinite(best[b_total]):
             return None
-        shares = np.zeros(g_count := len(tables), dtype=np.int64)
+        shares = np.zeros(g_count, dtype=np.int64)
         left = b_total
         for g in range(g_count - 1, 0, -1):
             x = int(choices[g - 1][left])
@@ -293,10 +406,10 @@ class ShareProblem:
         b_total = self.batch
         if not len(self._mu):
             return None
-        hi = np.inf
-        for g in self.groups:
-            t, _ = g.time_for(b_total)
-            hi = min(hi, t)
+        # the least GroupOptions.time_for(B) over the groups, every option at once
+        mu, fill, bottleneck, nmax = self._time_arrays()
+        n = -(-b_total // mu)
+        hi = float(np.min(np.where(n <= nmax, fill + (n - 1) * bottleneck, np.inf)))
         # (nudged: the floor in `capacity` must not lose the breakpoint to rounding)
         hi = hi * (1 + 1e-9) if np.isfinite(hi) else max(float(np.max(self._fill)), 1e-12)
         for _ in range(200):
@@ -326,6 +439,12 @@ class ShareProblem:
             excess -= take
         return self._finish(cap)
 
+    def _time_arrays(self) -> tuple[np.ndarray, ...]:
+        """:func:`_padded_time_arrays` of the groups (the chain's, when it has them)."""
+        if self._time_padded is None:
+            self._time_padded = _padded_time_arrays(self.groups)
+        return self._time_padded
+
     def _snap(self, lo: float, hi: float) -> float:
         """The least staircase breakpoint ``A_p + j M_p`` in ``(lo, hi]`` at which the
         capacities suffice (``hi`` is feasible, ``lo`` is not), nudged up by 1e-12 relative so
@@ -347,13 +466,21 @@ class ShareProblem:
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
         entry = np.repeat(np.arange(len(self.groups)), self.counts)
-        # one GroupOptions.time_for per distinct (entry, share) pair
+        # GroupOptions.time_for of each distinct (entry, share) pair, all pairs in one pass
+        # over the options padded to (G, P_max) (padding never fits: n_max = -1, so it is
+        # inf and after every option, and argmin keeps time_for's first index)
         width = self.batch + 1
         pairs, which = np.unique(entry * width + np.asarray(shares, dtype=np.int64),
                                  return_inverse=True)  # fmt: skip
-        found = [self.groups[key // width].time_for(key % width) for key in pairs.tolist()]
-        times = np.array([t for t, _ in found], dtype=float)[which.ravel()]
-        option = np.array([p for _, p in found], dtype=np.int64)[which.ravel()]
+        e, b = pairs // width, pairs % width
+        mu, fill, bottleneck, nmax = self._time_arrays()
+        n = -(-b[:, None] // mu[e])
+        t = np.where(n <= nmax[e], fill[e] + (n - 1) * bottleneck[e], np.inf)
+        p = np.argmin(t, axis=1)
+        found_t = np.where(b <= 0, 0.0, t[np.arange(len(p)), p])
+        found_p = np.where((b <= 0) | ~np.isfinite(found_t), -1, p)
+        times = found_t[which.ravel()]
+        option = found_p[which.ravel()]
         if not np.all(np.isfinite(times)):
             return None
         return ShareSolution(float(times.max(initial=0.0)), shares, option, times)
