@@ -205,10 +205,10 @@ def run_hetrain(
     job = dataclasses.replace(job, controller_endpoint=controller.endpoint)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_hetrain_rank, args=(r, f"{tmpdir}/store-{slow}", job, out))
-        for r in range(WORLD)
-    ]
+    # a new store file per run: a repeat that found the last run's file connected to its
+    # ranks' closed ports (gloo "Connection refused", then a hang)
+    store = tempfile.mkdtemp(dir=tmpdir) + "/store"
+    procs = [ctx.Process(target=_hetrain_rank, args=(r, store, job, out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     summary = out.get(timeout=600)
