@@ -189,3 +189,38 @@ def test_train_checkpoints_are_checksummed(tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch") as info:
         ckpt.load_latest(tmp_path)
     assert str(info.value).startswith(str(data))
+
+
+@pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+def test_a_staged_controller_state_removed_before_the_copy_leaves_it_out(tmp_path):
+    """The controller process clears the states staged before its round starts; a checkpoint
+    whose staged state went that way is written without controller state (it failed the run:
+    'cannot write: No such file or directory')."""
+    from hetrain.runtime import checkpoint as ckpt
+
+    gone = tmp_path / ".controller" / "state-00000003.json"
+    manifest = {"data_position": 24, "plan": PLAN, "model_fingerprint": FP}
+    path = ckpt.save(tmp_path / "ck", 6, _state(6, 10), manifest, controller_state=gone)
+    info = ckpt.load_latest(tmp_path / "ck")
+    assert info is not None and info.step == 6 and path.name == "step-000006"
+    assert info.manifest["controller"] is None
+    assert not (path / ckpt.CONTROLLER_FILE).exists()
+
+
+def test_a_resumed_round_never_checkpoints_a_state_staged_before_it(tmp_path):
+    """At the last step the trainer takes the newest staged controller state of this round
+    (above its first step), never one the round before the resume staged."""
+    from types import SimpleNamespace
+
+    from hetrain.runtime.adapt import controller_state_path
+    from hetrain.runtime.trainer import _staged_controller_state
+
+    job = SimpleNamespace(checkpoint_dir=tmp_path)
+    old = controller_state_path(tmp_path, 3)
+    old.parent.mkdir(parents=True)
+    old.write_text("{}")
+    assert _staged_controller_state(job, 6, True, after=4) is None
+    assert _staged_controller_state(job, 6, True) == old  # a round from step 0
+    mine = controller_state_path(tmp_path, 5)
+    mine.write_text("{}")
+    assert _staged_controller_state(job, 6, True, after=4) == mine

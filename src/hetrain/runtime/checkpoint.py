@@ -241,7 +241,8 @@ def save(
         controller_state: rank 0: the controller's staged JSON state
             (:func:`hetrain.runtime.adapt.controller_state_path`), copied into the checkpoint
             as :data:`CONTROLLER_FILE` (checksummed like every file; manifest
-            ``"controller"``); None: the checkpoint has no controller state.
+            ``"controller"``); None, or a file the controller process removed before the copy:
+            the checkpoint has no controller state.
 
     Raises:
         ValueError: ``keep < 1``.
@@ -295,8 +296,14 @@ def save(
         try:
             extra: dict[str, Any] = {"controller": None}
             if controller_state is not None:
-                shutil.copyfile(controller_state, tmp / CONTROLLER_FILE)
-                extra["controller"] = CONTROLLER_FILE
+                try:
+                    shutil.copyfile(controller_state, tmp / CONTROLLER_FILE)
+                    extra["controller"] = CONTROLLER_FILE
+                except FileNotFoundError:
+                    # the controller process removed the staged file (a new round clears the
+                    # states staged before it): a checkpoint without controller state, as
+                    # when none was staged
+                    pass
             data = {
                 "format": FORMAT,
                 "step": int(step),

@@ -353,7 +353,7 @@ class Trainer(TrainerSetup):
                 },
                 keep=job.checkpoint_keep,
                 controller_state=_staged_controller_state(
-                    job, step + 1, stopping or step + 1 == job.steps
+                    job, step + 1, stopping or step + 1 == job.steps, after=self.start_step
                 )
                 if self.lead and self.link is not None
                 else None,
@@ -419,11 +419,13 @@ class Trainer(TrainerSetup):
         return summary
 
 
-def _staged_controller_state(job: Any, step: int, no_wait: bool) -> Path | None:
+def _staged_controller_state(job: Any, step: int, no_wait: bool, *, after: int = 0) -> Path | None:
     """The controller's staged state for the checkpoint of ``step`` (rank 0): that step's,
     waited for up to :data:`CONTROLLER_STATE_WAIT_S` at a periodic checkpoint; at a stop or
     the last step (``no_wait``: their last measurements are never posted) or when it does not
-    come, the newest staged state of an earlier step; None when there is none."""
+    come, the newest staged state of an earlier step of this round (a step above ``after``,
+    the round's first step: a state staged by the round before a resume is stale, and the
+    controller deletes it when this round starts); None when there is none."""
     from hetrain.runtime.adapt import controller_state_path
 
     exact = controller_state_path(job.checkpoint_dir, step)
@@ -436,7 +438,7 @@ def _staged_controller_state(job: Any, step: int, no_wait: bool) -> Path | None:
     found = []
     for p in exact.parent.glob("state-*.json"):
         digits = p.stem.split("-", 1)[1]
-        if digits.isdigit() and int(digits) <= step:
+        if digits.isdigit() and after < int(digits) <= step:
             found.append((int(digits), p))
     return max(found)[1] if found else None
 
