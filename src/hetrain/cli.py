@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from hetrain.errors import InputError
+from hetrain.errors import InputError, RunComplete
 
 app = typer.Typer(
     name="hetrain",
@@ -500,6 +500,9 @@ def _run_app(args: list[str]) -> int:
     except InputError as exc:
         print(f"hetrain: error: {exc}", file=sys.stderr)
         return 2
+    except RunComplete as exc:
+        print(f"hetrain: {exc}", file=sys.stderr)
+        return 0
     except typer.Exit as exc:
         return int(exc.exit_code or 0)
     except typer.Abort:

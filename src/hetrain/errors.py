@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 
+class RunComplete(Exception):
+    """An elastic restart round of a run whose latest checkpoint is already at its last step
+    (a device joined as the run ended): nothing is left to train, which is success. The
+    message is the one console line."""
+
+
 class InputError(ValueError):
     """Bad user input (a file, a field, a command-line value).
 

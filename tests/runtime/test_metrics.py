@@ -48,3 +48,24 @@ def test_every_jsonl_reader_is_the_one_reader(tmp_path):
     assert run_report.read_metrics(path) == read_jsonl(path) == [step]
     assert run_report.summarize(run_report.read_metrics(path))["steps"] == 1
     assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_an_elastic_restart_after_the_last_step_ends_as_success(tmp_path, capsys, monkeypatch):
+    """A device that joins as the run ends starts one more elastic round (restart count > 0)
+    on a checkpoint already at the last step: that round ends with exit 0 and one line (it
+    failed every rank with exit 2, 'nothing left to train', and the agents with exit 1); a
+    plain rerun of a finished run stays bad input."""
+    run = ["train", "--example", "digits", "--workers", "2", "--no-progress", "--no-report"]
+    args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    args += ["--run-dir", str(tmp_path / "run"), "--steps", "4"]
+    assert main([*run, *args]) == 0
+    capsys.readouterr()
+    assert main([*run, *args]) == 2
+    assert "nothing left to train" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert main([*run, *args]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"hetrain: the run is complete: the latest checkpoint {tmp_path / 'ckpt' / 'step-000004'}"
+        " is at step 4 of 4 (an elastic restart after the last step)"
+    )

@@ -7,11 +7,12 @@ one-line :class:`~hetrain.errors.InputError` naming the option.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hetrain.errors import InputError
+from hetrain.errors import InputError, RunComplete
 from hetrain.runtime.config import RunConfig
 
 
@@ -141,6 +142,8 @@ def check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
 
     Raises:
         InputError: one line naming the folder or the checkpoint file.
+        RunComplete: an elastic restart round (``TORCHELASTIC_RESTART_COUNT`` > 0) whose
+            latest checkpoint is at ``steps``: the run ended before the round (success).
     """
     from hetrain.runtime import checkpoint as ckpt
 
@@ -154,6 +157,12 @@ def check_checkpoint_dir(path: Path, chain: Any, steps: int) -> None:
                 "model_fingerprint",
                 f"checkpoint of another model ({latest.model_fingerprint}; this model {mine})",
             )
+    restart_round = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if latest is not None and latest.step == steps and restart_round:
+        raise RunComplete(
+            f"the run is complete: the latest checkpoint {latest.path} is at step {steps} of "
+            f"{steps} (an elastic restart after the last step)"
+        )
     if latest is not None and latest.step >= steps:
         raise InputError(
             "--steps",
