@@ -25,6 +25,21 @@ def _llama() -> nn.Module:
     return llama_model("tiny", dropout=0.0, context=SEQ).double()
 
 
+def _middle_stage_outside_calls(model, chain, inputs) -> list:
+    """The modules outside block 1 that run in stage ``[2, 3)`` of ``chain`` (no gradient),
+    fed what stage ``[0, 2)`` sends for ``inputs``."""
+    with torch.no_grad():
+        sent = chain.stage_forward(0, 2, None, inputs)
+    seen, handles = _calls_outside(model, chain.blocks[1])
+    try:
+        with torch.no_grad():
+            chain.stage_forward(2, 3, sent, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
 def _calls_outside(model: nn.Module, block: nn.Module) -> tuple[list[str], list]:
     """Record the names of the modules called outside ``block`` (forward pre-hooks)."""
     inside = {id(m) for m in block.modules()}
@@ -70,16 +85,7 @@ def test_a_middle_stage_of_llama_runs_only_its_block_and_stays_exact():
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     # the embedding, the rotary table, the mask code and the head do not run in stage [2, 3)
-    with torch.no_grad():
-        sent = chain.stage_forward(0, 2, None, x)
-    seen, handles = _calls_outside(model, chain.blocks[1])
-    try:
-        with torch.no_grad():
-            chain.stage_forward(2, 3, sent, x)
-    finally:
-        for h in handles:
-            h.remove()
-    assert seen == []
+    assert _middle_stage_outside_calls(model, chain, x) == []
     for cuts in ([0, 2, 3, 4, chain.num_layers], list(range(chain.num_layers + 1))):
         model.zero_grad(set_to_none=True)
         logits, _ = _run(chain, cuts, x)
@@ -126,16 +132,7 @@ def test_a_padded_micro_batch_after_an_unpadded_recording_runs_the_models_forwar
         torch.testing.assert_close(logits, ref, rtol=1e-12, atol=1e-14)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-12, atol=1e-14, msg=n)
-        with torch.no_grad():
-            first = chain.stage_forward(0, 2, None, inputs)
-        seen, handles = _calls_outside(model, chain.blocks[1])
-        try:
-            with torch.no_grad():
-                chain.stage_forward(2, 3, first, inputs)
-        finally:
-            for h in handles:
-                h.remove()
-        assert (seen == []) == direct
+        assert (_middle_stage_outside_calls(model, chain, inputs) == []) == direct
 
 
 class _Between(nn.Module):
