@@ -13,6 +13,7 @@ Group ``g`` runs a pipeline over ``devices`` in order; device ``k`` holds layers
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -141,6 +142,22 @@ class Plan(BaseModel):
                 "groups[].batch",
                 f"expected shares summing to the global batch {batch}, got {self.global_batch}",
             )
+
+    def with_idle_groups(self, device_ids: Sequence[str]) -> Plan:
+        """This plan with an idle group (``b_g = 0``, the whole model as one stage) for each
+        of ``device_ids`` it does not name: a runtime's first plan must name every rank, and
+        idle groups hold nothing and are sent nothing. The model's layer count is the end of
+        the plan's last stage."""
+        named = set(self.devices)
+        missing = [d for d in device_ids if d not in named]
+        if not missing:
+            return self
+        num_layers = self.groups[0].stages[-1][1]
+        idle = tuple(
+            GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
+            for d in missing
+        )
+        return self.model_copy(update={"groups": (*self.groups, *idle)})
 
     def to_json_dict(self) -> dict[str, Any]:
         """The docs/model.md §7 plan object (stages as lists)."""

@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,23 @@ class Checkpoint:
     plan: Plan
     model_fingerprint: str
     manifest: dict[str, Any]
+
+    def plan_to_resume(self, devices: Sequence[str], batch: int) -> Plan | None:
+        """The checkpoint's plan when a round on ``devices`` with global ``batch`` (samples)
+        can go on with it: the checkpoint was written by a round of the same devices (its
+        manifest's ``devices``; the plan's own where a manifest lacks them) with the same
+        global batch. Where the plan leaves devices of the round out (the controller had moved
+        all work off a straggler), they get idle groups (:meth:`Plan.with_idle_groups`) and stay
+        idle until the controller gives them work again. None otherwise (devices left or
+        joined, another batch): the caller starts afresh."""
+        round_devices = self.manifest.get("devices")
+        if not isinstance(round_devices, list):
+            round_devices = list(self.plan.devices)
+        if set(round_devices) != set(devices) or self.plan.global_batch != batch:
+            return None
+        if not set(self.plan.devices) <= set(devices):
+            return None
+        return self.plan.with_idle_groups(devices)
 
 
 def _rank() -> int:

@@ -220,23 +220,18 @@ def _load_trace(trace: Path, cluster_spec: ClusterSpec | None, device_ids: list[
         ) from None
 
 
-def _idle_ranks_added(plan: Plan, device_ids: Sequence[str], num_layers: int, source: str) -> Plan:
+def _idle_ranks_added(plan: Plan, device_ids: Sequence[str], source: str) -> Plan:
     """``plan`` with an idle group (``b_g = 0``, the whole model as one stage) for each rank's
     device it does not name, as ``hetrain plan`` leaves out a device too slow to help and the
     runtime runs idle groups (they hold nothing and are sent nothing); a warning line names
     them."""
-    from hetrain.plan import GroupPlan
     from hetrain.runtime.startup import warn
 
     missing = [d for d in device_ids if d not in set(plan.devices)]
     if not missing:
         return plan
     warn(f"{source} leaves {', '.join(missing)} out: idle (given no layers and no samples)")
-    idle = tuple(
-        GroupPlan(devices=(d,), stages=((0, num_layers),), microbatch_size=1, batch=0)
-        for d in missing
-    )
-    return plan.model_copy(update={"groups": (*plan.groups, *idle)})
+    return plan.with_idle_groups(device_ids)
 
 
 def build_job(
@@ -342,7 +337,7 @@ def build_job(
     check_outputs(config, model, steps)
     if plan_obj is not None:
         plan_obj.validate_for(device_ids, num_layers, batch, plan_source)
-        plan_obj = _idle_ranks_added(plan_obj, device_ids, num_layers, plan_source)
+        plan_obj = _idle_ranks_added(plan_obj, device_ids, plan_source)
     # re-plan online: by default without a fixed plan (and always only with more than one rank)
     adaptive = config.adaptive if config.adaptive is not None else plan_obj is None
     if config.microbatch_size is not None and plan_obj is not None and not adaptive:

@@ -143,7 +143,7 @@ class TrainerSetup:
         self.elastic_round = bool(os.environ.get("HETRAIN_DEVICE_ID"))
 
     def _first_plan(self, model: torch.nn.Module, startup: contextlib.ExitStack) -> None:
-        """The given plan, else the checkpoint's (same devices and batch), else even data
+        """The given plan, else the checkpoint's (:meth:`Checkpoint.plan_to_resume`), else even data
         parallelism (the controller, in its own process, improves it from measured steps);
         with the start-up measurements of an adaptive run (``base_state``, ``config``). A new
         round (restart, resume) takes a new plan id: one above every id of the run so far."""
@@ -154,13 +154,8 @@ class TrainerSetup:
             x0, _ = job.task.train.batch(self.sampler.indices(self.start_step)[:2])
             self.profile = _profile(self.chain, cast_inputs(x0, torch.float32))
         plan: Plan | None = plan_from_dict(job.plan, "--plan") if job.plan is not None else None
-        if (
-            plan is None
-            and resume is not None
-            and set(resume.plan.devices) == set(job.devices)
-            and resume.plan.global_batch == job.batch
-        ):
-            plan = resume.plan
+        if plan is None and resume is not None:
+            plan = resume.plan_to_resume(job.devices, job.batch)
         if job.adaptive:
             self.base_state, self.profile, self.config = startup_measurements(
                 job, model, self.chain, self.profile, self.config, self.sampler, self.start_step,
