@@ -114,6 +114,7 @@ class PlanController:
             [float(v) for v in base_state.speed_flops],
             [float(k) for k in base_state.kappa_s],
             layer_overhead_s=[float(lam) for lam in base_state.layer_overhead_s],
+            kinds=[str(k).lower() for k in base_state.kinds],
         )
         self.plans: dict[int, Plan] = {int(plan.plan_id or 0): plan}
         self.next_plan_id = int(plan.plan_id or 0) + 1
