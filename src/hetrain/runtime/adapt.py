@@ -54,11 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hetrain.runtime.ctlcontroller import (  # noqa: F401  (PlanController re-exported)
-    PlanController,
-    lower_thread_priority,
-    round_controller,
-)
+from hetrain.runtime.ctlcontroller import PlanController, round_controller  # noqa: F401
 from hetrain.runtime.ctldecision import Decision, even_dp_plan  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlstore import PREFIX, ControllerLink, _store  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlwire import (
@@ -115,11 +111,7 @@ class ControllerService:
         return self.store.get(PREFIX + key)
 
     def run(self) -> None:
-        """Serve until :attr:`stop` is set; a failure is posted as ``error`` and re-raised.
-        The serving thread runs at the lowest CPU priority
-        (:func:`~hetrain.runtime.ctlcontroller.lower_thread_priority`; the store it polls is
-        served by its host's own thread at the host's priority)."""
-        lower_thread_priority()
+        """Serve until :attr:`stop` is set; a failure is posted as ``error`` and re-raised."""
         try:
             while not self.stop.is_set():
                 if not self._tick():

@@ -22,10 +22,8 @@ Imports numpy and the planning modules only; no torch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -50,32 +48,14 @@ from hetrain.runtime.ctldecision import (
 
 _SEARCH_EXECUTOR: Any = None
 
-IDLE_NICE = 19
-"""The nice value of the controller's threads (Linux: per thread): the lowest CPU priority, so
-that on cores the ranks share they run only in the ranks' idle time (waiting for a collective
-or a peer) and never stretch a rank's step; a decision then comes later on a saturated
-host, which the service's backlog rule (it decides only for the newest steps) absorbs."""
-
-
-def lower_thread_priority() -> None:
-    """Give the calling thread the nice value :data:`IDLE_NICE` (Linux's ``setpriority`` on
-    the thread id; a no-op where that is refused or missing)."""
-    import threading
-
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IDLE_NICE)
-
 
 def _search_executor():
-    """One thread of the controller's process for policy calls (created on first use, at
-    the lowest CPU priority: :func:`lower_thread_priority`)."""
+    """One thread of the controller's process for policy calls (created on first use)."""
     global _SEARCH_EXECUTOR
     if _SEARCH_EXECUTOR is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _SEARCH_EXECUTOR = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="hetrain-policy", initializer=lower_thread_priority
-        )
+        _SEARCH_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-policy")
     return _SEARCH_EXECUTOR
 
 
