@@ -93,3 +93,42 @@ def test_the_run_is_on_the_planners_plan_from_its_first_step(slow, factor, param
     assert times[-1] <= 1.05 * t_best, (ctl.current, times[-1], t_best)
     if param_bytes > 1e6:  # the planner's pipeline, not data parallelism
         assert max(g.num_stages for g in first.groups) > 1, first
+
+
+def test_the_rounds_controller_starts_from_the_start_up_decision_without_searching_again():
+    from hetrain.runtime.ctlcontroller import round_controller
+    from hetrain.runtime.ctlwire import decode_init, encode_init
+
+    profile = _profile(4e4)
+    config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
+    factor = {d: 3.0 if d == "w1" else 1.0 for d in DEVICES}
+    calibrated = _state(factor)
+    even = even_dp_plan(DEVICES, 8, BATCH, 1)
+    first, state = startup_decision(calibrated, profile, config, even, 40)
+    assert first != even and first.plan_id == even.plan_id
+    assert {g.devices[0] for g in first.groups} == set(DEVICES)  # idle groups kept
+    init = {"round": "r", "world_size": 4, "base_state": calibrated, "profile": profile,
+            "config": config, "plan": first, "steps": 40, "start_step": 0,
+            "optimizer_state_factor": 2.0, "checkpoint_dir": None, "checkpoint_every": 0,
+            "log_path": None, "controller_state": state}  # fmt: skip
+    ctl = round_controller(decode_init(encode_init(init)), async_search=True)
+    searches = ctl.policy.searches
+    assert searches >= 1
+    rng = np.random.default_rng(0)
+    for t in range(10):
+        compute = _compute_s(ctl.current, profile, factor, rng)
+        ctl.observe(t, int(ctl.current.plan_id), compute)
+        ctl.decide(t + 1)
+        assert ctl.search_started is None, t  # the start-up search's state is known
+    assert ctl.policy.searches == searches
+    # without the start-up state the round's controller searches at its first decision
+    fresh = round_controller({**init, "controller_state": None}, async_search=True)
+    started = []
+    for t in range(8):
+        fresh.observe(
+            t, int(fresh.current.plan_id), _compute_s(fresh.current, profile, factor, rng)
+        )
+        fresh.decide(t + 1)
+        started.append(fresh.search_started)
+    fresh.wait_for_search()
+    assert [s for s in started if s is not None] == [7], started
