@@ -133,6 +133,7 @@ class PlanController:
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
+        self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
 
     # ---- measurements ----
     def observe(
@@ -173,6 +174,7 @@ class PlanController:
                 self.estimates.observe(
                     d, work, t, group.num_microbatches, units, expected_s=expected
                 )
+        self._observed = None
         self.observed_steps += 1
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()
@@ -198,8 +200,11 @@ class PlanController:
         return max(0.0, float(np.median(recent))) if recent else 0.0
 
     def observed_state(self) -> ClusterState:
-        """The base state with the measured speeds."""
-        return self.estimates.apply(self.base_state)
+        """The base state with the measured speeds (computed once per change of the
+        estimates: :meth:`observe` and :meth:`load_state_dict` renew it)."""
+        if self._observed is None:
+            self._observed = self.estimates.apply(self.base_state)
+        return self._observed
 
     def predictions(self) -> dict[str, float]:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
@@ -413,6 +418,7 @@ class PlanController:
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
         self.estimates._samples = samples
+        self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
         self.next_plan_id = max(counters[0], self.next_plan_id)
