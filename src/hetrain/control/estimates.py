@@ -146,17 +146,8 @@ class SpeedEstimates:
             long = float(np.median(v))
             steady = abs(short - long) <= self.change_tolerance * abs(long)
             used = np.log(np.asarray(v if steady else v[-self.window :], dtype=float))
-            centred = used - np.median(used)
-            mad = float(np.median(np.abs(centred)))
-            se = 1.2533 * 1.4826 * mad / math.sqrt(len(used))
-            # serially correlated samples (a rank descheduled for many steps in a row) carry
-            # less information: the AR(1) variance inflation (1 + ρ) / (1 − ρ) of the lag-1
-            # autocorrelation ρ (Bayley & Hammersley, J. R. Stat. Soc. B 8, 1946)
-            denominator = float(np.sum(centred**2))
-            if len(used) >= 4 and denominator > 0:
-                rho = min(max(float(np.sum(centred[1:] * centred[:-1])) / denominator, 0.0), 0.9)
-                se *= math.sqrt((1.0 + rho) / (1.0 - rho))
-            out[d] = (long if steady else short, se)
+            mad = float(np.median(np.abs(used - np.median(used))))
+            out[d] = (long if steady else short, 1.2533 * 1.4826 * mad / math.sqrt(len(used)))
         return out
 
     def slowdowns(self) -> dict[str, float]:
