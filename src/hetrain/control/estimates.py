@@ -42,6 +42,23 @@ class SpeedEstimates:
     decisions; the median of 13 ignores up to 6 such steps and follows a lasting change after 7
     (docs/training.md).
 
+    **Pooled per kind.** Devices of one kind (``kinds``: the start-up calibration's hardware
+    kind) are the same hardware, so what their ratios differ by is, unless shown otherwise,
+    contention noise (ranks sharing cores are descheduled at random; two equal ranks'
+    7-step medians measured 2x apart on a loaded 2-core machine), and estimates that follow
+    it give identical ranks unequal shares. A device's estimate is its kind's pooled ratio,
+    the median over the kind's measured devices of their own estimates, unless its own
+    estimate differs from it *significantly*: by more than ``change_tolerance`` (relative)
+    and by more than ``z`` standard errors of the difference of the two medians in log space
+    (the standard error of a median of ``n`` samples is ``1.2533 · 1.4826 · MAD / √n``,
+    the normal-consistent MAD and the median's asymptotic efficiency, e.g. Wilcox,
+    *Introduction to Robust Estimation and Hypothesis Testing*, 4th ed., §3.3-3.4; the
+    pooled median's is the kind's median standard error over ``√k`` devices). A
+    device with no measurement (idle since start-up) takes its kind's pooled ratio: a
+    slow-down common to the kind (contention of the ranks timing together during training,
+    not during calibration) applies to it too, so an idle device does not look faster than
+    its busy peers by that common factor.
+
     Args:
         ids: device ids.
         speed_flops: start-up speeds ``s_d`` (FLOP/s, > 0), aligned with ``ids``.
@@ -51,7 +68,12 @@ class SpeedEstimates:
         long_window: the long window (default ``3 * window``): its median is the estimate of
             a steady device.
         change_tolerance: relative gap between the two medians above which the short one is
-            used.
+            used; also the least relative gap from its kind's pooled ratio at which a device
+            keeps its own estimate.
+        kinds: the kind of each device, aligned with ``ids`` (default: every device its own
+            kind, no pooling).
+        z: standard errors of the gap from the pooled ratio at which a device's own estimate
+            is significant (default 3).
     """
 
     def __init__(
@@ -64,8 +86,12 @@ class SpeedEstimates:
         *,
         long_window: int | None = None,
         change_tolerance: float = 0.1,
+        kinds: Sequence[str] | None = None,
+        z: float = 3.0,
     ) -> None:
         self.ids = tuple(ids)
+        self.kinds = dict(zip(self.ids, kinds if kinds is not None else self.ids, strict=True))
+        self.z = float(z)
         self.speed_flops = dict(zip(self.ids, [float(v) for v in speed_flops], strict=True))
         self.kappa_s = dict(zip(self.ids, kappa_s or [0.0] * len(self.ids), strict=True))
         self.layer_overhead_s = dict(
@@ -105,10 +131,13 @@ class SpeedEstimates:
         recent.append(time_s / expected_s)
         del recent[: -self.long_window]
 
-    def slowdowns(self) -> dict[str, float]:
-        """``r̂_d``: measured over start-up time for the same work (devices with at least one
-        measurement; 2.0 = twice as slow as at start-up): the long window's median, or the
+    def own_slowdowns(self) -> dict[str, float]:
+        """Each measured device's own ``r̂_d`` (no pooling): the long window's median, or the
         short window's when they differ by more than ``change_tolerance``."""
+        return {d: est for d, (est, _) in self._own().items()}
+
+    def _own(self) -> dict[str, tuple[float, float]]:
+        """``{device: (own estimate, standard error of its log)}`` of measured devices."""
         out = {}
         for d, v in self._samples.items():
             if not v:
@@ -116,12 +145,46 @@ class SpeedEstimates:
             short = float(np.median(v[-self.window :]))
             long = float(np.median(v))
             steady = abs(short - long) <= self.change_tolerance * abs(long)
-            out[d] = long if steady else short
+            used = np.log(np.asarray(v if steady else v[-self.window :], dtype=float))
+            mad = float(np.median(np.abs(used - np.median(used))))
+            out[d] = (long if steady else short, 1.2533 * 1.4826 * mad / math.sqrt(len(used)))
+        return out
+
+    def slowdowns(self) -> dict[str, float]:
+        """``r̂_d``: measured over start-up time for the same work (2.0 = twice as slow as at
+        start-up) for every device whose kind has a measured device: its kind's pooled ratio,
+        or its own estimate (:meth:`own_slowdowns`) where that differs significantly from
+        the pooled one (class docstring)."""
+        own = self._own()
+        by_kind: dict[str, list[str]] = {}
+        for d in own:
+            by_kind.setdefault(self.kinds[d], []).append(d)
+        out = {}
+        for d in self.ids:
+            peers = by_kind.get(self.kinds[d])
+            if not peers:
+                continue
+            if len(peers) == 1 and d in own:
+                out[d] = own[d][0]
+                continue
+            pooled = float(np.median([own[p][0] for p in peers]))
+            if d not in own:
+                out[d] = pooled
+                continue
+            estimate, se = own[d]
+            se_pooled = float(np.median([own[p][1] for p in peers])) / math.sqrt(len(peers))
+            gap = abs(math.log(estimate / pooled))
+            distinct = gap > math.log1p(self.change_tolerance) and gap > self.z * math.hypot(
+                se, se_pooled
+            )
+            out[d] = estimate if distinct else pooled
         return out
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("long_window", state.get("window", 13))
         state.setdefault("change_tolerance", 0.1)
+        state.setdefault("kinds", {d: d for d in state.get("ids", ())})
+        state.setdefault("z", 3.0)
         self.__dict__.update(state)
 
     def speeds_flops(self) -> dict[str, float]:

@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hetrain.runtime.ctlcontroller import PlanController
+from hetrain.runtime.ctlcontroller import PlanController, round_controller  # noqa: F401
 from hetrain.runtime.ctldecision import Decision, even_dp_plan  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlstore import PREFIX, ControllerLink, _store  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlwire import (
@@ -138,15 +138,7 @@ class ControllerService:
         self._init_id = init_id
         self._world = int(init["world_size"])
         self._init = init
-        ctl = PlanController(
-            init["base_state"],
-            init["profile"],
-            init["config"],
-            init["plan"],
-            init["steps"],
-            optimizer_state_factor=init["optimizer_state_factor"],
-            async_search=True,
-        )
+        ctl = round_controller(init, async_search=True)
         start = int(init["start_step"])
         if init.get("checkpoint_dir"):
             # states staged by an earlier round are stale: this round starts from the state in

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,6 +115,7 @@ class PlanController:
             [float(v) for v in base_state.speed_flops],
             [float(k) for k in base_state.kappa_s],
             layer_overhead_s=[float(lam) for lam in base_state.layer_overhead_s],
+            kinds=[str(k).lower() for k in base_state.kinds],
         )
         self.plans: dict[int, Plan] = {int(plan.plan_id or 0): plan}
         self.next_plan_id = int(plan.plan_id or 0) + 1
@@ -131,6 +133,7 @@ class PlanController:
         self._first_speeds: dict[str, float] | None = None
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
+        self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
 
     # ---- measurements ----
     def observe(
@@ -171,6 +174,7 @@ class PlanController:
                 self.estimates.observe(
                     d, work, t, group.num_microbatches, units, expected_s=expected
                 )
+        self._observed = None
         self.observed_steps += 1
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
             self._first_speeds = self.estimates.speeds_flops()
@@ -196,8 +200,11 @@ class PlanController:
         return max(0.0, float(np.median(recent))) if recent else 0.0
 
     def observed_state(self) -> ClusterState:
-        """The base state with the measured speeds."""
-        return self.estimates.apply(self.base_state)
+        """The base state with the measured speeds (computed once per change of the
+        estimates: :meth:`observe` and :meth:`load_state_dict` renew it)."""
+        if self._observed is None:
+            self._observed = self.estimates.apply(self.base_state)
+        return self._observed
 
     def predictions(self) -> dict[str, float]:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
@@ -411,6 +418,7 @@ class PlanController:
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
         self.estimates._samples = samples
+        self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
         self.next_plan_id = max(counters[0], self.next_plan_id)
@@ -420,3 +428,67 @@ class PlanController:
         self.searches_applied = searches
         # the plan in force is the round's (the ranks kept theirs): the policy answers from it
         self._policy_plan = self.current
+
+
+def startup_decision(
+    base_state: ClusterState,
+    profile: ProfileArrays,
+    config: TrainingConfig,
+    plan: Plan,
+    steps: int,
+) -> tuple[Plan, dict[str, Any]]:
+    """The plan an adaptive run starts with: the controller's decision on its start-up
+    calibration (``base_state``: every device's measured speed and fixed costs, the emulated
+    slow-downs included), against ``plan`` (even data parallelism) as the plan in force. The
+    same decision path as every later step (:meth:`PlanController.decide`, its search run
+    inline, its gate: a new structure must be predicted faster by ``switch_margin`` and pay
+    its migration), taken before the first step instead of after the measured warm-up, so
+    that the ranks do not run the even plan through the warm-up and the first search (a
+    search took 14-23 steps to come back on a loaded 2-core machine, issue 19).
+
+    Returns:
+        ``(first_plan, controller_state)``: the plan as the ranks run it (single-stage groups
+        one micro-batch, :func:`runtime_plan`) with ``plan``'s id, idle groups kept (a
+        round's first plan names every rank), or ``plan`` when the decision keeps it; and
+        the deciding controller's :meth:`PlanController.state_dict` (JSON data), which the
+        round's controller starts from (:func:`round_controller`), so that it knows the
+        searched plans and does not search again for the same state.
+
+    Raises:
+        NoFeasiblePlanError: (from the planner) no plan fits the devices.
+    """
+    ctl = PlanController(base_state, profile, config, plan, steps, warmup_steps=0)
+    first = plan
+    if ctl.decide(0) is not None:
+        groups = tuple(
+            g.model_copy(update={"microbatch_size": g.batch})
+            if g.num_stages == 1 and g.batch
+            else g
+            for g in ctl._policy_plan.groups
+        )
+        first = ctl._policy_plan.model_copy(update={"groups": groups, "plan_id": plan.plan_id})
+    return first, ctl.state_dict()
+
+
+def round_controller(init: Mapping[str, Any], *, async_search: bool = True) -> PlanController:
+    """The controller of a round from its start message (``init``,
+    :func:`hetrain.runtime.ctlwire.decode_init`): the service's and a replay's
+    (:func:`hetrain.sim.replay.replay_run`) alike. A round that starts at step 0 with the
+    state of its start-up decision (``controller_state``, :func:`startup_decision`) starts
+    from that state."""
+    ctl = PlanController(
+        init["base_state"],
+        init["profile"],
+        init["config"],
+        init["plan"],
+        init["steps"],
+        optimizer_state_factor=init.get("optimizer_state_factor", 2.0),
+        async_search=async_search,
+    )
+    if init.get("controller_state") is not None and int(init.get("start_step", 0)) == 0:
+        try:
+            ctl.load_state_dict(init["controller_state"])
+        except ValueError as exc:  # one line; the round's controller starts fresh
+            print(f"hetrain: warning: start-up controller state not used: {exc}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return ctl

@@ -324,6 +324,7 @@ def encode_init(init: Mapping[str, Any]) -> bytes:
             "checkpoint_dir": _optional_str(init["checkpoint_dir"]),
             "checkpoint_every": int(init["checkpoint_every"] or 0),
             "log_path": _optional_str(init["log_path"]),
+            "controller_state": init.get("controller_state"),
         }
     )
 
@@ -364,7 +365,16 @@ def decode_init(raw: bytes | str) -> dict[str, Any]:
             _field(value, "checkpoint_every", what), f"{what}.checkpoint_every", low=0
         ),
         "log_path": _str(value.get("log_path"), f"{what}.log_path", optional=True),
+        "controller_state": _controller_state(value.get("controller_state"), what),
     }
+
+
+def _controller_state(value: Any, what: str) -> dict[str, Any] | None:
+    """The optional start-up controller state of a round's start (a JSON object or null;
+    its fields are checked by ``PlanController.load_state_dict``)."""
+    if value is None or isinstance(value, dict):
+        return value
+    raise WireError(f"{what}.controller_state: expected an object or null")
 
 
 _RECORD_TIMES = ("compute_time_s", "iteration_time_s", "send_recv_time_s", "sync_time_s")

@@ -21,6 +21,7 @@ from hetrain._text import plural
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.adapt import spawn_controller_process
+from hetrain.runtime.ctlcontroller import startup_decision
 from hetrain.runtime.ctldecision import even_dp_plan
 from hetrain.runtime.ctlstore import ControllerLink
 from hetrain.runtime.data import GlobalBatchSampler, cast_inputs, task_chain
@@ -149,6 +150,7 @@ class TrainerSetup:
         round (restart, resume) takes a new plan id: one above every id of the run so far."""
         job, resume = self.job, self.resume
         self.profile = None
+        self.startup_controller_state: dict[str, Any] | None = None
         self.config = _training_config(job)
         if job.adaptive or job.plan is None:
             x0, _ = job.task.train.batch(self.sampler.indices(self.start_step)[:2])
@@ -173,6 +175,8 @@ class TrainerSetup:
                 job.microbatch_size,
                 norm_block=job.norm_block,
             )
+            if job.adaptive:
+                plan = self._startup_plan(plan)
         if resume is not None or self.restart_count > 0:
             box = [self._highest_plan_id() + 1 if self.lead else None]
             dist.broadcast_object_list(box, src=0)
@@ -182,6 +186,27 @@ class TrainerSetup:
         if self.lead and job.checkpoint_dir:
             ckpt.record_plan_id(job.checkpoint_dir, int(plan.plan_id))
         self.plan = plan
+
+    def _startup_plan(self, even: Plan) -> Plan:
+        """Rank 0's controller decision on the start-up calibration against ``even``
+        (:func:`hetrain.runtime.ctlcontroller.startup_decision`; its controller state kept in
+        :attr:`startup_controller_state` for the round's controller), broadcast to every rank;
+        ``even`` when no plan fits (one warning line: the controller then starts from it)."""
+        box: list[Any] = [None]
+        if self.lead:
+            try:
+                chosen, self.startup_controller_state = startup_decision(
+                    self.base_state, self.profile, self.config, even,
+                    self.job.steps - self.start_step,
+                )  # fmt: skip
+                box = [chosen.to_json_dict()]
+            except Exception as exc:  # noqa: BLE001  (the run goes on from the even plan)
+                why = " ".join(str(exc).split())[:200]
+                print(f"hetrain: warning: no start-up plan ({why}); starting from even data "
+                      "parallelism", file=sys.stderr, flush=True)  # fmt: skip
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return even if box[0] is None else plan_from_dict(box[0], "start-up plan")
 
     def _highest_plan_id(self) -> int:
         """Rank 0: the highest plan id of the run so far (-1: none): from the checkpoint
@@ -236,6 +261,9 @@ class TrainerSetup:
                     "checkpoint_dir": job.checkpoint_dir,
                     "checkpoint_every": job.checkpoint_every,
                     "log_path": _controller_log_path(job),
+                    "controller_state": self.startup_controller_state
+                    if self.start_step == 0
+                    else None,
                 }
             )
 

@@ -73,18 +73,10 @@ def replay_run(run: str | Path) -> list[dict[str, Any]]:
     Raises:
         InputError: see :func:`read_controller_log`.
     """
-    from hetrain.runtime.ctlcontroller import PlanController
+    from hetrain.runtime.ctlcontroller import round_controller
 
     init, rows = read_controller_log(run)
-    ctl = PlanController(
-        init["base_state"],
-        init["profile"],
-        init["config"],
-        init["plan"],
-        init["steps"],
-        optimizer_state_factor=init.get("optimizer_state_factor", 2.0),
-        async_search=True,
-    )
+    ctl = round_controller(init, async_search=True)
     ctl.replay_joins = {
         int(r["search_joined"][0]): int(r["search_joined"][1]) for r in rows if "search_joined" in r
     }
