@@ -234,6 +234,12 @@ def test_the_last_stage_of_llama_runs_only_its_block_and_the_head():
     chain = cut_module(model, x[:2])
     assert _last_stage_calls(model, chain, 4, x) == ["model.norm", "lm_head"]
     assert _last_stage_calls(model, chain, 3, x) == ["model.norm", "lm_head"]
+    # a hook on a module around the suffix (added after the recording) keeps the forward
+    hook = model.register_forward_hook(lambda mod, args, out: None)
+    try:
+        assert "model.embed_tokens" in _last_stage_calls(model, chain, 4, x)
+    finally:
+        hook.remove()
     _exact_against_whole(model, chain, [0, 2, 3, 4, chain.num_layers], x)
     _exact_against_whole(model, chain, [0, 1, 3, chain.num_layers], x)
     _exact_against_whole(model, chain, list(range(chain.num_layers + 1)), x)
@@ -246,9 +252,11 @@ class _TiedHead(nn.Module):
     norm, a head tied to the embedding, a masked mean loss over the tokens and, when
     ``read_value``, a Python branch on a tensor value in the suffix."""
 
-    def __init__(self, read_value: bool) -> None:
+    def __init__(self, read_value: bool, dropout: float = 0.0, functional: bool = False) -> None:
         super().__init__()
         self.read_value = read_value
+        self.functional = functional
+        self.drop = nn.Dropout(dropout)
         self.emb = nn.Embedding(20, 8)
         self.blocks = nn.ModuleList([_MaskedBlock() for _ in range(3)])
         self.norm = nn.LayerNorm(8)
@@ -260,7 +268,10 @@ class _TiedHead(nn.Module):
         m = mask[..., None].to(h.dtype)
         for b in self.blocks:
             h = b(h, m)
-        logits = self.head(self.norm(h))
+        h = self.norm(h)
+        if self.functional:  # a random draw outside any module of the suffix
+            h = nn.functional.dropout(h, self.drop.p, self.training)
+        logits = self.head(self.drop(h))
         per_token = logits.logsumexp(-1) * mask
         loss = per_token.sum() / mask.sum()
         if self.read_value and loss.item() > 1e9:
@@ -328,3 +339,32 @@ def test_a_suffix_with_a_tied_head_and_a_masked_loss_is_exact_replayed_or_not(re
                 torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-12, atol=1e-14, msg=n)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_dropout_in_the_suffix_draws_as_in_the_whole_model(functional):
+    # plan-invariant randomness keys a draw by its innermost module: a dropout module of the
+    # suffix is replayed as a module call (the same draws); F.dropout called in the forward
+    # itself keeps the model's forward
+    from hetrain.runtime.randomness import InvariantRandomness
+
+    torch.manual_seed(0)
+    model = _TiedHead(False, dropout=0.5, functional=functional).double().train()
+    ids = torch.randint(0, 20, (3, 5))
+    mask = torch.ones(3, 5, dtype=torch.long)
+    inputs = (ids, mask)
+    chain = cut_module(model, (ids[:2], mask[:2]))
+    rng = InvariantRandomness(model, seed=3)
+    rows = torch.arange(3)
+    with rng.forward(step=1, sample_index=rows):
+        ref = model(*inputs)[0]
+    for _ in range(2):
+        y = None
+        for s, e in zip([0, 2], [2, chain.num_layers], strict=True):
+            with rng.forward(step=1, sample_index=rows):
+                y = chain.stage_forward(s, e, y, inputs)
+        torch.testing.assert_close(y[0], ref, rtol=0, atol=0)
+    (trace,) = chain._suffix_traces.values()
+    assert (trace is None) == functional
+    with torch.no_grad():
+        assert not torch.equal(model.eval()(*inputs)[0], ref)  # dropout did draw

@@ -115,11 +115,18 @@ class TraceRecorder:
     grad: bool
     input_spec: TreeSpec
     src_of: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    keep: list[torch.Tensor] = field(default_factory=list)  # named tensors: ids stay unique
     ops: list = field(default_factory=list)
     open: tuple | None = None  # the module call being recorded: (module, spec, fills)
     spanning: list[tuple[nn.Module, int, int]] = field(default_factory=list)
     ok: bool = True
     why: str = ""
+
+    def name(self, t: torch.Tensor, src: tuple[str, Any]) -> None:
+        """Name tensor ``t`` (kept alive while recording, so no later tensor reuses its id)."""
+        if id(t) not in self.src_of:
+            self.src_of[id(t)] = src
+            self.keep.append(t)
 
     def fail(self, why: str) -> None:
         if self.ok:
@@ -154,7 +161,7 @@ class TraceRecorder:
         ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         op = len(self.ops)
         for j, t in enumerate(ts):
-            self.src_of.setdefault(id(t), ("s", (op, j)))
+            self.name(t, ("s", (op, j)))
         return len(ts)
 
     # ------------------------------------------------------------------- events

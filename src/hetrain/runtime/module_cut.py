@@ -115,10 +115,8 @@ class ModuleCut(Chain):
         self._record_boundaries(example_inputs)
         self._suffix_traces: dict[tuple, Any] = {}  # last stage's signature -> trace or None
         for mod in self._outside.values():
-            mod.register_forward_pre_hook(self._module_pre)
+            mod.register_forward_pre_hook(self._module_pre, with_kwargs=True)
             mod.register_forward_hook(self._module_post)
-            mod.register_forward_pre_hook(self._trace_pre, with_kwargs=True)
-            mod.register_forward_hook(self._trace_post)
 
     # ---------------------------------------------------------------------------- recording
     def _record_boundaries(self, example_inputs: Any) -> None:
@@ -200,7 +198,7 @@ class ModuleCut(Chain):
                     run.trace.fail("the first block's call differs from the recorded one")
                 else:
                     for n, t in enumerate(extras):
-                        run.trace.src_of.setdefault(id(t), ("x", n))
+                        run.trace.name(t, ("x", n))
             run.phase, run.depth, run.block = phase, 1, i
             if run.record:
                 run.block_args = {id(t) for t in leaves((args, kwargs))}
@@ -235,7 +233,7 @@ class ModuleCut(Chain):
                 key = (i + 1, "", -1, -1, j)
                 mode.assign(t, key, real or key in run.received, rebuild=False)
                 if run.trace is not None and i + 1 >= run.start:
-                    run.trace.src_of.setdefault(id(t), ("out", key))
+                    run.trace.name(t, ("out", key))
             if run.record:
                 arg_leaves = leaves((args,))
                 shapes = [tuple(a.shape) for a in arg_leaves]
@@ -418,7 +416,7 @@ class ModuleCut(Chain):
 
         return stand_in
 
-    def _module_pre(self, mod: nn.Module, args: Any) -> None:
+    def _module_pre(self, mod: nn.Module, args: Any, kwargs: Any = None) -> None:
         run = self._run
         if run is None or run.depth > 0 or id(mod) in self._block_ids:
             return
@@ -429,6 +427,13 @@ class ModuleCut(Chain):
         c = run.calls.get((run.phase, name), 0)
         run.calls[(run.phase, name)] = c + 1
         run.frames.append((name, c, run.phase, run.serial))
+        trace = run.trace
+        if (
+            trace is not None
+            and run.phase == trace.suffix
+            and sum(1 for f in run.frames if f[2] == trace.suffix) == 1  # outermost there
+        ):
+            trace.module_pre(mod, args, kwargs or {}, run)
 
     def _module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         run = self._run
@@ -438,6 +443,14 @@ class ModuleCut(Chain):
         name, c, phase, serial = run.frames.pop()
         if phase != run.phase:
             return  # a module around cut points (its outputs keep their names)
+        trace = run.trace
+        if (
+            trace is not None
+            and trace.open is not None
+            and trace.open[0] is mod
+            and not any(f[2] == trace.suffix for f in run.frames)
+        ):
+            trace.module_post(mod, out)
         # what a module makes within one layer is named after the module (robust to how
         # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
         # keeps its name
@@ -465,24 +478,6 @@ class ModuleCut(Chain):
             real = mode.is_real(t)
             rebuild = self._rebuild.get(k, False) if k is not None else mode.rebuildable(t)
             mode.assign(t, (run.phase, name, c, -1, j), real, rebuild)
-
-    def _trace_pre(self, mod: nn.Module, args: Any, kwargs: Any) -> None:
-        run = self._run
-        trace = run.trace if run is not None else None
-        if trace is None or run.depth > 0 or run.phase != trace.suffix:
-            return
-        if id(mod) in self._block_ids:
-            return
-        if sum(1 for f in run.frames if f[2] == trace.suffix) == 1:  # outermost in the suffix
-            trace.module_pre(mod, args, kwargs, run)
-
-    def _trace_post(self, mod: nn.Module, args: Any, out: Any) -> None:
-        run = self._run
-        trace = run.trace if run is not None else None
-        if trace is None or trace.open is None or trace.open[0] is not mod:
-            return
-        if not any(f[2] == trace.suffix for f in run.frames):
-            trace.module_post(mod, out)
 
     def _replayable_module(self, mod: nn.Module) -> bool:
         """True when ``mod`` (a module called at the top level of the suffix) can be called
@@ -531,9 +526,9 @@ class ModuleCut(Chain):
             rec = TraceRecorder(self, nb + 1, torch.is_grad_enabled(), spec)
             for i, a in enumerate(flat):
                 if isinstance(a, torch.Tensor):
-                    rec.src_of.setdefault(id(a), ("in", i))
+                    rec.name(a, ("in", i))
             for i, t in enumerate(got[: len(keys)]):
-                rec.src_of.setdefault(id(t), ("recv", i))
+                rec.name(t, ("recv", i))
             self._trace_run = (sig, rec)
             return None
         if trace is None:
