@@ -252,7 +252,7 @@ class _TiedHead(nn.Module):
     norm, a head tied to the embedding, a masked mean loss over the tokens and, when
     ``read_value``, a Python branch on a tensor value in the suffix."""
 
-    def __init__(self, read_value: bool, dropout: float = 0.0, functional: bool = False) -> None:
+    def __init__(self, read_value: bool, dropout: float = 0.0, functional: str = "") -> None:
         super().__init__()
         self.read_value = read_value
         self.functional = functional
@@ -265,11 +265,13 @@ class _TiedHead(nn.Module):
 
     def forward(self, ids, mask):
         h = self.emb(ids)
+        if self.functional == "shared":  # the suffix's dropout module also runs in the prefix
+            h = self.drop(h)
         m = mask[..., None].to(h.dtype)
         for b in self.blocks:
             h = b(h, m)
         h = self.norm(h)
-        if self.functional:  # a random draw outside any module of the suffix
+        if self.functional == "functional":  # a random draw outside any module
             h = nn.functional.dropout(h, self.drop.p, self.training)
         logits = self.head(self.drop(h))
         per_token = logits.logsumexp(-1) * mask
@@ -341,11 +343,12 @@ def test_a_suffix_with_a_tied_head_and_a_masked_loss_is_exact_replayed_or_not(re
         hook.remove()
 
 
-@pytest.mark.parametrize("functional", [False, True])
+@pytest.mark.parametrize("functional", ["", "functional", "shared"])
 def test_dropout_in_the_suffix_draws_as_in_the_whole_model(functional):
-    # plan-invariant randomness keys a draw by its innermost module: a dropout module of the
-    # suffix is replayed as a module call (the same draws); F.dropout called in the forward
-    # itself keeps the model's forward
+    # plan-invariant randomness keys a draw by its innermost module and its call number: a
+    # dropout module of the suffix is replayed as a module call (the same draws); F.dropout
+    # called in the forward itself, or a dropout module also called before the blocks, keeps
+    # the model's forward
     from hetrain.runtime.randomness import InvariantRandomness
 
     torch.manual_seed(0)
@@ -365,6 +368,6 @@ def test_dropout_in_the_suffix_draws_as_in_the_whole_model(functional):
                 y = chain.stage_forward(s, e, y, inputs)
         torch.testing.assert_close(y[0], ref, rtol=0, atol=0)
     (trace,) = chain._suffix_traces.values()
-    assert (trace is None) == functional
+    assert (trace is None) == bool(functional)
     with torch.no_grad():
         assert not torch.equal(model.eval()(*inputs)[0], ref)  # dropout did draw

@@ -14,10 +14,11 @@ value. Later micro-batches with the same signature call the stage's blocks direc
 after the other, and build the model's output from the recorded structure: none of the code
 before the first block (embedding on ``meta``, mask building, position ids) and no tracking.
 
-The signature: the stage, the grad mode, the autocast state, the root module's training flag,
-the shape, dtype, device and ``requires_grad`` of every received tensor and of every input
-leaf, the inputs' structure and non-tensor values. Python code of the suffix may branch on
-nothing else for the recording to hold; so a recording is kept only when, in the suffix:
+The signature: the stage, the grad and inference modes, the autocast state, the root module's
+training flag, the shape, dtype, device and ``requires_grad`` of every received tensor and of
+every input leaf, the inputs' structure and non-tensor values. Python code of the suffix may
+branch on nothing else for the recording to hold; so a recording is kept only when, in the
+suffix:
 
 * no call reads tensor values into Python (a torch call at the top level that returns no
   tensor and writes none: ``.item()``, ``bool(t)``, ``.tolist()``); calls inside a recorded
@@ -65,21 +66,34 @@ _PLAIN_LEAVES = (
     torch.dtype,
     torch.device,
 )
-#: names of torch calls that draw random numbers (not replayed outside the forward)
-_RANDOM_WORDS = (
-    "dropout",
-    "rrelu",
-    "rand",
-    "bernoulli",
-    "normal",
-    "multinomial",
-    "uniform",
-    "exponential",
-    "geometric",
-    "cauchy",
-    "poisson",
-    "scaled_dot_product",
+#: torch calls that draw random numbers (not replayed outside the forward), by name without a
+#: trailing underscore; and every name holding "dropout"
+_RANDOM = frozenset(
+    {
+        "rrelu",
+        "bernoulli",
+        "normal",
+        "log_normal",
+        "multinomial",
+        "rand",
+        "randn",
+        "randint",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "randperm",
+        "uniform",
+        "exponential",
+        "geometric",
+        "cauchy",
+        "poisson",
+        "scaled_dot_product_attention",
+    }
 )
+
+
+def _random(name: str) -> bool:
+    return "dropout" in name or name.rstrip("_") in _RANDOM
 
 
 def _plain(v: Any) -> bool:
@@ -180,7 +194,7 @@ class TraceRecorder:
         if torch.is_grad_enabled() != self.grad:
             self.fail(f"{name} runs under another grad mode")
             return
-        if any(w in name.lower() for w in _RANDOM_WORDS):
+        if _random(name):
             self.fail(f"{name} draws random numbers outside a module")
             return
         n_out = len([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
@@ -240,6 +254,7 @@ def signature(start: int, got: list[torch.Tensor], inputs: Any, root: nn.Module)
     parts: list[Any] = [
         start,
         torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled(),
         root.training,
         len(flat),
