@@ -33,7 +33,8 @@ suffix:
 * the grad mode of every call is the stage's (no ``torch.no_grad()`` block in the suffix);
 * every recorded module is called once per forward, contains no block and no other module
   called outside the blocks, and the modules whose forward spans the suffix (the root, HF's
-  inner ``model``) carry no forward or pre-forward hooks other than the cut's own.
+  inner ``model``) carry no forward or pre-forward hooks other than the cut's own (global
+  module hooks see the recorded modules called, not those spanning modules).
 
 It also assumes what the recording assumes everywhere: the forward's Python code depends on
 the signature only (no Python state that changes from one call to the next, such as a call
