@@ -34,7 +34,8 @@ global batch of 32 in micro-batches of 8, alternately (a) each micro-batch throu
 model (forward, loss, backward: what ``--workers 1`` computes) and (b) each micro-batch stage by
 stage (which of the two runs first alternates from one micro-batch to the next): each stage's
 ``stage_forward`` on what the previous one sent (detached, as received; the two middle stages,
-blocks only, call their blocks directly, docs/runtime.md "Any model"), then the backward
+blocks only, call their blocks directly, and the last stage calls its block and then replays
+its recorded suffix, docs/runtime.md "Any model"; the warm-up repeat records it), then the backward
 stage by stage with the gradients the next stage returned; the compute time of
 (b) is the sum of every stage's forward and backward time (what the stages' engine timers
 measure), without messages. The ratio (b)/(a) of wall-clock times (the target) is the median

@@ -188,6 +188,23 @@ def run_direct(
     Raises:
         CaptureError: a block returned another number of tensors than when it was recorded.
     """
+    outs = run_blocks(cut, plan, live, extras)
+    sent = [_resolve(f, live, extras, outs) for f in plan.send]
+    if plan.extras_out is None:
+        return tuple(sent)
+    sent += [_resolve(f, live, extras, outs) for f in plan.extras_out]
+    return (*sent, boundary_tag(plan.end, sent[0].device if sent else None))
+
+
+def run_blocks(
+    cut: ModuleCut, plan: DirectPlan, live: list[torch.Tensor], extras: list[torch.Tensor]
+) -> dict[Key, torch.Tensor]:
+    """The blocks of ``plan`` called one after the other on the received boundary tensors and
+    extras; returns every block's output tensors by key ``(i + 1, "", -1, -1, j)``.
+
+    Raises:
+        CaptureError: a block returned another number of tensors than when it was recorded.
+    """
     outs: dict[Key, torch.Tensor] = {}
     for i, block, spec, fills, count in plan.steps:
         flat = [_resolve(f, live, extras, outs) for f in fills]
@@ -204,11 +221,7 @@ def run_direct(
             )
         for j, t in enumerate(ts):
             outs[(i + 1, "", -1, -1, j)] = t
-    sent = [_resolve(f, live, extras, outs) for f in plan.send]
-    if plan.extras_out is None:
-        return tuple(sent)
-    sent += [_resolve(f, live, extras, outs) for f in plan.extras_out]
-    return (*sent, boundary_tag(plan.end, sent[0].device if sent else None))
+    return outs
 
 
 _TAGS: dict[tuple[int, Any], torch.Tensor] = {}

@@ -212,6 +212,7 @@ class _Run:
     meta_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     block_args: set[int] = field(default_factory=set)
     inner: dict[int, tuple[Any, int]] = field(default_factory=dict)  # record: id -> (ref, block)
+    trace: Any = None  # a last stage recording its suffix (cut_suffix.TraceRecorder)
 
 
 class _Track(TorchFunctionMode):
@@ -411,6 +412,13 @@ class _Track(TorchFunctionMode):
         if run.depth == 0:
             rebuild = self._all_rebuildable(tensors)
             self.key_outputs(func, args, kwargs, out, real=True, rebuild=rebuild)
+            trace = run.trace
+            if (
+                trace is not None
+                and run.phase == trace.suffix
+                and not (run.frames and run.frames[-1][2] == trace.suffix)
+            ):
+                trace.on_call(func, name, args, kwargs, out, run)
         return out
 
     def _all_real_inputs(self, tensors: list[torch.Tensor]) -> bool:

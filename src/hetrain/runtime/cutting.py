@@ -33,7 +33,9 @@ the micro-batch's inputs and computes, with real tensors, only the stage's layer
 A stage of blocks only (no prefix, no suffix) does not run the model's forward: it calls its
 blocks directly with the arguments recorded for them (:mod:`hetrain.runtime.cut_direct`), and
 falls back to the forward where the recording shows code between its blocks or the first
-block's call differs from the recorded one.
+block's call differs from the recorded one. The last stage records its suffix (the calls after
+the last block) on its first micro-batch of each signature and then calls its blocks directly
+and replays those calls (:mod:`hetrain.runtime.cut_suffix`), with the same kind of fallback.
 
 Which tensors cross each boundary is recorded once, on the example inputs: every tensor made
 outside the blocks (named by the module call that made it: robust to how a module computes
@@ -50,7 +52,8 @@ fixes the micro-batch size.
 The code: :mod:`hetrain.runtime.cut_chains` (the chain interface, the default cut points),
 :mod:`hetrain.runtime.module_cut` (:class:`ModuleCut`), :mod:`hetrain.runtime.cut_record` (the
 first pass), :mod:`hetrain.runtime.cut_track` (the tracking mode),
-:mod:`hetrain.runtime.cut_direct` (stages of blocks only). Importing this module imports torch.
+:mod:`hetrain.runtime.cut_direct` (stages of blocks only), :mod:`hetrain.runtime.cut_suffix`
+(the last stage). Importing this module imports torch.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from hetrain.runtime.cut_direct import (
     run_direct,
 )
 from hetrain.runtime.cut_record import record_layers
+from hetrain.runtime.cut_suffix import TraceRecorder, replay, signature
 from hetrain.runtime.cut_track import (
     _MODES,
     Key,
@@ -112,8 +113,9 @@ class ModuleCut(Chain):
             block.register_forward_hook(self._post_hook(i))
         self._outside: dict[int, nn.Module] = {}  # modules the forward calls outside blocks
         self._record_boundaries(example_inputs)
+        self._suffix_traces: dict[tuple, Any] = {}  # last stage's signature -> trace or None
         for mod in self._outside.values():
-            mod.register_forward_pre_hook(self._module_pre)
+            mod.register_forward_pre_hook(self._module_pre, with_kwargs=True)
             mod.register_forward_hook(self._module_post)
 
     # ---------------------------------------------------------------------------- recording
@@ -189,6 +191,14 @@ class ModuleCut(Chain):
                 if extras is not None:
                     sent = (*sent, *extras, boundary_tag(phase, run.device))
                 raise _Stop(sent)
+            if run.trace is not None and phase == run.start:
+                # the stage's first block: its extras stand for what the replay receives
+                extras = extras_now(self, phase, args, kwargs, run.key_of)
+                if extras is None:
+                    run.trace.fail("the first block's call differs from the recorded one")
+                else:
+                    for n, t in enumerate(extras):
+                        run.trace.name(t, ("x", n))
             run.phase, run.depth, run.block = phase, 1, i
             if run.record:
                 run.block_args = {id(t) for t in leaves((args, kwargs))}
@@ -222,6 +232,8 @@ class ModuleCut(Chain):
             for j, t in enumerate(tensors):
                 key = (i + 1, "", -1, -1, j)
                 mode.assign(t, key, real or key in run.received, rebuild=False)
+                if run.trace is not None and i + 1 >= run.start:
+                    run.trace.name(t, ("out", key))
             if run.record:
                 arg_leaves = leaves((args,))
                 shapes = [tuple(a.shape) for a in arg_leaves]
@@ -244,6 +256,8 @@ class ModuleCut(Chain):
             run.phase = suffix
             if run.record:
                 return None
+            if run.trace is not None:
+                run.trace.enter_suffix([self._mods_by_name.get(f[0]) for f in run.frames])
             if run.end == suffix:
                 raise _Stop(self._boundary(run, suffix))
             return None
@@ -402,7 +416,7 @@ class ModuleCut(Chain):
 
         return stand_in
 
-    def _module_pre(self, mod: nn.Module, args: Any) -> None:
+    def _module_pre(self, mod: nn.Module, args: Any, kwargs: Any = None) -> None:
         run = self._run
         if run is None or run.depth > 0 or id(mod) in self._block_ids:
             return
@@ -413,6 +427,13 @@ class ModuleCut(Chain):
         c = run.calls.get((run.phase, name), 0)
         run.calls[(run.phase, name)] = c + 1
         run.frames.append((name, c, run.phase, run.serial))
+        trace = run.trace
+        if (
+            trace is not None
+            and run.phase == trace.suffix
+            and sum(1 for f in run.frames if f[2] == trace.suffix) == 1  # outermost there
+        ):
+            trace.module_pre(mod, args, kwargs or {}, run)
 
     def _module_post(self, mod: nn.Module, args: Any, out: Any) -> None:
         run = self._run
@@ -422,6 +443,14 @@ class ModuleCut(Chain):
         name, c, phase, serial = run.frames.pop()
         if phase != run.phase:
             return  # a module around cut points (its outputs keep their names)
+        trace = run.trace
+        if (
+            trace is not None
+            and trace.open is not None
+            and trace.open[0] is mod
+            and not any(f[2] == trace.suffix for f in run.frames)
+        ):
+            trace.module_post(mod, out)
         # what a module makes within one layer is named after the module (robust to how
         # it computes it: plan-invariant dropout, ghost BatchNorm); what it passes through
         # keeps its name
@@ -449,6 +478,62 @@ class ModuleCut(Chain):
             real = mode.is_real(t)
             rebuild = self._rebuild.get(k, False) if k is not None else mode.rebuildable(t)
             mode.assign(t, (run.phase, name, c, -1, j), real, rebuild)
+
+    def _replayable_module(self, mod: nn.Module) -> bool:
+        """True when ``mod`` (a module called at the top level of the suffix) can be called
+        alone: called once per forward, holding no block and no module called more than once
+        outside the blocks."""
+        calls = self._module_calls
+        if calls.get(self._mod_names.get(id(mod), ""), 0) != 1:
+            return False
+        for m in mod.modules():
+            if id(m) in self._block_ids:
+                return False
+            if m is not mod and calls.get(self._mod_names.get(id(m), ""), 0) > 1:
+                return False
+        return True
+
+    def _last_stage(self, start: int, got: list, inputs: Any) -> Any:
+        """Stage ``[start, num_layers)`` from the recorded suffix
+        (:mod:`hetrain.runtime.cut_suffix`), or None: it runs the model's forward, recording
+        the suffix (``self._trace_run``) when its signature is new."""
+        nb = len(self.blocks)
+        self._trace_run = None
+        if self._meta_model or start > nb + 1:
+            return None
+        keys = self._live[start]
+        plan = None
+        extras: list = []
+        if start <= nb:
+            positions = self._extras_at[start]
+            if positions is None or len(got) != len(keys) + len(positions) + 1:
+                return None
+            key = (start, nb + 1)
+            plan = self._direct.get(key, False)
+            if plan is False:
+                plan = self._direct[key] = direct_plan(self, start, nb + 1)
+            if plan is None:
+                return None
+            extras = got[len(keys) : -1]
+        elif len(got) != len(keys):
+            return None
+        sig = signature(start, got, inputs, self.module)
+        if sig is None:
+            return None
+        trace = self._suffix_traces.get(sig, False)
+        if trace is False:
+            flat, spec = tree_flatten(inputs)
+            rec = TraceRecorder(self, nb + 1, torch.is_grad_enabled(), spec)
+            for i, a in enumerate(flat):
+                if isinstance(a, torch.Tensor):
+                    rec.name(a, ("in", i))
+            for i, t in enumerate(got[: len(keys)]):
+                rec.name(t, ("recv", i))
+            self._trace_run = (sig, rec)
+            return None
+        if trace is None:
+            return None
+        return replay(self, plan, trace, got[: len(keys)], extras, inputs)
 
     def verify(self, example_inputs: Any) -> None:
         """Run every layer as its own stage on ``example_inputs`` and on their first sample
@@ -485,8 +570,14 @@ class ModuleCut(Chain):
         if start == 0 and end == self.num_layers:
             return call_inputs(self.module, inputs)
         received: dict[Key, torch.Tensor] = {}
+        recording = None
         if start > 0:
             got = list(x) if isinstance(x, list | tuple) else [x]
+            if end == self.num_layers:
+                out = self._last_stage(start, got, inputs)
+                if out is not None:
+                    return out
+                recording = self._trace_run
             keys = self._live[start]
             extras = self._extras_at[start]
             if extras is not None and len(got) == len(keys) + len(extras) + 1:
@@ -512,6 +603,7 @@ class ModuleCut(Chain):
             record=False,
             received=received,
             device=_device_of(inputs),
+            trace=recording[1] if recording else None,
         )
         try:
             out = self._forward(run, inputs)
@@ -520,4 +612,9 @@ class ModuleCut(Chain):
         if start == 0:
             return out
         mode = _Track(self, run)
-        return mode.substitute(out, None)
+        out = mode.substitute(out, None)
+        if recording:
+            if len(self._suffix_traces) >= 64:
+                self._suffix_traces.clear()
+            self._suffix_traces[recording[0]] = run.trace.finish(out, run)
+        return out
