@@ -320,7 +320,22 @@ class ProfilePrefix:
 
 
 def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
-    """Prefix sums of ``profile`` (see :class:`ProfilePrefix`)."""
+    """Prefix sums of ``profile`` (see :class:`ProfilePrefix`). Built once per profile object
+    and kept in its ``_cache`` (a :class:`~hetrain.profile.ProfileArrays` is frozen and its
+    arrays are never written), so the planner, its baselines and :func:`evaluate_plan` share
+    one prefix and its caches (kind index, measured prefix sums, bound speeds); profile-like
+    objects without a ``_cache`` get a new one per call."""
+    cache = getattr(profile, "_cache", None)
+    if isinstance(cache, dict):
+        out = cache.get("prefix")
+        if out is None:
+            out = cache["prefix"] = _build_prefix(profile)
+        return out
+    return _build_prefix(profile)
+
+
+def _build_prefix(profile: ProfileArrays) -> ProfilePrefix:
+    """:func:`profile_prefix` without the cache."""
 
     def cum(x: np.ndarray) -> np.ndarray:
         return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float))))
