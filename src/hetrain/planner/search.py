@@ -117,6 +117,7 @@ class SearchContext:
     bound_speed: np.ndarray = field(init=False)
     kind_index: np.ndarray = field(init=False)
     time_scale: np.ndarray = field(init=False)
+    weighted: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.prefix = profile_prefix(self.profile)
@@ -132,6 +133,7 @@ class SearchContext:
         self.weight_per_device = q.get("money", 0.0) * self.state.price_per_s + q.get(
             "energy", 0.0
         ) * np.asarray(self.state.power_w, dtype=float)
+        self.weighted = bool(np.any(self.weight_per_device != 0.0))
         self.available = np.flatnonzero(np.asarray(self.state.available, dtype=bool))
 
     @property
@@ -143,7 +145,10 @@ class SearchContext:
         return float(self.prefix.train_flops[-1])
 
     def weight(self, devices: np.ndarray) -> float:
-        """``V + Σ_{d} c_d`` over ``devices``."""
+        """``V + Σ_{d} c_d`` over ``devices`` (``V`` itself without queues: every ``c_d`` is 0,
+        and ``V + 0.0 = V``)."""
+        if not self.weighted:
+            return self.v
         return self.v + float(np.sum(self.weight_per_device[devices]))
 
     def mu_candidates(self, cap: int | None = None, *, every: bool = False) -> list[int]:
