@@ -971,10 +971,22 @@ def solve_structure(
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
-        index_of = {garr[g].tobytes(): g for g in range(len(garr))}
+        # (cand's groups are garr's arrays themselves: found by identity, by bytes otherwise)
+        same_object = {id(garr[g]): g for g in range(len(garr))}
+        index_of: dict[bytes, int] | None = None
+        done: set[tuple[int, int, int]] = set()
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-            g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
+            g = same_object.get(id(devs))
+            if g is None or garr[g] is not devs:
+                if index_of is None:
+                    index_of = {garr[h].tobytes(): h for h in range(len(garr))}
+                g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
             i = entry_of[g]
+            # the μ added below depend only on (entry, μ, share): the groups of one entry
+            # (one signature, depth and fixed split) with the same μ and share add the same
+            if (i, mu, b) in done:
+                continue
+            done.add((i, mu, b))
             n = -(-b // mu)
             ns = {n - 1, n, n + 1} if fixed[g] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
@@ -1108,7 +1120,7 @@ def _solve_entries(
             left -= m
         members = [g for i, m in take for g in entries[keys[i]][:m]]
         used = np.concatenate([garr[g] for g in members])
-        t_floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[used]))
+        t_floor = ctx.batch * ctx.total_flops / float(speeds[used].sum())
         limit = min(
             best.objective if best is not None else np.inf, bound if bound is not None else np.inf
         )
@@ -1181,7 +1193,7 @@ def _score_entries(
     changed = False
     for i, _, sl in parts:
         sh = shares[sl]
-        act = np.flatnonzero(sh > 0)
+        act = (sh > 0).nonzero()[0]
         if len(act) < 2:
             continue
         block = aligned_option[sl]  # (a view)
@@ -1204,7 +1216,7 @@ def _score_entries(
     groups, bounds, mus = [], [], []
     for (i, members), (_, _, sl) in zip(blocks, parts, strict=True):
         o = opts[i]
-        act = np.flatnonzero(shares[sl] > 0)
+        act = (shares[sl] > 0).nonzero()[0]
         chosen = option[sl][act]
         groups.extend(garr[members[k]] for k in act.tolist())
         bounds.extend(o.bounds[chosen])

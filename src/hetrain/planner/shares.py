@@ -117,7 +117,7 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     which is used when the inputs are not monotone, and below ``B = 63`` where it is
     faster)."""
     n1 = len(f)
-    if n1 < 64 or not (f[0] <= g[0] and np.all(f[1:] >= f[:-1]) and np.all(g[1:] >= g[:-1])):
+    if n1 < 64 or not (f[0] <= g[0] and (f[1:] >= f[:-1]).all() and (g[1:] >= g[:-1]).all()):
         # vals[b, x] = max(f[b − x], g[x]) for x ≤ b, inf for x > b: row b of a sliding
         # window over f reversed and padded with inf
         pad = np.full(n1 - 1, np.inf)
