@@ -455,6 +455,19 @@ def _measured_stage_s(
     return table[q, which, ends] * scale - table[q, which, starts] * scale
 
 
+def _last_state_cached(prefix: ProfilePrefix, name: str, state: ClusterState, batch: int,
+                       compute) -> np.ndarray:  # fmt: skip
+    """``compute(state, prefix, batch)``, kept in ``prefix``'s cache for the last ``state``
+    object and ``batch`` asked (read-only: callers share it)."""
+    last = prefix._cache.get(name)
+    if last is not None and last[0] is state and last[1] == batch:
+        return last[2]
+    out = compute(state, prefix, batch)
+    out.flags.writeable = False
+    prefix._cache[name] = (state, batch, out)
+    return out
+
+
 def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     """Per device, a speed ``ŝ_d`` (FLOP/s, shape ``(D,)``) with ``C ≥ μ Σ_{l∈S}(f_l+w_l)/ŝ_d``
     for every stage ``S`` and ``μ ≤ batch``: ``s_d`` under the FLOP model; for a device with
@@ -462,7 +475,11 @@ def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) ->
     :meth:`ProfilePrefix.measured_rate_prefix_s`, times the state's scale), inf where some
     layer with FLOPs takes no time. So ``B Σ(f+w) / Σ_d ŝ_d`` stays a lower bound on the
     iteration time of any plan of those devices (docs/model.md §3 ``T_LB``; the search prunes
-    with it)."""
+    with it). Read-only; cached for the last state object and batch."""
+    return _last_state_cached(prefix, "bound-speed-last", state, int(batch), _bound_speed_flops)
+
+
+def _bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     speed = np.asarray(state.speed_flops, dtype=float).copy()
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
@@ -483,7 +500,13 @@ def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int
     """Per device, the FLOP/s it reaches on the whole chain (shape ``(D,)``): ``s_d`` under the
     FLOP model; for a device with measured times ``μ Σ(f+w) / C_chain(μ)`` at ``μ`` = the
     smaller of ``batch`` and the kind's largest measured size. For orderings and proportional
-    shares (heuristics and baselines), never for times."""
+    shares (heuristics and baselines), never for times. Read-only; cached for the last state
+    object and batch."""
+    return _last_state_cached(prefix, "effective-speed-last", state, int(batch),
+                              _effective_speed_flops)  # fmt: skip
+
+
+def _effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     speed = np.asarray(state.speed_flops, dtype=float).copy()
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
