@@ -34,6 +34,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from hetrain.planner.partition import SplitTable
 
+# ShareProblem._finish times each member's (entry, share) pair directly up to this many
+# members, and only the distinct pairs (np.unique) beyond
+FINISH_DIRECT_MAX = 64
+
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -130,7 +134,7 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     reach = b + np.searchsorted(f, g, side="right") - 1
     x0 = np.searchsorted(reach, b, side="left")
     right = g[x0]
-    left = np.where(x0 >= 1, f[np.clip(b - x0 + 1, 0, n1 - 1)], np.inf)
+    left = np.where(x0 >= 1, f[np.minimum(np.maximum(b - x0 + 1, 0), n1 - 1)], np.inf)
     use_left = left <= right
     first_left = np.maximum(b - (np.searchsorted(f, left, side="right") - 1), 0)
     return np.where(use_left, left, right), np.where(use_left, first_left, x0)
@@ -331,9 +335,11 @@ class ShareProblem:
         inv_alpha = 1.0 / alpha
         counts = self.counts[self._nonempty].astype(float)
         starts = self._starts
-        sizes = np.diff(np.append(starts, len(alpha)))
+        sizes = np.empty(len(starts), dtype=np.int64)  # options per group with options
+        sizes[:-1] = starts[1:] - starts[:-1]
+        sizes[-1] = len(alpha) - starts[-1]
         batch = float(self.batch)
-        t = float(np.min(delta + alpha * self.batch))
+        t = float((delta + alpha * self.batch).min())
         for _ in range(64):
             per = (t - delta) * inv_alpha
             best = np.maximum.reduceat(per, starts)
@@ -344,7 +350,7 @@ class ShareProblem:
             if excess <= 1e-12 * batch:
                 return max(t * (1.0 - 1e-12), 0.0)
             # each positive group's slope: 1/α of its best option at t
-            hit = per == np.repeat(best, sizes)
+            hit = per == best.repeat(sizes)
             first = np.maximum.reduceat(np.where(hit, inv_alpha, 0.0), starts)
             slope = float(np.dot(np.where(best > 0.0, first, 0.0), counts))
             if not (slope > 0.0 and np.isfinite(slope)):
@@ -465,14 +471,20 @@ class ShareProblem:
         return hi
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
-        entry = np.repeat(np.arange(len(self.groups)), self.counts)
+        entry = np.arange(len(self.groups)).repeat(self.counts)
         # GroupOptions.time_for of each distinct (entry, share) pair, all pairs in one pass
         # over the options padded to (G, P_max) (padding never fits: n_max = -1, so it is
-        # inf and after every option, and argmin keeps time_for's first index)
-        width = self.batch + 1
-        pairs, which = np.unique(entry * width + np.asarray(shares, dtype=np.int64),
-                                 return_inverse=True)  # fmt: skip
-        e, b = pairs // width, pairs % width
+        # inf and after every option, and argmin keeps time_for's first index); up to
+        # FINISH_DIRECT_MAX members, every member's pair as it is (the same values, without
+        # the sort that finds the distinct pairs)
+        shares = np.asarray(shares, dtype=np.int64)
+        if len(shares) <= FINISH_DIRECT_MAX:
+            e, b = entry, shares
+            which = np.arange(len(shares))
+        else:
+            width = self.batch + 1
+            pairs, which = np.unique(entry * width + shares, return_inverse=True)
+            e, b = pairs // width, pairs % width
         mu, fill, bottleneck, nmax = self._time_arrays()
         n = -(-b[:, None] // mu[e])
         t = np.where(n <= nmax[e], fill[e] + (n - 1) * bottleneck[e], np.inf)
