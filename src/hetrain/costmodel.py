@@ -443,7 +443,7 @@ def _measured_stage_s(
             return measured
         return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
     whole = mu.astype(np.int64)
-    if np.array_equal(whole, mu) and whole.min(initial=1) >= 1:
+    if bool((whole == mu).all()) and whole.min(initial=1) >= 1:
         # whole sizes (the planner's): the table's row is the size itself
         which = whole
         table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)
@@ -770,10 +770,10 @@ def flat_sync_bandwidths_bytes_per_s(
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
     # owner_node[g, l]: node of the device of active group g that holds layer l
-    owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    owner_node = state.node[devs_all].repeat(ends - starts).reshape(num_active, num_layers)
     # same[l]: all owners of layer l on one node; a stage's owner of l is then on that node
     # too, so d's layers are all node-local to d's node iff `same` holds on all of them
-    same = np.all(owner_node == owner_node[:1], axis=0)
+    same = (owner_node == owner_node[:1]).all(axis=0)
     local = np.concatenate(([0], np.cumsum(same)))
     all_local = (local[ends] - local[starts]) == (ends - starts)
     return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])

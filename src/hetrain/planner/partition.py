@@ -383,8 +383,8 @@ def _min_sum_splits(
             cand = sums[owner, k, lo:hi, lo + 1 : hi + 1]
             np.putmask(cand, maxes[owner, k, lo:hi, lo + 1 : hi + 1] > beta3, np.inf)
             cand += best[:, lo:hi, None]
-            arg = np.argmin(cand, axis=1)
-            value = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            arg = cand.argmin(axis=1)
+            value = cand[np.arange(len(cand))[:, None], arg, np.arange(cand.shape[2])[None, :]]
             best = np.full((len(betas), n1), np.inf)
             best[:, lo + 1 : hi + 1] = value
             choice = np.zeros((len(betas), n1), dtype=np.int64)

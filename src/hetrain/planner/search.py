@@ -278,7 +278,7 @@ class SearchContext:
             elif k == last_stage:
                 best = np.min(np.maximum(best, worst[:, -1]), keepdims=True)
             else:
-                best = np.min(np.maximum(best[:, None], worst), axis=0)
+                best = np.maximum(best[:, None], worst).min(axis=0)
             if k < last_stage:
                 best = np.maximum(best, pre.boundary_bytes[last] / bws[k])
         bottleneck = float(best[-1])
@@ -348,7 +348,7 @@ class SearchContext:
         for b, mu in zip(bounds, mus, strict=True):
             sl = slice(start, start + len(b))
             start += len(b)
-            keep = np.argsort(key[sl], kind="stable")
+            keep = key[sl].argsort(kind="stable")
             keep = keep[nmax[sl][keep] >= 1]
             n_cap = -(-self.batch // mu)
             out.append(pareto(SplitTable(
@@ -1084,7 +1084,7 @@ def _solve_entries(
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
-            float(np.max(opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)))
+            float((opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)).max())
             for i in feasible
         ]
     )
@@ -1159,7 +1159,7 @@ def _score_entries(
     for i, members in blocks:
         devs = stacks.get(i)
         if devs is None or len(devs) < len(members):
-            devs = stacks[i] = np.stack([garr[g] for g in members])
+            devs = stacks[i] = np.array([garr[g] for g in members])  # (equal lengths: a stack)
         parts.append((i, devs[: len(members)], slice(start, start + len(members))))
         start += len(members)
 

@@ -170,13 +170,14 @@ def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...
     sizes = np.array([len(g) for g in groups], dtype=np.int64)
     width = max(int(sizes.max(initial=0)), 1)
     rows = np.repeat(np.arange(len(groups)), sizes)
-    cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    cols = np.arange(int(sizes.sum())) - (sizes.cumsum() - sizes).repeat(sizes)
     mu_type = np.result_type(np.int64, *[g.microbatch_size for g in groups])
     arrays = []
     for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
                              ("bottleneck_s", 0.0, float),
                              ("max_microbatches", -1.0, float)):  # fmt: skip
-        out = np.full((len(groups), width), pad, dtype=dtype)
+        out = np.empty((len(groups), width), dtype=dtype)
+        out.fill(pad)
         if len(rows):
             out[rows, cols] = np.concatenate([getattr(g, name) for g in groups])
         arrays.append(out)
