@@ -259,8 +259,11 @@ class ProfilePrefix:
             grown = np.zeros((len(self.measured), width, self.num_layers + 1))
             grown_filled = np.zeros(width, dtype=bool)
             if dense is not None:
-                grown[:, : dense.shape[1]] = dense
+                # (the marks before the rows: a row is written before its mark, so a mark
+                # copied here always comes with its row, also if another thread planning
+                # with the same profile fills a row meanwhile)
                 grown_filled[: len(filled)] = filled
+                grown[:, : dense.shape[1]] = dense
             dense, filled = grown, grown_filled
             self._cache[key] = (dense, filled)
         if not filled[sizes].all():
