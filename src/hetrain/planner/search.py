@@ -905,13 +905,30 @@ def solve_structure(
     around the shares found. Returns the better of this structure's solution and ``best``.
     ``all_active``: do not try idling groups beyond what the share solver does (the structure
     enumeration covers the smaller structures)."""
-    garr = [np.asarray(g, dtype=np.int64) for g in groups]
+    # each group's device array and signature id, kept per device tuple (structures of 1024
+    # devices repeat most of their groups; one dict lookup per group instead of an array, its
+    # bytes and a lookup)
+    known = ctx.option_cache.setdefault("group-array-signature", {})
+    infos = [known.get(g) if type(g) is tuple else None for g in groups]
+    if None in infos:
+        for g, devs in enumerate(groups):
+            if infos[g] is None:
+                arr = np.array(devs, dtype=np.int64)
+                arr.flags.writeable = False  # (shared by every structure holding the group)
+                infos[g] = (arr, ctx.signature_id(arr))
+                if type(devs) is tuple:
+                    known[devs] = infos[g]
+    garr = [info[0] for info in infos]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
-    for g, devs in enumerate(garr):
-        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
-        entries.setdefault((ctx.signature_id(devs), fk), []).append(g)
+    if fixed_bounds is None:
+        for g, info in enumerate(infos):
+            entries.setdefault((info[1], None), []).append(g)
+    else:
+        for g, info in enumerate(infos):
+            fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+            entries.setdefault((info[1], fk), []).append(g)
     keys = list(entries)
     if best is not None:
         # no μ, split or share of these groups (nor of any subset of them kept active) takes
@@ -1218,7 +1235,7 @@ def _score_entries(
         o = opts[i]
         act = (shares[sl] > 0).nonzero()[0]
         chosen = option[sl][act]
-        groups.extend(garr[members[k]] for k in act.tolist())
+        groups.extend([garr[members[k]] for k in act.tolist()])
         bounds.extend(o.bounds[chosen])
         mus.extend(o.microbatch_size[chosen].tolist())
     return Candidate(obj, t, groups, bounds, mus, shares[shares > 0].tolist())
