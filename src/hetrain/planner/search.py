@@ -168,13 +168,30 @@ class SearchContext:
         key = ("signature", devices.tobytes())
         out = self.option_cache.get(key)
         if out is None:
-            per = tuple(self._device_key(int(d), False) for d in devices)
+            keys = self.option_cache.get("device-keys")
+            if keys is None:  # every device's exact key at once (the same tuples)
+                keys = self.option_cache["device-keys"] = [
+                    self._device_key(d, False) for d in range(self.state.num_devices)
+                ]
+            per = tuple(map(keys.__getitem__, devices.tolist()))
             links = (
-                tuple(float(x) for x in link_bandwidths_bytes_per_s(self.state, devices))
+                tuple(link_bandwidths_bytes_per_s(self.state, devices).tolist())
                 if len(devices) > 1
                 else ()
             )
             out = self.option_cache[key] = (per, links)
+        return out
+
+    def group_array_and_signature_id(self, devices: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """The group's device array (read-only, shared by every structure holding the group)
+        and :meth:`signature_id`, kept per device tuple (structures of 1024 devices repeat
+        most of their groups: one dict lookup per group)."""
+        known = self.option_cache.setdefault("group-array-signature", {})
+        out = known.get(devices)
+        if out is None:
+            arr = np.array(devices, dtype=np.int64)
+            arr.flags.writeable = False
+            out = known[devices] = (arr, self.signature_id(arr))
         return out
 
     def signature_id(self, devices: np.ndarray) -> int:
@@ -905,19 +922,13 @@ def solve_structure(
     around the shares found. Returns the better of this structure's solution and ``best``.
     ``all_active``: do not try idling groups beyond what the share solver does (the structure
     enumeration covers the smaller structures)."""
-    # each group's device array and signature id, kept per device tuple (structures of 1024
-    # devices repeat most of their groups; one dict lookup per group instead of an array, its
-    # bytes and a lookup)
+    # each group's device array and signature id (SearchContext.group_array_and_signature_id)
     known = ctx.option_cache.setdefault("group-array-signature", {})
     infos = [known.get(g) if type(g) is tuple else None for g in groups]
     if None in infos:
         for g, devs in enumerate(groups):
             if infos[g] is None:
-                arr = np.array(devs, dtype=np.int64)
-                arr.flags.writeable = False  # (shared by every structure holding the group)
-                infos[g] = (arr, ctx.signature_id(arr))
-                if type(devs) is tuple:
-                    known[devs] = infos[g]
+                infos[g] = ctx.group_array_and_signature_id(tuple(int(d) for d in devs))
     garr = [info[0] for info in infos]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
@@ -1289,7 +1300,7 @@ def _structure_moves(
     num_layers = ctx.prefix.num_layers
     classes: dict[tuple, list[int]] = {}
     for g, devs in enumerate(groups):
-        classes.setdefault(ctx.signature_id(np.asarray(devs, dtype=np.int64)), []).append(g)
+        classes.setdefault(ctx.group_array_and_signature_id(devs)[1], []).append(g)
     members = list(classes.values())
 
     def rebuild(changed: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
