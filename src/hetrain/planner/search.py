@@ -311,11 +311,18 @@ class SearchContext:
     ) -> GroupOptions:
         """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
         :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
-        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
+        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature; the same
+        signature, μ list and fixed split give the same (never written) options object."""
         sig = self.signature_id(devices)
         fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
         mus = [int(mu) for mu in mus]
         cache = self.option_cache
+        # the same group (signature), μ list and fixed split: the same options object (its
+        # tables never change once found; 3 of 4 requests at 1024 devices)
+        whole_key = ("options", sig, tuple(mus), fixed_key)
+        known = cache.get(whole_key)
+        if known is not None:
+            return known
         missing = [mu for mu in dict.fromkeys(mus) if ("env", sig, mu, fixed_key) not in cache]
         if missing:
             # all missing μ of the group at once (one numpy pass per stage for all of them)
@@ -344,7 +351,8 @@ class SearchContext:
             for mu, table in zip(missing, found, strict=True):
                 cache["env", sig, mu, fixed_key] = table
         tables = [cache["env", sig, mu, fixed_key] for mu in mus]
-        return GroupOptions.from_tables(tables, len(devices))
+        out = cache[whole_key] = GroupOptions.from_tables(tables, len(devices))
+        return out
 
     def _timed_many(
         self, devices: np.ndarray, bounds: Sequence[np.ndarray], mus: Sequence[int]
@@ -1000,7 +1008,7 @@ def solve_structure(
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
         # (cand's groups are garr's arrays themselves: found by identity, by bytes otherwise)
-        same_object = {id(garr[g]): g for g in range(len(garr))}
+        same_object = dict(zip(map(id, garr), range(len(garr)), strict=True))
         index_of: dict[bytes, int] | None = None
         done: set[tuple[int, int, int]] = set()
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
