@@ -259,8 +259,11 @@ class ProfilePrefix:
             grown = np.zeros((len(self.measured), width, self.num_layers + 1))
             grown_filled = np.zeros(width, dtype=bool)
             if dense is not None:
-                grown[:, : dense.shape[1]] = dense
+                # (the marks before the rows: a row is written before its mark, so a mark
+                # copied here always comes with its row, also if another thread planning
+                # with the same profile fills a row meanwhile)
                 grown_filled[: len(filled)] = filled
+                grown[:, : dense.shape[1]] = dense
             dense, filled = grown, grown_filled
             self._cache[key] = (dense, filled)
         if not filled[sizes].all():
@@ -320,7 +323,22 @@ class ProfilePrefix:
 
 
 def profile_prefix(profile: ProfileArrays) -> ProfilePrefix:
-    """Prefix sums of ``profile`` (see :class:`ProfilePrefix`)."""
+    """Prefix sums of ``profile`` (see :class:`ProfilePrefix`). Built once per profile object
+    and kept in its ``_cache`` (a :class:`~hetrain.profile.ProfileArrays` is frozen and its
+    arrays are never written), so the planner, its baselines and :func:`evaluate_plan` share
+    one prefix and its caches (kind index, measured prefix sums, bound speeds); profile-like
+    objects without a ``_cache`` get a new one per call."""
+    cache = getattr(profile, "_cache", None)
+    if isinstance(cache, dict):
+        out = cache.get("prefix")
+        if out is None:
+            out = cache["prefix"] = _build_prefix(profile)
+        return out
+    return _build_prefix(profile)
+
+
+def _build_prefix(profile: ProfileArrays) -> ProfilePrefix:
+    """:func:`profile_prefix` without the cache."""
 
     def cum(x: np.ndarray) -> np.ndarray:
         return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float))))
@@ -428,7 +446,7 @@ def _measured_stage_s(
             return measured
         return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
     whole = mu.astype(np.int64)
-    if np.array_equal(whole, mu) and whole.min(initial=1) >= 1:
+    if bool((whole == mu).all()) and whole.min(initial=1) >= 1:
         # whole sizes (the planner's): the table's row is the size itself
         which = whole
         table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)
@@ -440,6 +458,19 @@ def _measured_stage_s(
     return table[q, which, ends] * scale - table[q, which, starts] * scale
 
 
+def _last_state_cached(prefix: ProfilePrefix, name: str, state: ClusterState, batch: int,
+                       compute) -> np.ndarray:  # fmt: skip
+    """``compute(state, prefix, batch)``, kept in ``prefix``'s cache for the last ``state``
+    object and ``batch`` asked (read-only: callers share it)."""
+    last = prefix._cache.get(name)
+    if last is not None and last[0] is state and last[1] == batch:
+        return last[2]
+    out = compute(state, prefix, batch)
+    out.flags.writeable = False
+    prefix._cache[name] = (state, batch, out)
+    return out
+
+
 def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     """Per device, a speed ``ŝ_d`` (FLOP/s, shape ``(D,)``) with ``C ≥ μ Σ_{l∈S}(f_l+w_l)/ŝ_d``
     for every stage ``S`` and ``μ ≤ batch``: ``s_d`` under the FLOP model; for a device with
@@ -447,7 +478,11 @@ def bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) ->
     :meth:`ProfilePrefix.measured_rate_prefix_s`, times the state's scale), inf where some
     layer with FLOPs takes no time. So ``B Σ(f+w) / Σ_d ŝ_d`` stays a lower bound on the
     iteration time of any plan of those devices (docs/model.md §3 ``T_LB``; the search prunes
-    with it)."""
+    with it). Read-only; cached for the last state object and batch."""
+    return _last_state_cached(prefix, "bound-speed-last", state, int(batch), _bound_speed_flops)
+
+
+def _bound_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     speed = np.asarray(state.speed_flops, dtype=float).copy()
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
@@ -468,7 +503,13 @@ def effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int
     """Per device, the FLOP/s it reaches on the whole chain (shape ``(D,)``): ``s_d`` under the
     FLOP model; for a device with measured times ``μ Σ(f+w) / C_chain(μ)`` at ``μ`` = the
     smaller of ``batch`` and the kind's largest measured size. For orderings and proportional
-    shares (heuristics and baselines), never for times."""
+    shares (heuristics and baselines), never for times. Read-only; cached for the last state
+    object and batch."""
+    return _last_state_cached(prefix, "effective-speed-last", state, int(batch),
+                              _effective_speed_flops)  # fmt: skip
+
+
+def _effective_speed_flops(state: ClusterState, prefix: ProfilePrefix, batch: int) -> np.ndarray:
     speed = np.asarray(state.speed_flops, dtype=float).copy()
     kind = prefix.kind_index(state)
     if not np.any(kind >= 0):
@@ -732,10 +773,10 @@ def flat_sync_bandwidths_bytes_per_s(
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
     # owner_node[g, l]: node of the device of active group g that holds layer l
-    owner_node = np.repeat(state.node[devs_all], ends - starts).reshape(num_active, num_layers)
+    owner_node = state.node[devs_all].repeat(ends - starts).reshape(num_active, num_layers)
     # same[l]: all owners of layer l on one node; a stage's owner of l is then on that node
     # too, so d's layers are all node-local to d's node iff `same` holds on all of them
-    same = np.all(owner_node == owner_node[:1], axis=0)
+    same = (owner_node == owner_node[:1]).all(axis=0)
     local = np.concatenate(([0], np.cumsum(same)))
     all_local = (local[ends] - local[starts]) == (ends - starts)
     return np.where(all_local, state.intra_node_bytes_per_s, state.nic_bytes_per_s[devs_all])

@@ -299,6 +299,9 @@ class ProfileArrays:
     shared: tuple[SharedTensor, ...] = ()
     overhead_weights: np.ndarray | None = None
     measured: tuple[MeasuredTimes, ...] = ()
+    # (costmodel.profile_prefix keeps the prefix sums of these arrays here: built once per
+    # profile object, not once per planner/cost-model call; the arrays are never written)
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.frozen_param_bytes is None:

@@ -24,6 +24,7 @@ from hetrain.costmodel import (
     stage_memory_bytes,
     stage_times_s,
 )
+from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import plan_from_dict
 from hetrain.planner.partition import (
     SplitTable,
@@ -527,3 +528,135 @@ def test_measured_stage_times_of_no_splits() -> None:
     # μ = 3 between the measured 1 and 4: 1e-3 + 2/3 · 2e-3 forward, 2e-3 + 2/3 · 4e-3
     # backward, 7e-3 s per layer
     np.testing.assert_allclose(one, [[7e-3, 14e-3]], rtol=1e-12)
+
+
+# --- issue 21: shared prefix and speeds, the share solution's direct path -------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(measured_instances())
+def test_profile_prefix_is_built_once_per_profile_and_equals_a_fresh_build(instance) -> None:
+    """:func:`profile_prefix` keeps one prefix per profile object (what the planner, its
+    baselines and every evaluate_plan share), with the values of a fresh build; a changed copy
+    of the profile (``dataclasses.replace``, as the norm-block planner makes) gets its own."""
+    from hetrain.costmodel import _build_prefix
+
+    profile, _, _ = instance
+    arrays = profile_from_dict(profile).arrays()
+    prefix = profile_prefix(arrays)
+    assert profile_prefix(arrays) is prefix
+    fresh = _build_prefix(arrays)
+    for name in ("train_flops", "bwd_flops", "act_mem_bytes", "param_bytes", "boundary_bytes",
+                 "frozen_bytes", "layer_units", "shared_bytes", "shared_uses"):  # fmt: skip
+        assert getattr(prefix, name).tolist() == getattr(fresh, name).tolist()
+    assert prefix.measured == fresh.measured
+    doubled = dataclasses.replace(arrays, fwd_flops=2.0 * arrays.fwd_flops)
+    other = profile_prefix(doubled)
+    assert other is not prefix
+    assert other.train_flops.tolist() == _build_prefix(doubled).train_flops.tolist()
+    assert profile_prefix(arrays) is prefix
+
+
+@settings(max_examples=40, deadline=None)
+@given(measured_instances(), st.integers(1, 32))
+def test_bound_and_effective_speeds_are_kept_per_state_object(instance, batch) -> None:
+    """The speeds the search prunes and orders with are kept for the last state object and
+    batch (read-only) and equal a fresh computation; a state with changed speeds (a new
+    object) and another batch get their own values."""
+    from hetrain.costmodel import (
+        _bound_speed_flops,
+        _effective_speed_flops,
+        bound_speed_flops,
+        effective_speed_flops,
+    )
+
+    profile, cluster, factors = instance
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    prefix = profile_prefix(arrays)
+    for state in (base, base.with_changes(speed_flops=base.speed_flops * factors)):
+        for b in (batch, batch + 7):
+            for cached, plain in ((bound_speed_flops, _bound_speed_flops),
+                                  (effective_speed_flops, _effective_speed_flops)):  # fmt: skip
+                got = cached(state, prefix, b)
+                assert not got.flags.writeable
+                assert got.tolist() == plain(state, prefix, b).tolist()
+                assert cached(state, prefix, b) is got
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_share_solution_direct_and_distinct_pair_paths_agree(seed: int) -> None:
+    """:meth:`ShareProblem._finish` times each member directly up to
+    ``FINISH_DIRECT_MAX`` members and each distinct (entry, share) pair beyond: both give every
+    member :meth:`GroupOptions.time_for` of its own share (also with 100+ members)."""
+    import hetrain.planner.shares as shares_module
+
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(20):
+        opts = _random_options(rng, int(rng.integers(1, 4)))
+        counts = rng.integers(1, 60, len(opts))
+        batch = int(rng.integers(1, 200))
+        shares = rng.integers(0, batch + 1, int(counts.sum()))
+        entry = np.repeat(np.arange(len(opts)), counts)
+        want = [opts[e].time_for(int(b)) for e, b in zip(entry, shares, strict=True)]
+        got = []
+        for limit in (0, 10**9):  # distinct pairs only / every member directly
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(shares_module, "FINISH_DIRECT_MAX", limit)
+                got.append(ShareProblem(opts, batch, counts)._finish(shares))
+        if not all(np.isfinite(t) for t, _ in want):
+            assert got == [None, None]
+            continue
+        for sol in got:
+            assert sol.group_times_s.tolist() == [t for t, _ in want]
+            assert sol.option.tolist() == [p for _, p in want]
+            assert sol.max_group_time_s == max(t for t, _ in want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(7, 9), st.integers(0, 10**6), st.booleans())
+def test_plans_equal_without_the_shared_prefix_speeds_and_direct_shares(
+    num_devices: int, seed: int, measured: bool
+) -> None:
+    """best_plan (solve-count budget, so the same work every run) gives the same plan, to the
+    last bit of every figure, when every call builds its own prefix and speeds, ``weight``
+    sums the (zero) device weights and the share solutions find distinct pairs: the pruned
+    search and polish of 7-9 devices, with and without measured times."""
+    from test_exhaustive import wide_instance, with_measured_times
+
+    import hetrain.costmodel as costmodel
+    import hetrain.planner.baselines as baselines_module
+    import hetrain.planner.search as search_module
+    import hetrain.planner.shares as shares_module
+    from hetrain.planner import best_plan
+
+    case = wide_instance(num_devices, seed)
+    if measured:
+        case = with_measured_times(case, seed)
+    state = cluster_from_dict(case["cluster"]).state()
+    config = TrainingConfig(batch=case["batch"], schedule=case["schedule"])
+
+    def plan_json(fast: bool) -> str:
+        arrays = profile_from_dict(case["profile"]).arrays()  # (a new profile object)
+        with pytest.MonkeyPatch.context() as mp:
+            if not fast:
+                for module in (costmodel, search_module, baselines_module):
+                    mp.setattr(module, "profile_prefix", costmodel._build_prefix)
+                for module in (costmodel, search_module, baselines_module):
+                    if hasattr(module, "bound_speed_flops"):
+                        mp.setattr(module, "bound_speed_flops", costmodel._bound_speed_flops)
+                    if hasattr(module, "effective_speed_flops"):
+                        mp.setattr(module, "effective_speed_flops",
+                                   costmodel._effective_speed_flops)  # fmt: skip
+                mp.setattr(search_module.SearchContext, "weight",
+                           lambda self, devices: self.v + float(
+                               np.sum(self.weight_per_device[devices])))  # fmt: skip
+                mp.setattr(shares_module, "FINISH_DIRECT_MAX", 0)
+            try:
+                plan = best_plan(state, arrays, config, queues=case["queues"] or None,
+                                 reproducible=True)  # fmt: skip
+            except NoFeasiblePlanError:  # (the same verdict both ways)
+                return "infeasible"
+        return plan.model_dump_json()
+
+    assert plan_json(True) == plan_json(False)

@@ -153,16 +153,21 @@ def max_microbatches(
     whole micro-batch-independent term ``θ' (2 + o) + φ`` (docs/model.md (v3),
     :meth:`~hetrain.costmodel.ProfilePrefix.fixed_memory_bytes`) and ``theta_bytes`` is
     ignored."""
-    act = np.atleast_2d(act_bytes_per_sample)
+    act = np.asarray(act_bytes_per_sample)
+    if act.ndim < 2:
+        act = np.atleast_2d(act)
     if fixed_bytes is None:
         fixed = np.atleast_2d(theta_bytes) * (2.0 + optimizer_state_factor)
     else:
-        fixed = np.atleast_2d(fixed_bytes)
+        fixed = np.asarray(fixed_bytes)
+        if fixed.ndim < 2:
+            fixed = np.atleast_2d(fixed)
     k_stages = fixed.shape[1]
     free = limit_bytes - fixed
     per_mb = microbatch_size * act
-    with np.errstate(divide="ignore", invalid="ignore"):
-        n = np.where(per_mb > 0, np.floor(free / np.where(per_mb > 0, per_mb, 1.0)), np.inf)
+    # (the divisor is positive where it counts and 1 elsewhere: no division by zero)
+    positive = per_mb > 0
+    n = np.where(positive, np.floor(free / np.where(positive, per_mb, 1.0)), np.inf)
     n = np.where(free < 0, 0.0, n)
     if schedule != "gpipe":
         depth = k_stages - np.arange(k_stages)  # K - k + 1 for k = 1..K
@@ -383,8 +388,8 @@ def _min_sum_splits(
             cand = sums[owner, k, lo:hi, lo + 1 : hi + 1]
             np.putmask(cand, maxes[owner, k, lo:hi, lo + 1 : hi + 1] > beta3, np.inf)
             cand += best[:, lo:hi, None]
-            arg = np.argmin(cand, axis=1)
-            value = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            arg = cand.argmin(axis=1)
+            value = cand[np.arange(len(cand))[:, None], arg, np.arange(cand.shape[2])[None, :]]
             best = np.full((len(betas), n1), np.inf)
             best[:, lo + 1 : hi + 1] = value
             choice = np.zeros((len(betas), n1), dtype=np.int64)

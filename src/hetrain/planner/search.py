@@ -117,6 +117,7 @@ class SearchContext:
     bound_speed: np.ndarray = field(init=False)
     kind_index: np.ndarray = field(init=False)
     time_scale: np.ndarray = field(init=False)
+    weighted: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.prefix = profile_prefix(self.profile)
@@ -132,6 +133,7 @@ class SearchContext:
         self.weight_per_device = q.get("money", 0.0) * self.state.price_per_s + q.get(
             "energy", 0.0
         ) * np.asarray(self.state.power_w, dtype=float)
+        self.weighted = bool(np.any(self.weight_per_device != 0.0))
         self.available = np.flatnonzero(np.asarray(self.state.available, dtype=bool))
 
     @property
@@ -143,7 +145,10 @@ class SearchContext:
         return float(self.prefix.train_flops[-1])
 
     def weight(self, devices: np.ndarray) -> float:
-        """``V + Σ_{d} c_d`` over ``devices``."""
+        """``V + Σ_{d} c_d`` over ``devices`` (``V`` itself without queues: every ``c_d`` is 0,
+        and ``V + 0.0 = V``)."""
+        if not self.weighted:
+            return self.v
         return self.v + float(np.sum(self.weight_per_device[devices]))
 
     def mu_candidates(self, cap: int | None = None, *, every: bool = False) -> list[int]:
@@ -163,13 +168,30 @@ class SearchContext:
         key = ("signature", devices.tobytes())
         out = self.option_cache.get(key)
         if out is None:
-            per = tuple(self._device_key(int(d), False) for d in devices)
+            keys = self.option_cache.get("device-keys")
+            if keys is None:  # every device's exact key at once (the same tuples)
+                keys = self.option_cache["device-keys"] = [
+                    self._device_key(d, False) for d in range(self.state.num_devices)
+                ]
+            per = tuple(map(keys.__getitem__, devices.tolist()))
             links = (
-                tuple(float(x) for x in link_bandwidths_bytes_per_s(self.state, devices))
+                tuple(link_bandwidths_bytes_per_s(self.state, devices).tolist())
                 if len(devices) > 1
                 else ()
             )
             out = self.option_cache[key] = (per, links)
+        return out
+
+    def group_array_and_signature_id(self, devices: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """The group's device array (read-only, shared by every structure holding the group)
+        and :meth:`signature_id`, kept per device tuple (structures of 1024 devices repeat
+        most of their groups: one dict lookup per group)."""
+        known = self.option_cache.setdefault("group-array-signature", {})
+        out = known.get(devices)
+        if out is None:
+            arr = np.array(devices, dtype=np.int64)
+            arr.flags.writeable = False
+            out = known[devices] = (arr, self.signature_id(arr))
         return out
 
     def signature_id(self, devices: np.ndarray) -> int:
@@ -273,7 +295,7 @@ class SearchContext:
             elif k == last_stage:
                 best = np.min(np.maximum(best, worst[:, -1]), keepdims=True)
             else:
-                best = np.min(np.maximum(best[:, None], worst), axis=0)
+                best = np.maximum(best[:, None], worst).min(axis=0)
             if k < last_stage:
                 best = np.maximum(best, pre.boundary_bytes[last] / bws[k])
         bottleneck = float(best[-1])
@@ -289,11 +311,18 @@ class SearchContext:
     ) -> GroupOptions:
         """Options of a group for each ``μ`` in ``mus``: the envelope splits (found once per
         :meth:`approx_signature` and ``μ``, then timed exactly for these devices), or only
-        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature."""
+        ``fixed_bounds`` (a warm start that keeps its stages). Cached per exact signature; the same
+        signature, μ list and fixed split give the same (never written) options object."""
         sig = self.signature_id(devices)
         fixed_key = None if fixed_bounds is None else tuple(int(x) for x in fixed_bounds)
         mus = [int(mu) for mu in mus]
         cache = self.option_cache
+        # the same group (signature), μ list and fixed split: the same options object (its
+        # tables never change once found; 3 of 4 requests at 1024 devices)
+        whole_key = ("options", sig, tuple(mus), fixed_key)
+        known = cache.get(whole_key)
+        if known is not None:
+            return known
         missing = [mu for mu in dict.fromkeys(mus) if ("env", sig, mu, fixed_key) not in cache]
         if missing:
             # all missing μ of the group at once (one numpy pass per stage for all of them)
@@ -322,7 +351,8 @@ class SearchContext:
             for mu, table in zip(missing, found, strict=True):
                 cache["env", sig, mu, fixed_key] = table
         tables = [cache["env", sig, mu, fixed_key] for mu in mus]
-        return GroupOptions.from_tables(tables, len(devices))
+        out = cache[whole_key] = GroupOptions.from_tables(tables, len(devices))
+        return out
 
     def _timed_many(
         self, devices: np.ndarray, bounds: Sequence[np.ndarray], mus: Sequence[int]
@@ -343,7 +373,7 @@ class SearchContext:
         for b, mu in zip(bounds, mus, strict=True):
             sl = slice(start, start + len(b))
             start += len(b)
-            keep = np.argsort(key[sl], kind="stable")
+            keep = key[sl].argsort(kind="stable")
             keep = keep[nmax[sl][keep] >= 1]
             n_cap = -(-self.batch // mu)
             out.append(pareto(SplitTable(
@@ -900,13 +930,24 @@ def solve_structure(
     around the shares found. Returns the better of this structure's solution and ``best``.
     ``all_active``: do not try idling groups beyond what the share solver does (the structure
     enumeration covers the smaller structures)."""
-    garr = [np.asarray(g, dtype=np.int64) for g in groups]
+    # each group's device array and signature id (SearchContext.group_array_and_signature_id)
+    known = ctx.option_cache.setdefault("group-array-signature", {})
+    infos = [known.get(g) if type(g) is tuple else None for g in groups]
+    if None in infos:
+        for g, devs in enumerate(groups):
+            if infos[g] is None:
+                infos[g] = ctx.group_array_and_signature_id(tuple(int(d) for d in devs))
+    garr = [info[0] for info in infos]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
-    for g, devs in enumerate(garr):
-        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
-        entries.setdefault((ctx.signature_id(devs), fk), []).append(g)
+    if fixed_bounds is None:
+        for g, info in enumerate(infos):
+            entries.setdefault((info[1], None), []).append(g)
+    else:
+        for g, info in enumerate(infos):
+            fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+            entries.setdefault((info[1], fk), []).append(g)
     keys = list(entries)
     if best is not None:
         # no μ, split or share of these groups (nor of any subset of them kept active) takes
@@ -966,10 +1007,22 @@ def solve_structure(
     if cand is not None and refine:
         extra: dict[int, set[int]] = {}
         entry_of = {g: i for i, k in enumerate(keys) for g in entries[k]}
-        index_of = {garr[g].tobytes(): g for g in range(len(garr))}
+        # (cand's groups are garr's arrays themselves: found by identity, by bytes otherwise)
+        same_object = dict(zip(map(id, garr), range(len(garr)), strict=True))
+        index_of: dict[bytes, int] | None = None
+        done: set[tuple[int, int, int]] = set()
         for devs, mu, b in zip(cand.groups, cand.microbatch_sizes, cand.shares, strict=True):
-            g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
+            g = same_object.get(id(devs))
+            if g is None or garr[g] is not devs:
+                if index_of is None:
+                    index_of = {garr[h].tobytes(): h for h in range(len(garr))}
+                g = index_of[np.asarray(devs, dtype=np.int64).tobytes()]
             i = entry_of[g]
+            # the μ added below depend only on (entry, μ, share): the groups of one entry
+            # (one signature, depth and fixed split) with the same μ and share add the same
+            if (i, mu, b) in done:
+                continue
+            done.add((i, mu, b))
             n = -(-b // mu)
             ns = {n - 1, n, n + 1} if fixed[g] is not None \
                 else {1, 2, 3, 4, n - 1, n, n + 1, 2 * n}  # fmt: skip
@@ -1067,7 +1120,7 @@ def _solve_entries(
     # rank entries by asymptotic throughput (samples/s) per unit of weight
     rate = np.array(
         [
-            float(np.max(opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)))
+            float((opts[i].microbatch_size / np.maximum(opts[i].bottleneck_s, 1e-300)).max())
             for i in feasible
         ]
     )
@@ -1103,7 +1156,7 @@ def _solve_entries(
             left -= m
         members = [g for i, m in take for g in entries[keys[i]][:m]]
         used = np.concatenate([garr[g] for g in members])
-        t_floor = ctx.batch * ctx.total_flops / float(np.sum(speeds[used]))
+        t_floor = ctx.batch * ctx.total_flops / float(speeds[used].sum())
         limit = min(
             best.objective if best is not None else np.inf, bound if bound is not None else np.inf
         )
@@ -1142,7 +1195,7 @@ def _score_entries(
     for i, members in blocks:
         devs = stacks.get(i)
         if devs is None or len(devs) < len(members):
-            devs = stacks[i] = np.stack([garr[g] for g in members])
+            devs = stacks[i] = np.array([garr[g] for g in members])  # (equal lengths: a stack)
         parts.append((i, devs[: len(members)], slice(start, start + len(members))))
         start += len(members)
 
@@ -1176,7 +1229,7 @@ def _score_entries(
     changed = False
     for i, _, sl in parts:
         sh = shares[sl]
-        act = np.flatnonzero(sh > 0)
+        act = (sh > 0).nonzero()[0]
         if len(act) < 2:
             continue
         block = aligned_option[sl]  # (a view)
@@ -1199,9 +1252,9 @@ def _score_entries(
     groups, bounds, mus = [], [], []
     for (i, members), (_, _, sl) in zip(blocks, parts, strict=True):
         o = opts[i]
-        act = np.flatnonzero(shares[sl] > 0)
+        act = (shares[sl] > 0).nonzero()[0]
         chosen = option[sl][act]
-        groups.extend(garr[members[k]] for k in act.tolist())
+        groups.extend([garr[members[k]] for k in act.tolist()])
         bounds.extend(o.bounds[chosen])
         mus.extend(o.microbatch_size[chosen].tolist())
     return Candidate(obj, t, groups, bounds, mus, shares[shares > 0].tolist())
@@ -1255,7 +1308,7 @@ def _structure_moves(
     num_layers = ctx.prefix.num_layers
     classes: dict[tuple, list[int]] = {}
     for g, devs in enumerate(groups):
-        classes.setdefault(ctx.signature_id(np.asarray(devs, dtype=np.int64)), []).append(g)
+        classes.setdefault(ctx.group_array_and_signature_id(devs)[1], []).append(g)
     members = list(classes.values())
 
     def rebuild(changed: dict[int, list[tuple[int, ...]]]) -> list[tuple[int, ...]]:

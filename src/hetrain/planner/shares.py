@@ -34,6 +34,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from hetrain.planner.partition import SplitTable
 
+# ShareProblem._finish times each member's (entry, share) pair directly up to this many
+# members, and only the distinct pairs (np.unique) beyond
+FINISH_DIRECT_MAX = 64
+
 
 @dataclass(frozen=True)
 class GroupOptions:
@@ -117,7 +121,7 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     which is used when the inputs are not monotone, and below ``B = 63`` where it is
     faster)."""
     n1 = len(f)
-    if n1 < 64 or not (f[0] <= g[0] and np.all(f[1:] >= f[:-1]) and np.all(g[1:] >= g[:-1])):
+    if n1 < 64 or not (f[0] <= g[0] and (f[1:] >= f[:-1]).all() and (g[1:] >= g[:-1]).all()):
         # vals[b, x] = max(f[b − x], g[x]) for x ≤ b, inf for x > b: row b of a sliding
         # window over f reversed and padded with inf
         pad = np.full(n1 - 1, np.inf)
@@ -130,7 +134,7 @@ def _min_max_step(f: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     reach = b + np.searchsorted(f, g, side="right") - 1
     x0 = np.searchsorted(reach, b, side="left")
     right = g[x0]
-    left = np.where(x0 >= 1, f[np.clip(b - x0 + 1, 0, n1 - 1)], np.inf)
+    left = np.where(x0 >= 1, f[np.minimum(np.maximum(b - x0 + 1, 0), n1 - 1)], np.inf)
     use_left = left <= right
     first_left = np.maximum(b - (np.searchsorted(f, left, side="right") - 1), 0)
     return np.where(use_left, left, right), np.where(use_left, first_left, x0)
@@ -166,13 +170,14 @@ def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...
     sizes = np.array([len(g) for g in groups], dtype=np.int64)
     width = max(int(sizes.max(initial=0)), 1)
     rows = np.repeat(np.arange(len(groups)), sizes)
-    cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    cols = np.arange(int(sizes.sum())) - (sizes.cumsum() - sizes).repeat(sizes)
     mu_type = np.result_type(np.int64, *[g.microbatch_size for g in groups])
     arrays = []
     for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
                              ("bottleneck_s", 0.0, float),
                              ("max_microbatches", -1.0, float)):  # fmt: skip
-        out = np.full((len(groups), width), pad, dtype=dtype)
+        out = np.empty((len(groups), width), dtype=dtype)
+        out.fill(pad)
         if len(rows):
             out[rows, cols] = np.concatenate([getattr(g, name) for g in groups])
         arrays.append(out)
@@ -331,9 +336,11 @@ class ShareProblem:
         inv_alpha = 1.0 / alpha
         counts = self.counts[self._nonempty].astype(float)
         starts = self._starts
-        sizes = np.diff(np.append(starts, len(alpha)))
+        sizes = np.empty(len(starts), dtype=np.int64)  # options per group with options
+        sizes[:-1] = starts[1:] - starts[:-1]
+        sizes[-1] = len(alpha) - starts[-1]
         batch = float(self.batch)
-        t = float(np.min(delta + alpha * self.batch))
+        t = float((delta + alpha * self.batch).min())
         for _ in range(64):
             per = (t - delta) * inv_alpha
             best = np.maximum.reduceat(per, starts)
@@ -344,7 +351,7 @@ class ShareProblem:
             if excess <= 1e-12 * batch:
                 return max(t * (1.0 - 1e-12), 0.0)
             # each positive group's slope: 1/α of its best option at t
-            hit = per == np.repeat(best, sizes)
+            hit = per == best.repeat(sizes)
             first = np.maximum.reduceat(np.where(hit, inv_alpha, 0.0), starts)
             slope = float(np.dot(np.where(best > 0.0, first, 0.0), counts))
             if not (slope > 0.0 and np.isfinite(slope)):
@@ -465,14 +472,20 @@ class ShareProblem:
         return hi
 
     def _finish(self, shares: np.ndarray) -> ShareSolution | None:
-        entry = np.repeat(np.arange(len(self.groups)), self.counts)
+        entry = np.arange(len(self.groups)).repeat(self.counts)
         # GroupOptions.time_for of each distinct (entry, share) pair, all pairs in one pass
         # over the options padded to (G, P_max) (padding never fits: n_max = -1, so it is
-        # inf and after every option, and argmin keeps time_for's first index)
-        width = self.batch + 1
-        pairs, which = np.unique(entry * width + np.asarray(shares, dtype=np.int64),
-                                 return_inverse=True)  # fmt: skip
-        e, b = pairs // width, pairs % width
+        # inf and after every option, and argmin keeps time_for's first index); up to
+        # FINISH_DIRECT_MAX members, every member's pair as it is (the same values, without
+        # the sort that finds the distinct pairs)
+        shares = np.asarray(shares, dtype=np.int64)
+        if len(shares) <= FINISH_DIRECT_MAX:
+            e, b = entry, shares
+            which = np.arange(len(shares))
+        else:
+            width = self.batch + 1
+            pairs, which = np.unique(entry * width + shares, return_inverse=True)
+            e, b = pairs // width, pairs % width
         mu, fill, bottleneck, nmax = self._time_arrays()
         n = -(-b[:, None] // mu[e])
         t = np.where(n <= nmax[e], fill[e] + (n - 1) * bottleneck[e], np.inf)
