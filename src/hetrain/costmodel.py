@@ -933,14 +933,13 @@ def expected_max_normal(times_s: Sequence[float], jitter: float) -> float:
         return top
     if np.all(t == top) and t.size <= len(_EXPECTED_MAX_NORMAL):
         return top * (1.0 + jitter * _EXPECTED_MAX_NORMAL[t.size - 1])
-    from math import erf, sqrt
+    from scipy.special import ndtr  # Φ, vectorised (np.vectorize(math.erf) was ~10x slower)
 
     sd = jitter * t
     lo = max(0.0, float(np.min(t - 8 * sd)))
     hi = float(np.max(t + 8 * sd))
     x = np.linspace(lo, hi, 4001)
-    z = (x[:, None] - t[None, :]) / (sd[None, :] * sqrt(2.0))
-    cdf = np.prod(0.5 * (1.0 + np.vectorize(erf)(z)), axis=1)
+    cdf = np.prod(ndtr((x[:, None] - t[None, :]) / sd[None, :]), axis=1)
     tail = 1.0 - cdf
     return float(lo + np.sum((tail[1:] + tail[:-1]) * np.diff(x)) / 2.0)
 
