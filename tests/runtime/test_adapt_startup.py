@@ -132,3 +132,22 @@ def test_the_rounds_controller_starts_from_the_start_up_decision_without_searchi
         started.append(fresh.search_started)
     fresh.wait_for_search()
     assert [s for s in started if s is not None] == [7], started
+
+
+@pytest.mark.parametrize("param_bytes", [4e4, 2e8])
+@pytest.mark.parametrize("factor", [3.0, 10.0, 50.0])
+@pytest.mark.parametrize("slow", DEVICES)
+def test_the_start_up_plan_names_every_rank(slow, factor, param_bytes):
+    """A round's first plan must name every rank (the engine refuses one that does not): a
+    device the decision leaves out, by shares or by a new structure (the pipelined model's
+    planner plan is one 3-stage pipeline without the slow device), gets an idle group; the
+    plan still validates against the model and the batch."""
+    profile = _profile(param_bytes)
+    config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
+    calibrated = _state({d: factor if d == slow else 1.0 for d in DEVICES})
+    first, _ = startup_decision(calibrated, profile, config, even_dp_plan(DEVICES, 8, BATCH, 1), 40)
+    assert sorted(first.devices) == DEVICES, first
+    first.validate_for(DEVICES, 8, BATCH, "start-up plan")
+    busy = {d for g in first.groups if g.batch > 0 for d in g.devices}
+    if param_bytes > 1e6 or factor >= 10:  # the slow device is left idle
+        assert busy == set(DEVICES) - {slow}, first

@@ -448,11 +448,13 @@ def startup_decision(
 
     Returns:
         ``(first_plan, controller_state)``: the plan as the ranks run it (single-stage groups
-        one micro-batch, :func:`runtime_plan`) with ``plan``'s id, idle groups kept (a
-        round's first plan names every rank), or ``plan`` when the decision keeps it; and
-        the deciding controller's :meth:`PlanController.state_dict` (JSON data), which the
-        round's controller starts from (:func:`round_controller`), so that it knows the
-        searched plans and does not search again for the same state.
+        one micro-batch, :func:`runtime_plan`) with ``plan``'s id, naming every device of
+        ``plan`` (a device the decision leaves out gets an idle group,
+        :meth:`~hetrain.plan.Plan.with_idle_groups`: a round's first plan names every
+        rank), or ``plan`` when the decision keeps it; and the deciding controller's
+        :meth:`PlanController.state_dict` (JSON data), which the round's controller starts
+        from (:func:`round_controller`), so that it knows the searched plans and does not
+        search again for the same state.
 
     Raises:
         NoFeasiblePlanError: (from the planner) no plan fits the devices.
@@ -467,6 +469,7 @@ def startup_decision(
             for g in ctl._policy_plan.groups
         )
         first = ctl._policy_plan.model_copy(update={"groups": groups, "plan_id": plan.plan_id})
+        first = first.with_idle_groups(plan.devices)  # a new structure may leave devices out
     return first, ctl.state_dict()
 
 
