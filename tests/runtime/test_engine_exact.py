@@ -70,7 +70,7 @@ def _batch(data, step):
     return x[rows], y[rows]
 
 
-def _reference(model_name, opt_name, dtype, steps):
+def _reference(model_name, opt_name, dtype, steps, clip=CLIP):
     build, data_fn, loss_fn = MODELS[model_name]
     torch.manual_seed(0)
     model = build().to(dtype)
@@ -85,14 +85,15 @@ def _reference(model_name, opt_name, dtype, steps):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         set_lr(opt, spec.lr_at(t))
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
 
 
-def _train(rank, world, model_name, opt_name, dtype, plans, change_at, steps):
+def _train(rank, world, model_name, opt_name, dtype, plans, change_at, steps, clip=CLIP):
     build, data_fn, loss_fn = MODELS[model_name]
     torch.manual_seed(0)
     model = build()
@@ -103,7 +104,7 @@ def _train(rank, world, model_name, opt_name, dtype, plans, change_at, steps):
         loss_fn,
         SPECS[opt_name],
         dtype=dtype,
-        grad_clip_norm=CLIP,
+        grad_clip_norm=clip,
     )
     data = data_fn()
     losses, norms = [], []
@@ -263,6 +264,27 @@ def test_plan_trains_like_one_process(case, tmp_path):
     assert all(r[2] is None for r in results[1:])
     if change_at is not None:  # layers really moved between ranks
         assert results[0][3] >= 4
+
+
+def test_an_idle_replica_beside_a_pipeline_stays_in_step_and_takes_over(tmp_path):
+    """A pipeline of two ranks beside an idle replica of the whole model (a start-up plan that
+    leaves a slow device out), no clipping, then a plan where the idle rank trains alone from
+    its own replica: equal to one process. Every layer had one active owner, so the step's
+    got-gradient flags travelled late, and the idle rank's optimizer skipped every tensor."""
+    plans = [
+        {"groups": [_group(["w0", "w1"], [[0, 3], [3, 6]], 4, 24), _group(["w2"], [[0, 6]], 1, 0)]},
+        {"groups": [_group(["w2"], [[0, 6]], 6, 24)]},
+    ]
+    dtype = torch.float64
+    results = run_ranks(_train, 3, tmp_path, args=("digits", "adamw", dtype, plans, 3, STEPS, None))
+    ref_losses, ref_state = _reference("digits", "adamw", dtype, STEPS, clip=None)
+    for losses, *_ in results:
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), **TOLERANCES["float64"]
+        )
+    assert results[0][3] == 0  # w2 trained from its own replica: nothing moved
+    for key, value in ref_state.items():
+        torch.testing.assert_close(results[0][2][key], value, **TOLERANCES["float64"], msg=key)
 
 
 def _checkpoint_roundtrip(rank, world, plans, steps, switch_at):

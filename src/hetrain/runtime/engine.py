@@ -255,10 +255,12 @@ class Worker(LayerState, StepSums):
         self._p2p_cache: dict[tuple[int, int], Any] = {}  # message descriptions (stages.P2P)
         self._norm_sets = self._norm_owner_sets()
         everyone = tuple(range(self.world_size))
-        # every trainable tensor has one active owner (no gradient combination at all): this
-        # rank's got-gradient flags are the step's, so the sums may travel late
+        # every trainable tensor has one active owner and no idle replica (no gradient
+        # combination at all): this rank's got-gradient flags are the step's, so the sums may
+        # travel late; an idle replica gets its gradients broadcast and must learn now which
+        # got one, or its optimizer skips them and the replica goes stale
         self._grads_single_owner = not any(
-            len(b.active) > 1 for b in self._buckets if self._bucket_trainable(b)
+            len(b.active) > 1 or b.idle for b in self._buckets if self._bucket_trainable(b)
         )
         self._sums_in_gradients = (
             self.world_size > 1
