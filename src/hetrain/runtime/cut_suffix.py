@@ -293,24 +293,18 @@ def replay(
     in_flat, in_spec = tree_flatten(inputs)
     if in_spec != trace.input_spec:
         return None
-    from hetrain.runtime.cut_direct import run_blocks
+    from hetrain.runtime.cut_direct import _resolve, run_blocks
 
     outs = run_blocks(cut, plan, live, extras) if plan is not None else {}
     env: dict[tuple[int, int], torch.Tensor] = {}
 
     def resolve(src: tuple[str, Any]) -> Any:
         kind, v = src
-        if kind == "s":
+        if kind == "s":  # a result of an earlier replayed call
             return env[v]
-        if kind == "out":
-            return outs[v]
-        if kind == "recv":
-            return live[v]
-        if kind == "x":
-            return extras[v]
         if kind == "in":
             return in_flat[v]
-        return v  # "p", "c"
+        return _resolve(src, live, extras, outs)  # "out", "recv", "x", "p", "c"
 
     for op, (_kind, fn, spec, fills, count) in enumerate(trace.ops):
         args, kwargs = tree_unflatten([resolve(f) for f in fills], spec)
