@@ -76,3 +76,63 @@ def test_devices_of_other_kinds_are_not_pooled():
     r = est.slowdowns()
     assert r["a0"] == r["a1"] == pytest.approx(1.025, rel=1e-12)
     assert r["b0"] == pytest.approx(2.0, rel=1e-12)
+
+
+def _feed_step(est: SpeedEstimates, times_s: dict[str, float]) -> None:
+    for d, t in times_s.items():
+        est.observe(d, FLOPS, t, 1)
+    est.close_step()
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("factor", [2.0, 3.0])
+def test_a_slow_device_given_little_work_then_none_stays_out_of_the_pool(seed, factor):
+    """w1 slows down at step 20 and leaves the pool; the controller then gives it a sliver of
+    work (its ratios scatter, log-normal σ = 0.4, as a small share's do on shared cores),
+    then none (idle from step 75). At every step after it left, its estimate is its own
+    (without hysteresis the larger standard error of the scattered ratios put it back at its
+    kind's ratio in 4 of these 16 streams, and the controller gave it an equal share again);
+    its peers stay pooled at their speed."""
+    ids = ["w0", "w1", "w2", "w3"]
+    est = SpeedEstimates(ids, [SPEED] * 4, kinds=["cpu"] * 4)
+    rng = np.random.default_rng(seed)
+    base = FLOPS / SPEED
+    left_at = None
+    for step in range(100):
+        times = {d: base * rng.lognormal(0.0, 0.1) for d in ("w0", "w2", "w3")}
+        if step < 20:
+            times["w1"] = base * rng.lognormal(0.0, 0.1)
+        elif step < 35:
+            times["w1"] = factor * base * rng.lognormal(0.0, 0.1)
+        elif step < 75:
+            times["w1"] = factor * base * rng.lognormal(0.0, 0.4)
+        _feed_step(est, times)  # from step 75: w1 idle, no ratio
+        r = est.slowdowns()
+        if left_at is None and r["w1"] > 1.5 * r["w0"]:
+            left_at = step
+        if left_at is not None:
+            assert r["w1"] == est.own_slowdowns()["w1"] > 1.1 * r["w0"], (step, r)
+            assert est.distinct == {"w1"}
+    assert left_at is not None and left_at <= 30
+    r = est.slowdowns()
+    assert r["w0"] == r["w2"] == r["w3"] == pytest.approx(1.0, rel=0.1), r
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_device_that_recovers_rejoins_the_pool(seed):
+    """w2 3x slow from step 10 to 40, then back to its peers' speed with its full share: it
+    rejoins its kind's pool (its estimate equals its peers' again) within 13 steps."""
+    ids = ["w0", "w1", "w2", "w3"]
+    est = SpeedEstimates(ids, [SPEED] * 4, kinds=["cpu"] * 4)
+    rng = np.random.default_rng(seed)
+    base = FLOPS / SPEED
+    for step in range(80):
+        times = {d: base * rng.lognormal(0.0, 0.1) for d in ids}
+        if 10 <= step < 40:
+            times["w2"] *= 3.0
+        _feed_step(est, times)
+        if step == 39:
+            assert "w2" in est.distinct
+    assert "w2" not in est.distinct
+    r = est.slowdowns()
+    assert r["w2"] == r["w0"] == r["w1"] == r["w3"], r

@@ -225,7 +225,7 @@ def test_no_step_is_decided_while_a_posted_decision_is_not_yet_applied(tmp_path)
 
 
 def _main_job_late_shares(run_dir, out: str) -> list:
-    """Run-level checks of the main job's metrics (asserted), and the steps from 70 on where
+    """Run-level checks of the main job's metrics (asserted), and the steps from 90 on where
     w1's share exceeds half the mean used share (returned)."""
     events = read_metrics(run_dir / "metrics.jsonl")
     plans = {e["plan_id"]: e["plan"] for e in events if e["event"] == "plan"}
@@ -251,7 +251,7 @@ def _main_job_late_shares(run_dir, out: str) -> list:
                 assert r["predicted_time_s"] < (1 - margin) * r["current_time_s"], (
                     e["step"], shares, r,
                 )  # fmt: skip
-        if e["step"] >= 70:
+        if e["step"] >= 90:
             used = [b for b in shares.values() if b > 0]
             if shares["w1"] > 0.5 * np.mean(used):
                 late.append((e["step"], shares))
@@ -285,40 +285,32 @@ def _main_job_late_shares(run_dir, out: str) -> list:
 def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     """``hetrain train --example digits --workers 4 --steps 150`` (w1 3x slower from step 50):
     equal shares for identical ranks before (unless a re-plan logged the controller's gate
-    for an uneven plan), w1 at most half the mean used share from 70.
+    for an uneven plan), w1 at most half the mean used share from step 90 on.
 
-    The last target is met by the large majority of runs, not by every one: on this 2-core
-    machine (4 ranks, about 2 ms of compute in a 15-30 ms step) 2 of 45 quiet runs still had
-    w1 at 9-13 of 64 at step 70 (both after a re-balance on noise before the slow-down had
-    given w1 22 and 35; the predicted gain of moving work off w1 is 27-30 % here, just above
-    the runtime's 25 % noise guard, so the next re-balance came at step 71-74). With the
-    estimates before the slow-down ratios (docs/training.md "Speeds") it was 7 of 60. So a run
-    that misses it is repeated once and the second must meet it. Every other check holds on
-    every run."""
-    misses = []
-    for attempt in range(2):
-        run_dir = tmp_path / f"run{attempt}"
-        code = main(
-            [
-                "train",
-                "--example",
-                "digits",
-                "--workers",
-                "4",
-                "--steps",
-                "150",
-                "--no-progress",
-                "--run-dir",
-                str(run_dir),
-            ]
-        )
-        assert code == 0
-        err = capfd.readouterr()
-        late = _main_job_late_shares(run_dir, err.out + err.err)
-        if not late:
-            break
-        misses.append(late[0])
-    assert not late, misses
+    Step 90 leaves 40 steps after the slow-down: the pooled estimate lets w1 out of its
+    kind's pool after about 7 slow steps (docs/controller.md, "Pooled per hardware kind"), and on
+    this 2-core machine (4 ranks, about 2 ms of compute in a 15-30 ms step) a re-balance
+    decided on noise just before the slow-down has delayed the move by up to 24 steps in
+    quiet runs (w1 still at 9-13 of 64 at step 70, re-balanced at 71-74)."""
+    run_dir = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--example",
+            "digits",
+            "--workers",
+            "4",
+            "--steps",
+            "150",
+            "--no-progress",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
+    assert code == 0
+    err = capfd.readouterr()
+    late = _main_job_late_shares(run_dir, err.out + err.err)
+    assert not late, late[:3]
 
 
 def test_first_decision_keeps_the_slow_device_busy_with_balanced_shares():

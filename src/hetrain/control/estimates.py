@@ -59,6 +59,16 @@ class SpeedEstimates:
     not during calibration) applies to it too, so an idle device does not look faster than
     its busy peers by that common factor.
 
+    **Hysteresis.** A device found distinct stays distinct (keeps its own estimate) until its
+    own estimate comes back within ``change_tolerance`` of the pooled one; the significance
+    test decides only whether it leaves the pool. A device given little work after it was
+    found slow (a share of one sample: its step is mostly scheduling noise, so the standard
+    error of its ratios is large) or none (idle: no new ratios) would otherwise fall back to
+    its kind's ratio, be given an equal share again, be found slow again, and so on
+    (``tests/control/test_estimates_pooled.py``). The set of distinct devices is updated by
+    :meth:`close_step`, once per step after that step's :meth:`observe` calls, so that
+    :meth:`slowdowns` depends only on the measurements fed and not on how often it is asked.
+
     Args:
         ids: device ids.
         speed_flops: start-up speeds ``s_d`` (FLOP/s, > 0), aligned with ``ids``.
@@ -101,6 +111,7 @@ class SpeedEstimates:
         self.long_window = max(int(long_window or 3 * self.window), self.window)
         self.change_tolerance = float(change_tolerance)
         self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
+        self.distinct: set[str] = set()  # devices out of their kind's pool (hysteresis)
 
     def observe(
         self,
@@ -154,12 +165,25 @@ class SpeedEstimates:
         """``r̂_d``: measured over start-up time for the same work (2.0 = twice as slow as at
         start-up) for every device whose kind has a measured device: its kind's pooled ratio,
         or its own estimate (:meth:`own_slowdowns`) where that differs significantly from
-        the pooled one (class docstring)."""
+        the pooled one, or where the device was distinct at the last :meth:`close_step` and
+        its own estimate is still more than ``change_tolerance`` from the pooled one (class
+        docstring)."""
+        return self._pooled()[0]
+
+    def close_step(self) -> None:
+        """End of one step's measurements: the devices that keep their own estimate from now
+        on (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now."""
+        self.distinct = self._pooled()[1]
+
+    def _pooled(self) -> tuple[dict[str, float], set[str]]:
+        """``(slowdowns, devices given their own estimate)``."""
         own = self._own()
         by_kind: dict[str, list[str]] = {}
         for d in own:
             by_kind.setdefault(self.kinds[d], []).append(d)
-        out = {}
+        out: dict[str, float] = {}
+        apart: set[str] = set()
+        tolerance = math.log1p(self.change_tolerance)
         for d in self.ids:
             peers = by_kind.get(self.kinds[d])
             if not peers:
@@ -174,17 +198,21 @@ class SpeedEstimates:
             estimate, se = own[d]
             se_pooled = float(np.median([own[p][1] for p in peers])) / math.sqrt(len(peers))
             gap = abs(math.log(estimate / pooled))
-            distinct = gap > math.log1p(self.change_tolerance) and gap > self.z * math.hypot(
-                se, se_pooled
-            )
+            if d in self.distinct:
+                distinct = gap > tolerance
+            else:
+                distinct = gap > tolerance and gap > self.z * math.hypot(se, se_pooled)
             out[d] = estimate if distinct else pooled
-        return out
+            if distinct:
+                apart.add(d)
+        return out, apart
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("long_window", state.get("window", 13))
         state.setdefault("change_tolerance", 0.1)
         state.setdefault("kinds", {d: d for d in state.get("ids", ())})
         state.setdefault("z", 3.0)
+        state.setdefault("distinct", set())
         self.__dict__.update(state)
 
     def speeds_flops(self) -> dict[str, float]:

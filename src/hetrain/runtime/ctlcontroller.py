@@ -174,6 +174,7 @@ class PlanController:
                 self.estimates.observe(
                     d, work, t, group.num_microbatches, units, expected_s=expected
                 )
+        self.estimates.close_step()
         self._observed = None
         self.observed_steps += 1
         if self._first_speeds is None and self.observed_steps >= self.estimates.window:
@@ -347,6 +348,7 @@ class PlanController:
                 "kappa_s": {d: float(v) for d, v in est.kappa_s.items()},
                 "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
                 "samples": {d: list(v) for d, v in est._samples.items()},
+                "distinct": sorted(est.distinct),
             },
             "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
             "current_plan_id": int(self.current.plan_id or 0),
@@ -399,6 +401,7 @@ class PlanController:
             if not 1 <= window <= long_window:
                 raise ValueError(f"windows {window}, {long_window}")
             samples = {d: [float(v) for v in est["samples"][d]][-long_window:] for d in ids}
+            distinct = {str(d) for d in est.get("distinct", ())} & set(ids)
             plans = {
                 int(k): plan_from_dict(v, f"controller state: plans.{k}")
                 for k, v in dict(data["plans"]).items()
@@ -418,6 +421,7 @@ class PlanController:
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
         self.estimates._samples = samples
+        self.estimates.distinct = distinct
         self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
