@@ -262,10 +262,12 @@ class ControllerService:
         self._note_steps(len(records))
         every = int(self._init.get("checkpoint_every") or 0)
         decision = None
+        rows: list[tuple[dict[str, Any], Any]] = []  # log rows, the inputs of their predictions
         for k in range(self._last + 1, newest + 1):
             rec = records[k]
             ctl.observe(k, rec["plan_id"], rec["compute_time_s"], rec.get("iteration_time_s"))
-            row = {"step": k, "plan_id": rec["plan_id"], **ctl.predictions()}
+            row = {"step": k, "plan_id": rec["plan_id"]}
+            predicted = ctl.prediction_inputs() if self._log is not None else None
             if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
                 path = controller_state_path(self._init["checkpoint_dir"], k + 1)
                 tmp = path.with_suffix(".tmp")
@@ -312,15 +314,21 @@ class ControllerService:
                 row["measured_time_s"] = rec.get("iteration_time_s")
                 row["speed_flops"] = ctl.estimates.speeds_flops()
                 row["check"] = ctl.last_check
-                row["logged_at_s"] = time.time()
-                self._log.write(json.dumps(row) + "\n")
+                rows.append((row, predicted))
         self._last = newest
-        if self._log is not None:
-            self._log.flush()
         if decision is not None:
             # tagged with its round: a decision of a round that ended while it was computed
             # (its rank 0 died) must not reach the next round's rank 0
             self.store.set(PREFIX + "plan", encode_decision(self._init_id.decode(), decision))
+        if self._log is not None:
+            # after the decision is posted: the log's predictions (two cost-model evaluations
+            # per step) do not delay it; the same values as computed before the decision
+            for row, predicted in rows:
+                row = {"step": row.pop("step"), "plan_id": row.pop("plan_id"),
+                       **ctl.predictions_of(predicted), **row}  # fmt: skip
+                row["logged_at_s"] = time.time()
+                self._log.write(json.dumps(row) + "\n")
+            self._log.flush()
         return True
 
     def _step_record(self, step: int) -> dict[str, Any] | None:

@@ -210,7 +210,18 @@ class PlanController:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
         docs/model.md §6) on the current estimates, both with the learned fixed step time
         ``F`` (:meth:`step_overhead_s`, also returned)."""
-        state = self.observed_state()
+        return self.predictions_of(self.prediction_inputs())
+
+    def prediction_inputs(self) -> tuple[Plan, ClusterState, float]:
+        """What :meth:`predictions` depends on, taken now (cheap: the plan in force, the
+        observed state, ``F``); :meth:`predictions_of` evaluates it later (the service posts
+        a decision before it computes the log's predictions, about a third of its CPU per
+        step). The state is not changed afterwards (:meth:`observe` makes a new one)."""
+        return self.current, self.observed_state(), self.step_overhead_s()
+
+    def predictions_of(self, inputs: tuple[Plan, ClusterState, float]) -> dict[str, float]:
+        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot."""
+        plan, state, overhead_s = inputs
         even = even_dp_plan(
             self.base_state.ids,
             self.profile.num_layers,
@@ -218,9 +229,9 @@ class PlanController:
             1,
             norm_block=self.config.norm_block,
         )
-        config = dataclasses.replace(self.config, step_overhead_s=self.step_overhead_s())
+        config = dataclasses.replace(self.config, step_overhead_s=overhead_s)
         return {
-            "predicted_time_s": predict_iteration_time_s(self.current, state, self.profile, config),
+            "predicted_time_s": predict_iteration_time_s(plan, state, self.profile, config),
             "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
             "step_overhead_s": config.step_overhead_s,
         }
