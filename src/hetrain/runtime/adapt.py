@@ -70,20 +70,22 @@ DECIDE_BACKLOG_STEPS = 3
 """When the controller is behind the ranks, it decides only for the newest this-many steps."""
 
 CONTROLLER_NICE = 10
-"""Nice steps the controller's threads run below the process that starts them (a CFS weight of
-110 against a rank's 1024): its work (about 10 ms of CPU per step at 4 devices: the estimates,
-the cheap decision, the log's predictions) takes the cores' idle time (pipeline bubbles, a
-slow device's emulated sleep, waits in collectives) instead of a rank's share, so it does not
-stretch the step time; under a full load it still gets about a tenth of a core."""
+"""Nice steps the controller's search thread runs below the thread that starts it (a CFS weight
+of 110 against a rank's 1024): a planner search (0.1-3 s of CPU at 4-16 devices) takes the
+cores' idle time (pipeline bubbles, a slow device's emulated sleep, waits in collectives)
+instead of a rank's share. The service's own thread (the per-step cheap decision, about 10 ms
+of CPU per step at 4 devices) keeps its priority: at nice 10 on the loaded 2-core machine its
+decisions reached the ranks 4-18 steps after their measurements against 3-9 at normal priority
+(``hetrain train --example digits --workers 4 --steps 100``, two runs each; docs/controller.md)."""
 
 
 def lower_thread_priority(increment: int = CONTROLLER_NICE) -> bool:
     """Lower the calling thread's CPU priority by ``increment`` nice steps (at most to 19).
 
     Linux only: there a nice value belongs to one thread (``setpriority(PRIO_PROCESS, tid)``)
-    and the threads it starts inherit it, so the ranks of the same process (none under
-    ``hetrain train``, whose launcher only waits on them) keep theirs. Elsewhere, or where the
-    OS refuses, nothing changes. Returns whether the priority was lowered."""
+    and the threads it starts inherit it; the other threads of the process keep theirs.
+    Elsewhere, or where the OS refuses, nothing changes. Returns whether the priority was
+    lowered."""
     if not sys.platform.startswith("linux") or increment <= 0:
         return False
     try:
@@ -369,7 +371,6 @@ class ControllerThread:
         self.error: BaseException | None = None
 
     def _run(self) -> None:
-        lower_thread_priority()  # this thread and the search thread it starts
         try:
             self.service.run()
         except BaseException as exc:  # posted to the store for rank 0; kept for the launcher
@@ -413,9 +414,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     store = _store(args.host, args.port, master=True)
-    # below the ranks (its main thread, and the watch and search threads it starts; the
-    # store's server thread, started above, keeps the ranks' priority)
-    lower_thread_priority()
     service = ControllerService(store)
 
     parent = os.getppid()

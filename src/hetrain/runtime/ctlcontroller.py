@@ -50,12 +50,17 @@ _SEARCH_EXECUTOR: Any = None
 
 
 def _search_executor():
-    """One thread of the controller's process for policy calls (created on first use)."""
+    """One thread of the controller's process for policy calls (created on first use), below
+    the ranks' CPU priority (:data:`hetrain.runtime.adapt.CONTROLLER_NICE`)."""
     global _SEARCH_EXECUTOR
     if _SEARCH_EXECUTOR is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _SEARCH_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-policy")
+        from hetrain.runtime.adapt import lower_thread_priority
+
+        _SEARCH_EXECUTOR = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hetrain-policy", initializer=lower_thread_priority
+        )
     return _SEARCH_EXECUTOR
 
 
