@@ -36,8 +36,10 @@ Cases:
   with ``--slowdown w1=3``, alternated; rate = steps after ``--warmup`` over their wall time
   (metrics ``time_s``). Target: the adaptive run >= 0.95 of the fixed plan's rate over the
   whole run after ``--warmup`` (its warm-up, decisions and re-plans included: what a user
-  gets). Also printed: its rate after its last plan change (the steady state) and its
-  number of plan changes. ``--only-train`` runs this case alone.
+  gets). Also printed: its rate after its last plan change (the steady state), its
+  number of plan changes and the controller's CPU per step (its service thread, from
+  ``controller.jsonl``'s ``service_cpu_s``; a planner search runs in another thread).
+  ``--only-train`` runs this case alone.
 
 Each peer case also prints every rank's CPU per timed step (``time.process_time`` of the
 rank's process, all its threads; medians over the runs): 4 ranks share the host's cores, so a
@@ -362,6 +364,7 @@ def train_case(args) -> dict:
                   "--no-progress", "--no-report"]  # fmt: skip
         rates: dict[str, list[float]] = {"fixed": [], "adaptive": [], "adaptive_steady": []}
         changes: list[int] = []
+        controller_ms: list[float] = []
         planned = ""
         for i in range(args.repeats):
             for kind in ("adaptive", "fixed"):
@@ -373,6 +376,7 @@ def train_case(args) -> dict:
                 if kind == "adaptive":
                     rates["adaptive_steady"].append(_rate(metrics, args.warmup, True))
                     changes.append(_plan_changes(metrics))
+                    controller_ms.append(_controller_cpu_ms(run_dir / "controller.jsonl"))
                 if kind == "adaptive" and i == 0:
                     cluster.write_text(yaml.safe_dump(_measured_cluster(metrics)))
                     planned = _hetrain("plan", "--cluster", str(cluster), "--model",
@@ -388,16 +392,28 @@ def train_case(args) -> dict:
             f"train        fixed plan {med['fixed']:.2f} it/s   adaptive {med['adaptive']:.2f} "
             f"it/s   fraction {fraction:.3f} (whole run after --warmup; after its last plan "
             f"change {med['adaptive_steady']:.2f} it/s, {steady:.3f})   plan changes {changes}"
-            f"   plan {shares}",
+            f"   plan {shares}   controller CPU {statistics.median(controller_ms):.1f} ms/step",
             flush=True,
         )
         return {"fraction_of_fixed_plan": round(fraction, 4), "fixed_it_per_s": med["fixed"],
                 "adaptive_it_per_s": med["adaptive"],
                 "adaptive_steady_it_per_s": med["adaptive_steady"],
                 "steady_fraction_of_fixed_plan": round(steady, 4),
-                "adaptive_plan_changes": changes, "plan_shares": shares}  # fmt: skip
+                "adaptive_plan_changes": changes, "plan_shares": shares,
+                "controller_cpu_ms_per_step": statistics.median(controller_ms)}  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _controller_cpu_ms(log: Path) -> float:
+    """The controller service thread's CPU per measured step (ms): its ``service_cpu_s`` from
+    the second row of ``controller.jsonl`` to the last over the steps between (the first row
+    holds its start-up polling)."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = [r for r in rows if "service_cpu_s" in r]
+    if len(rows) < 3:
+        return float("nan")
+    return 1e3 * (rows[-1]["service_cpu_s"] - rows[1]["service_cpu_s"]) / (len(rows) - 2)
 
 
 def _plan_changes(metrics: Path) -> int:

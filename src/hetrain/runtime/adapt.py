@@ -329,6 +329,9 @@ class ControllerService:
                 row = {"step": row.pop("step"), "plan_id": row.pop("plan_id"),
                        **ctl.predictions_of(predicted), **row}  # fmt: skip
                 row["logged_at_s"] = time.time()
+                # this thread's CPU seconds so far (decisions, estimates, the log): the
+                # controller's CPU per step is the difference between two rows
+                row["service_cpu_s"] = time.thread_time()
                 self._log.write(json.dumps(row) + "\n")
             self._log.flush()
         return True
