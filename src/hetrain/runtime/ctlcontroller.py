@@ -139,6 +139,7 @@ class PlanController:
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
+        self._bare_cache: tuple[Plan, ClusterState, float] | None = None  # _bare_time_s's last
 
     # ---- measurements ----
     def observe(
@@ -191,9 +192,7 @@ class PlanController:
         step does not move it; docs/profiling.md §6). Used by :meth:`predictions` (the logged
         predicted time, the report's predicted-vs-measured plot); decisions compare plans on
         :attr:`config`, where a time common to every plan changes no ranking."""
-        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
-        state = self.observed_state()
-        predicted = predict_iteration_time_s(self.current, state, self.profile, bare)
+        predicted = self._bare_time_s(self.current, self.observed_state())
         recent = self._step_residuals_s
         recent.append(iteration_time_s - predicted)
         del recent[: -self.estimates.window]
@@ -225,7 +224,11 @@ class PlanController:
         return self.current, self.observed_state(), self.step_overhead_s()
 
     def predictions_of(self, inputs: tuple[Plan, ClusterState, float]) -> dict[str, float]:
-        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot."""
+        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot. Each time is the plan's
+        time with ``F = 0`` plus ``F`` (:func:`hetrain.costmodel.evaluate_plan` adds
+        ``step_overhead_s`` last to a plan with an active group: the same float); the plan in
+        force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
+        plan and state while no decision intervenes): two cost-model evaluations per step."""
         plan, state, overhead_s = inputs
         even = even_dp_plan(
             self.base_state.ids,
@@ -234,12 +237,24 @@ class PlanController:
             1,
             norm_block=self.config.norm_block,
         )
-        config = dataclasses.replace(self.config, step_overhead_s=overhead_s)
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
         return {
-            "predicted_time_s": predict_iteration_time_s(plan, state, self.profile, config),
-            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
-            "step_overhead_s": config.step_overhead_s,
+            "predicted_time_s": self._bare_time_s(plan, state) + overhead_s,
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, bare)
+            + overhead_s,
+            "step_overhead_s": float(overhead_s),
         }
+
+    def _bare_time_s(self, plan: Plan, state: ClusterState) -> float:
+        """Predicted ``T`` (s) of ``plan`` on ``state`` with ``F = 0``; the last answer is kept
+        for the same two objects (neither is changed once made)."""
+        cached = self._bare_cache
+        if cached is not None and cached[0] is plan and cached[1] is state:
+            return cached[2]
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        value = predict_iteration_time_s(plan, state, self.profile, bare)
+        self._bare_cache = (plan, state, value)
+        return value
 
     # ---- decisions ----
     def decide(self, step: int) -> Decision | None:
