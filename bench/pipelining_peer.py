@@ -36,8 +36,17 @@ Cases:
   with ``--slowdown w1=3``, alternated; rate = steps after ``--warmup`` over their wall time
   (metrics ``time_s``). Target: the adaptive run >= 0.95 of the fixed plan's rate over the
   whole run after ``--warmup`` (its warm-up, decisions and re-plans included: what a user
-  gets). Also printed: its rate after its last plan change (the steady state) and its
-  number of plan changes. ``--only-train`` runs this case alone.
+  gets). Also printed: its rate after its last plan change (the steady state), its
+  number of plan changes and the controller's CPU per step (its service thread, from
+  ``controller.jsonl``'s ``service_cpu_s``; a planner search runs in another thread).
+  ``--only-train`` runs this case alone.
+
+Each peer case also prints every rank's CPU per timed step (``time.process_time`` of the
+rank's process, all its threads; medians over the runs): 4 ranks share the host's cores, so a
+side's extra CPU shows in its wall time, and unlike the wall time this figure is not stretched
+by other processes' load. ``HETRAIN_PEER_PROFILE=R`` profiles rank ``R``'s timed steps with
+``cProfile`` on its thread CPU clock, written to ``$HETRAIN_PEER_PROFILE_OUT.{side}.prof``
+(default ``/tmp/peer``).
 
 ``--base-slowdown F`` makes every rank emulate a device ``F`` times slower than one host core
 (both sides; the slow rank ``3 F``), so that 4 ranks on a 2-core machine do not slow each other
@@ -223,22 +232,37 @@ def _rank(rank, store, side, schedule, steps, warmup, batch, nmb, factors, clock
     for t in range(warmup):
         one_step(t)
     dist.barrier()
-    t0 = time.perf_counter()
+    profiler = None
+    if os.environ.get("HETRAIN_PEER_PROFILE") and rank == int(os.environ["HETRAIN_PEER_PROFILE"]):
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)
+        profiler.enable()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
     for t in range(warmup, steps):
         one_step(t)
+    cpu, main_cpu = time.process_time() - c0, time.thread_time() - m0
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(
+            f"{os.environ.get('HETRAIN_PEER_PROFILE_OUT', '/tmp/peer')}.{side}.prof"
+        )
     if side == "hetrain":
         losses = [r.loss for r in results]  # waits for the last step's late sums
     dist.destroy_process_group()
-    out.put((rank, elapsed, losses))
+    out.put(
+        (rank, elapsed, losses, cpu / max(steps - warmup, 1), main_cpu / max(steps - warmup, 1))
+    )
 
 
 def run_once(
     side, schedule, steps, warmup, batch, nmb, factors, clock="wall"
-) -> tuple[float, list[float]]:
+) -> tuple[float, list[float], list[float]]:
     """One run of ``side``; returns (seconds of the timed steps on the slowest rank, losses of
-    the last stage, one per step)."""
+    the last stage, one per step, each rank's CPU seconds per timed step: its process's
+    ``time.process_time``, every thread of it)."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="hetrain-peer-")
@@ -261,7 +285,7 @@ def run_once(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     rows.sort()
-    return max(r[1] for r in rows), rows[WORLD - 1][2]
+    return max(r[1] for r in rows), rows[WORLD - 1][2], [r[3] for r in rows]
 
 
 def compare(name, schedule, factors, args) -> dict:
@@ -270,10 +294,11 @@ def compare(name, schedule, factors, args) -> dict:
     hetrain's (a pair's two runs are adjacent in time, so a change of the host's load shifts
     both), the rates are the medians per side; the losses of the two sides must agree."""
     times: dict[str, list[float]] = {"hetrain": [], "torch": []}
+    cpus: dict[str, list[list[float]]] = {"hetrain": [], "torch": []}
     losses: dict[str, list[float]] = {}
     for i in range(args.repeats):
         for side in ("hetrain", "torch") if i % 2 == 0 else ("torch", "hetrain"):
-            t, lo = run_once(
+            t, lo, cpu = run_once(
                 side,
                 schedule,
                 args.steps,
@@ -284,6 +309,7 @@ def compare(name, schedule, factors, args) -> dict:
                 args.compute_clock,
             )
             times[side].append(t)
+            cpus[side].append(cpu)
             losses[side] = lo
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = [tt / th for th, tt in zip(times["hetrain"], times["torch"], strict=True)]
@@ -291,14 +317,21 @@ def compare(name, schedule, factors, args) -> dict:
     pairs = zip(losses["hetrain"], losses["torch"], strict=True)
     diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     timed = args.steps - args.warmup
+    # CPU per step per rank (median over the runs): 4 ranks share the host's cores, so every
+    # CPU second a side spends beyond the other shows in its wall time; this figure is not
+    # stretched by other processes' load as the wall time is
+    cpu_ms = {k: [round(1e3 * statistics.median(c[r] for c in v), 2) for r in range(WORLD)]
+              for k, v in cpus.items()}  # fmt: skip
     print(
         f"{name:12s} hetrain {timed / med['hetrain']:7.2f} it/s   torch {timed / med['torch']:7.2f}"
         f" it/s   ratio {ratio:.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})   loss max rel "
-        f"diff {diff:.1e}",
+        f"diff {diff:.1e}\n{'':12s} CPU ms/step per rank: hetrain {cpu_ms['hetrain']}   torch "
+        f"{cpu_ms['torch']}",
         flush=True,
     )
     return {"ratio": round(ratio, 4), "ratio_min": round(min(ratios), 4),
-            "ratio_max": round(max(ratios), 4), "loss_max_rel_diff": diff}  # fmt: skip
+            "ratio_max": round(max(ratios), 4), "loss_max_rel_diff": diff,
+            "cpu_ms_per_step": cpu_ms}  # fmt: skip
 
 
 def _hetrain(*argv: str, env: dict) -> subprocess.CompletedProcess:
@@ -331,6 +364,7 @@ def train_case(args) -> dict:
                   "--no-progress", "--no-report"]  # fmt: skip
         rates: dict[str, list[float]] = {"fixed": [], "adaptive": [], "adaptive_steady": []}
         changes: list[int] = []
+        controller_ms: list[float] = []
         planned = ""
         for i in range(args.repeats):
             for kind in ("adaptive", "fixed"):
@@ -342,6 +376,7 @@ def train_case(args) -> dict:
                 if kind == "adaptive":
                     rates["adaptive_steady"].append(_rate(metrics, args.warmup, True))
                     changes.append(_plan_changes(metrics))
+                    controller_ms.append(_controller_cpu_ms(run_dir / "controller.jsonl"))
                 if kind == "adaptive" and i == 0:
                     cluster.write_text(yaml.safe_dump(_measured_cluster(metrics)))
                     planned = _hetrain("plan", "--cluster", str(cluster), "--model",
@@ -357,16 +392,28 @@ def train_case(args) -> dict:
             f"train        fixed plan {med['fixed']:.2f} it/s   adaptive {med['adaptive']:.2f} "
             f"it/s   fraction {fraction:.3f} (whole run after --warmup; after its last plan "
             f"change {med['adaptive_steady']:.2f} it/s, {steady:.3f})   plan changes {changes}"
-            f"   plan {shares}",
+            f"   plan {shares}   controller CPU {statistics.median(controller_ms):.1f} ms/step",
             flush=True,
         )
         return {"fraction_of_fixed_plan": round(fraction, 4), "fixed_it_per_s": med["fixed"],
                 "adaptive_it_per_s": med["adaptive"],
                 "adaptive_steady_it_per_s": med["adaptive_steady"],
                 "steady_fraction_of_fixed_plan": round(steady, 4),
-                "adaptive_plan_changes": changes, "plan_shares": shares}  # fmt: skip
+                "adaptive_plan_changes": changes, "plan_shares": shares,
+                "controller_cpu_ms_per_step": statistics.median(controller_ms)}  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _controller_cpu_ms(log: Path) -> float:
+    """The controller service thread's CPU per measured step (ms): its ``service_cpu_s`` from
+    the second row of ``controller.jsonl`` to the last over the steps between (the first row
+    holds its start-up polling)."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = [r for r in rows if "service_cpu_s" in r]
+    if len(rows) < 3:
+        return float("nan")
+    return 1e3 * (rows[-1]["service_cpu_s"] - rows[1]["service_cpu_s"]) / (len(rows) - 2)
 
 
 def _plan_changes(metrics: Path) -> int:

@@ -50,12 +50,17 @@ _SEARCH_EXECUTOR: Any = None
 
 
 def _search_executor():
-    """One thread of the controller's process for policy calls (created on first use)."""
+    """One thread of the controller's process for policy calls (created on first use), below
+    the ranks' CPU priority (:data:`hetrain.runtime.adapt.CONTROLLER_NICE`)."""
     global _SEARCH_EXECUTOR
     if _SEARCH_EXECUTOR is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _SEARCH_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetrain-policy")
+        from hetrain.runtime.adapt import lower_thread_priority
+
+        _SEARCH_EXECUTOR = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hetrain-policy", initializer=lower_thread_priority
+        )
     return _SEARCH_EXECUTOR
 
 
@@ -134,6 +139,7 @@ class PlanController:
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
+        self._bare_cache: tuple[Plan, ClusterState, float] | None = None  # _bare_time_s's last
 
     # ---- measurements ----
     def observe(
@@ -187,9 +193,7 @@ class PlanController:
         step does not move it; docs/profiling.md §6). Used by :meth:`predictions` (the logged
         predicted time, the report's predicted-vs-measured plot); decisions compare plans on
         :attr:`config`, where a time common to every plan changes no ranking."""
-        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
-        state = self.observed_state()
-        predicted = predict_iteration_time_s(self.current, state, self.profile, bare)
+        predicted = self._bare_time_s(self.current, self.observed_state())
         recent = self._step_residuals_s
         recent.append(iteration_time_s - predicted)
         del recent[: -self.estimates.window]
@@ -211,7 +215,22 @@ class PlanController:
         """Predicted ``T`` (s) of the plan in force and of even data parallelism (dp-even,
         docs/model.md §6) on the current estimates, both with the learned fixed step time
         ``F`` (:meth:`step_overhead_s`, also returned)."""
-        state = self.observed_state()
+        return self.predictions_of(self.prediction_inputs())
+
+    def prediction_inputs(self) -> tuple[Plan, ClusterState, float]:
+        """What :meth:`predictions` depends on, taken now (cheap: the plan in force, the
+        observed state, ``F``); :meth:`predictions_of` evaluates it later (the service posts
+        a decision before it computes the log's predictions, about a third of its CPU per
+        step). The state is not changed afterwards (:meth:`observe` makes a new one)."""
+        return self.current, self.observed_state(), self.step_overhead_s()
+
+    def predictions_of(self, inputs: tuple[Plan, ClusterState, float]) -> dict[str, float]:
+        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot. Each time is the plan's
+        time with ``F = 0`` plus ``F`` (:func:`hetrain.costmodel.evaluate_plan` adds
+        ``step_overhead_s`` last to a plan with an active group: the same float); the plan in
+        force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
+        plan and state while no decision intervenes): two cost-model evaluations per step."""
+        plan, state, overhead_s = inputs
         even = even_dp_plan(
             self.base_state.ids,
             self.profile.num_layers,
@@ -219,12 +238,24 @@ class PlanController:
             1,
             norm_block=self.config.norm_block,
         )
-        config = dataclasses.replace(self.config, step_overhead_s=self.step_overhead_s())
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
         return {
-            "predicted_time_s": predict_iteration_time_s(self.current, state, self.profile, config),
-            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, config),
-            "step_overhead_s": config.step_overhead_s,
+            "predicted_time_s": self._bare_time_s(plan, state) + overhead_s,
+            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, bare)
+            + overhead_s,
+            "step_overhead_s": float(overhead_s),
         }
+
+    def _bare_time_s(self, plan: Plan, state: ClusterState) -> float:
+        """Predicted ``T`` (s) of ``plan`` on ``state`` with ``F = 0``; the last answer is kept
+        for the same two objects (neither is changed once made)."""
+        cached = self._bare_cache
+        if cached is not None and cached[0] is plan and cached[1] is state:
+            return cached[2]
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        value = predict_iteration_time_s(plan, state, self.profile, bare)
+        self._bare_cache = (plan, state, value)
+        return value
 
     # ---- decisions ----
     def decide(self, step: int) -> Decision | None:
