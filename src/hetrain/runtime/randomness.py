@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -206,6 +208,43 @@ def keep_threshold(p: float) -> int:
     return math.ceil(float(p) * 2.0**32)
 
 
+#: words per block of :func:`keep_per_sample` on CPU: a block's words and its scratch (2 x 512
+#: KiB) stay in the core's L2 cache through the hash's passes
+KEEP_BLOCK_WORDS = 1 << 16
+_SCRATCH = threading.local()  # per thread: device -> reused int64 scratch of 2 blocks
+_FLIP32 = _signed((1 << 63) | (1 << 31))  # the sign bit of both 32-bit halves of a word
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _scratch(words: int, device: torch.device) -> torch.Tensor:
+    """An int64 scratch of at least ``2 * words`` elements: on CPU kept per thread and reused
+    (a fresh tensor of a few MiB costs its page faults, as much as the hash), elsewhere new
+    (the device's caching allocator reuses memory)."""
+    if device.type != "cpu":
+        return torch.empty(2 * words, dtype=torch.int64, device=device)
+    cache = getattr(_SCRATCH, "tensors", None)
+    if cache is None:
+        cache = _SCRATCH.tensors = {}
+    buf = cache.get(device)
+    if buf is None or buf.numel() < 2 * words:
+        buf = cache[device] = torch.empty(2 * words, dtype=torch.int64, device=device)
+    return buf
+
+
+def _blocks(n: int, h: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(s0, s1, i0, i1)``: samples ``[s0, s1)`` x words ``[i0, i1)`` covering ``n x h`` in
+    blocks of at most ``max(block, h)`` words when ``h <= block`` (whole samples), else of at
+    most ``block`` words of one sample."""
+    if h <= block:
+        per = max(1, block // h)
+        for s0 in range(0, n, per):
+            yield s0, min(n, s0 + per), 0, h
+    else:
+        for s in range(n):
+            for i0 in range(0, h, block):
+                yield s, s + 1, i0, min(h, i0 + block)
+
+
 def keep_per_sample(
     key: int,
     sample_index: torch.Tensor,
@@ -215,10 +254,16 @@ def keep_per_sample(
 ) -> torch.Tensor:
     """The bool keep mask ``U(key, s, j) >= p`` of ``shape`` (dim 0: the samples
     ``sample_index``, as in :func:`draws_per_sample`), computed on the integers as
-    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words, in place: the high halves by
-    the int64 order of ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned order), the low
-    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, and
-    on CPU cheaper than torch's ``bernoulli_`` (docs/runtime.md "Randomness and BatchNorm cost").
+    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words: the same mask as
+    ``uniform_per_sample(...) >= p``, and on CPU cheaper than torch's ``bernoulli_``
+    (docs/runtime.md "Randomness and BatchNorm cost").
+
+    All samples at once, in blocks of at most :data:`KEEP_BLOCK_WORDS` words on CPU (one block
+    elsewhere): per block, the words :func:`words_per_sample` computes, in place in a reused
+    scratch; then both 32-bit halves of every word get their sign bit flipped (one xor), so
+    that the signed int32 order of a half equals the unsigned order of ``V``, and the halves,
+    read as int32 (little-endian: low half first), are compared with ``T(p) ^ 2^31``: the high
+    halves give elements ``j < h``, the low halves elements ``h + j``.
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
@@ -226,16 +271,46 @@ def keep_per_sample(
     shape = tuple(int(d) for d in shape)
     n, m, h = _layout(sample_index, shape)
     threshold = keep_threshold(p)
-    if threshold > _M32:  # p = 1: nothing is kept, no words needed
-        device = device if device is not None else sample_index.device
+    device = torch.device(device) if device is not None else sample_index.device
+    if threshold > _M32 or m == 0:  # p = 1: nothing is kept, no words needed
         return torch.zeros(shape, dtype=torch.bool, device=device)
-    z = words_per_sample(key, sample_index, h, device)
+    if not _LITTLE_ENDIAN:  # the int32 halves below assume the low half first
+        z = words_per_sample(key, sample_index, h, device)
+        return _keep_from_words(z, n, m, h, threshold).reshape(shape)
+    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
+    ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
+    offsets = _element_offsets(h, device)
+    t32 = threshold ^ (1 << 31)
+    t32 = t32 - (1 << 32) if t32 >= 1 << 31 else t32  # as a signed int32
+    out = torch.empty((n, m), dtype=torch.bool, device=device)
+    block = KEEP_BLOCK_WORDS if device.type == "cpu" else n * h
+    buf = _scratch(min(n * h, block), device)
+    for s0, s1, i0, i1 in _blocks(n, h, block):
+        size = (s1 - s0) * (i1 - i0)
+        z = buf[:size].view(s1 - s0, i1 - i0)
+        torch.add(ks[s0:s1, None], offsets[None, i0:i1], out=z)
+        _mix_(z, buf[size : 2 * size].view(s1 - s0, i1 - i0))
+        z ^= _FLIP32
+        halves = z.view(torch.int32)  # [k, 2 (i1 - i0)]: low, high half of each word
+        torch.ge(halves[:, 1::2], t32, out=out[s0:s1, i0:i1])
+        low_end = min(i1, m - h)  # elements h + j exist for j < m - h
+        if low_end > i0:
+            torch.ge(
+                halves[:, 0 : 2 * (low_end - i0) : 2], t32, out=out[s0:s1, h + i0 : h + low_end]
+            )
+    return out.reshape(shape)
+
+
+def _keep_from_words(z: torch.Tensor, n: int, m: int, h: int, threshold: int) -> torch.Tensor:
+    """The keep mask ``[n, m]`` from the words ``z`` (``[n, h]``, changed in place) on the
+    int64 order: high halves by ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned
+    order), low halves by ``Z & (2^32 - 1) >= T(p)``."""
     out = torch.empty((n, m), dtype=torch.bool, device=z.device)
     z ^= -(1 << 63)
     torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
     z &= _M32
     torch.ge(z[:, : m - h], threshold, out=out[:, h:])
-    return out.reshape(shape)
+    return out
 
 
 # -------------------------------------------------------------------------------- arguments
@@ -496,37 +571,76 @@ def _dropout(
     return x.mul_(noise) if inplace else x * noise
 
 
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
+_SDPA_NAMES = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
+_SDPA_DEFAULTS = {
+    "attn_mask": None,
+    "dropout_p": 0.0,
+    "is_causal": False,
+    "scale": None,
+    "enable_gqa": False,
+}
 
 
 def _sdpa(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with ``dropout_p > 0``: ATen's math kernel
-    (``_scaled_dot_product_attention_math``, the reference the fused kernels are tested
-    against) with an explicit per-sample ``dropout_mask`` of the attention weights' shape."""
+    """``scaled_dot_product_attention`` with ``dropout_p = p > 0``: ``(softmax(q k^T * scale +
+    mask) * keep) @ (v / (1 - p))`` with the per-sample keep mask of the attention weights'
+    shape ``(*q.shape[:-1], S)`` (:meth:`InvariantRandomness.keep`), written out in torch ops
+    as ATen's math kernel (``_scaled_dot_product_attention_math``, the reference the fused
+    kernels are tested against) computes it, and as cheap as it can be on CPU:
+
+    - grouped-query attention (``enable_gqa``, ``Hk`` key/value heads for ``Hq = r * Hk``
+      query heads) repeats each key/value head ``r`` times (``repeat_interleave``, as the
+      math kernel);
+    - the scale multiplies ``q`` (``L x E``, not the ``L x S`` scores);
+    - the causal mask (``is_causal``: key ``i <= `` query ``i``) or ``attn_mask`` (bool: keep
+      where True; float: added) is added to the scores in place; with ``attn_mask``, rows
+      masked entirely get weights 0 (``_safe_softmax``, as the math kernel); causal rows
+      always keep a key, so they take the plain softmax (the same numbers);
+    - the weights are multiplied by the bool keep mask (nothing kept for ``p = 1``).
+
+    ``attn_mask`` together with ``is_causal`` is torch's error, raised by torch."""
     a = _bind(args, kwargs, _SDPA_NAMES, _SDPA_DEFAULTS)
-    if a["dropout_p"] <= 0:
-        return func(*args, **kwargs)
-    q, k = a["query"], a["key"]
-    shape = (*q.shape[:-1], k.shape[-2])
-    keep = rng.keep(shape, float(a["dropout_p"]), q.device)
+    p = float(a["dropout_p"])
     mask = a["attn_mask"]
-    if mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
-        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+    if p <= 0 or (mask is not None and a["is_causal"]):
+        return func(*args, **kwargs)
+    q, k, v = a["query"], a["key"], a["value"]
+    length, source = q.shape[-2], k.shape[-2]
+    keep = rng.keep((*q.shape[:-1], source), p, q.device)
+    if a["enable_gqa"] and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        repeats = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(repeats, -3)
+        v = v.repeat_interleave(repeats, -3)
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if a["is_causal"]:
+        above = torch.ones((length, source), dtype=torch.bool, device=q.device).triu_(1)
+        mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
+            above, float("-inf")
+        )
+    elif mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
+        mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
             mask.logical_not(), float("-inf")
         )
-    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-        q,
-        k,
-        a["value"],
-        mask,
-        float(a["dropout_p"]),
-        bool(a["is_causal"]),
-        keep,
-        scale=a["scale"],
-        enable_gqa=bool(kwargs.get("enable_gqa", False)),
-    )
-    return out
+    if mask is not None:
+        if torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape:
+            scores.add_(mask)
+        else:
+            scores = scores + mask
+    if mask is None or a["is_causal"]:
+        weights = torch.softmax(scores, -1)
+    else:
+        weights = torch.ops.aten._safe_softmax(scores, -1)
+    return torch.matmul(weights * keep, v * (1.0 / (1.0 - p) if p < 1 else 0.0))
 
 
 def _rrelu(rng: InvariantRandomness, args: tuple, kwargs: dict) -> torch.Tensor:
