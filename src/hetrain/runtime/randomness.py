@@ -13,11 +13,12 @@ Interface (the engine's side):
 
 ``forward`` pushes a :class:`torch.overrides.TorchFunctionMode` that replaces ``F.dropout``,
 ``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``, ``F.rrelu`` (and the
-``torch.dropout`` family) and ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (computed
-by ATen's math kernel with an explicit per-sample ``dropout_mask``) by draws from a
-counter-based hash, and global module forward hooks that keep the innermost module's path (its
-name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
-sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
+``torch.dropout`` family) and ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (written
+out in torch ops as ATen's math kernel computes it, with a per-sample keep mask of the attention
+weights) by draws from a counter-based hash, and global module forward hooks that keep the
+innermost module's path (its name in ``model.named_modules()``) and a per-path call counter
+(reset for every micro-batch, so a sample's ``c``-th draw in a module has call number ``c``
+whatever micro-batch it is in).
 
 Draws: the 64-bit words ``Z(i) = splitmix64(k_s + (i + 1) * φ')`` of sample ``s``, with the
 per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
@@ -25,9 +26,9 @@ per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steel
 draws ``V``: of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the
 high half of ``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in
 ``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p *
-2^32)`` (bool, no floats); all on int64 tensors with wrap-around arithmetic and masked logical
-shifts, in place, so CPU and GPU give the same numbers. Backward reuses the forward's masks
-(autograd keeps them).
+2^32)`` (bool, no floats), for all samples of a micro-batch at once (in cache-sized blocks on
+CPU); all on int64 tensors with wrap-around arithmetic and masked logical shifts, in place, so
+CPU and GPU give the same numbers. Backward reuses the forward's masks (autograd keeps them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -45,7 +46,6 @@ import hashlib
 import math
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -425,9 +425,6 @@ class InvariantRandomness:
                 if attrs:
                     self._candidates.append((module, attrs))
         self.problems: list[str] = []
-        # ATen warns once that an explicit SDPA dropout mask is "for testing"; here it is the
-        # point (the warning surfaces after the caller's SDPA call, so a local filter misses it)
-        warnings.filterwarnings("ignore", message="Dropout mask should only be used")
         # state of the current forward
         self._stack: list[str] = []
         self._calls: dict[str, int] = {}
