@@ -667,37 +667,54 @@ class _Mode(TorchFunctionMode):
         self.seen = seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        kind = _F_DROPOUTS.get(func)
-        if kind is not None:
-            a = _bind(args, kwargs, _DROPOUT_NAMES, _DROPOUT_DEFAULTS)
-            x = a["input"]
-            feature, alpha, batched_ndim = kind
-            if feature and x.dim() < (batched_ndim or 3):
-                raise InputError(
-                    "model",
-                    self.rng.current_path() or "<root>",
-                    f"{func.__name__} on an unbatched input of shape {list(x.shape)}; "
-                    "hetrain draws randomness per sample",
-                )
-            return _dropout(self.rng, x, a["p"], a["training"], a["inplace"], feature, alpha)
-        kind = _TORCH_DROPOUTS.get(func)
-        if kind is not None:
-            a = _bind(args, kwargs, _TORCH_DROPOUT_NAMES, {})
-            return _dropout(self.rng, a["input"], a["p"], a["train"], False, *kind[:2])
-        if func is F.scaled_dot_product_attention:
-            return _sdpa(self.rng, func, args, kwargs)
-        if func is F.rrelu or func is torch.rrelu:
-            return _rrelu(self.rng, args, kwargs)
-        name = getattr(func, "__name__", "")
-        if name in _UNCOVERED_NAMES and (
-            name != "multi_head_attention_forward" or _mha(args, kwargs)
-        ):
+        # every torch call of the forward comes here: one dict look-up for the few replaced
+        # functions, one set look-up of the name for the uncovered ones, else the call
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self.rng, func, args, kwargs or {})
+        if getattr(func, "__name__", "") in _UNCOVERED_NAMES:
+            self._uncovered(func, args, kwargs or {})
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _uncovered(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        name = func.__name__
+        if name != "multi_head_attention_forward" or _mha(args, kwargs):
             where = self.rng.current_path() or "<root>"
             self.seen.append(
                 f"{where}: {name} draws random numbers hetrain cannot make plan-invariant"
             )
-        return func(*args, **kwargs)
+
+
+def _f_dropout(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``F.dropout`` and its feature / alpha variants (:data:`_F_DROPOUTS`)."""
+    feature, alpha, batched_ndim = _F_DROPOUTS[func]
+    a = _bind(args, kwargs, _DROPOUT_NAMES, _DROPOUT_DEFAULTS)
+    x = a["input"]
+    if feature and x.dim() < (batched_ndim or 3):
+        raise InputError(
+            "model",
+            rng.current_path() or "<root>",
+            f"{func.__name__} on an unbatched input of shape {list(x.shape)}; "
+            "hetrain draws randomness per sample",
+        )
+    return _dropout(rng, x, a["p"], a["training"], a["inplace"], feature, alpha)
+
+
+def _torch_dropout(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.dropout`` and its feature / alpha variants (:data:`_TORCH_DROPOUTS`)."""
+    feature, alpha, _ = _TORCH_DROPOUTS[func]
+    a = _bind(args, kwargs, _TORCH_DROPOUT_NAMES, {})
+    return _dropout(rng, a["input"], a["p"], a["train"], False, feature, alpha)
+
+
+#: the replaced functions: func -> handler(rng, func, args, kwargs)
+_HANDLERS: dict[Callable, Callable[[InvariantRandomness, Callable, tuple, dict], Any]] = {
+    **dict.fromkeys(_F_DROPOUTS, _f_dropout),
+    **dict.fromkeys(_TORCH_DROPOUTS, _torch_dropout),
+    F.scaled_dot_product_attention: _sdpa,
+    F.rrelu: lambda rng, func, args, kwargs: _rrelu(rng, args, kwargs),
+    torch.rrelu: lambda rng, func, args, kwargs: _rrelu(rng, args, kwargs),
+}
 
 
 def _mha(args: tuple, kwargs: dict) -> bool:
