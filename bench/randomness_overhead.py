@@ -5,10 +5,11 @@ sensitive than the wall clock to other processes on a shared machine) of one tra
 forward+backward, with and without the engine's per-micro-batch contexts
 (``InvariantRandomness.forward`` + ``NormBlocks.forward``):
 - the char-GPT without dropout (the contexts only check the generator state);
-- Hugging Face GPT-2 tiny with dropout 0.1 (mode on: hashed masks; SDPA with an explicit mask
-  in ATen's math kernel, which plain torch on CPU also runs when ``dropout_p > 0``) against
-  torch's own (plan-dependent) dropout, at B=16, T=32 and at the ``gpt2`` example's B=32,
-  T=64;
+- Hugging Face GPT-2 tiny with dropout 0.1 (mode on: hashed masks; SDPA with dropout written
+  out in torch ops, where plain torch on CPU runs ATen's math kernel with ``bernoulli_``
+  masks) against torch's own (plan-dependent) dropout, at B=16, T=32 and at the ``gpt2``
+  example's B=32, T=64; Llama tiny (``models/hf.py``: rotary, grouped-query attention,
+  attention dropout 0.1 only) at B=32, T=64;
 - a small ResNet-style Conv+BatchNorm chain, ghost BN (G=4) against torch's BatchNorm.
 
 Run: ``.venv/bin/python bench/randomness_overhead.py`` (writes nothing; results are copied to
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from hetrain.models import CharGPTConfig, char_gpt
+from hetrain.models.hf import llama_model
 from hetrain.runtime.norm import NormBlocks
 from hetrain.runtime.randomness import InvariantRandomness
 
@@ -83,6 +85,8 @@ def main() -> None:
     _pair("HF GPT-2 tiny, dropout 0.1 (B=16, T=32)", hf, ids, lambda y: y.logits.mean())
     ids = torch.randint(0, 256, (32, 64))
     _pair("HF GPT-2 tiny, dropout 0.1 (B=32, T=64)", hf, ids, lambda y: y.logits.mean())
+    llama = llama_model("tiny", 0.1, 64).train()
+    _pair("HF Llama tiny, dropout 0.1 (B=32, T=64)", llama, ids, lambda y: y.logits.mean())
 
     conv = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1),

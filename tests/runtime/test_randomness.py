@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from hetrain.errors import InputError
 from hetrain.plan import plan_from_dict
-from hetrain.runtime import OptimizerSpec, Worker
+from hetrain.runtime import OptimizerSpec, Worker, randomness
 from hetrain.runtime.randomness import (
     InvariantRandomness,
     draw_key,
@@ -412,3 +414,119 @@ def test_sdpa_causal_and_grouped_query_attention_with_dropout():
     torch.testing.assert_close(
         out, (torch.softmax(s, -1) * keep / 0.5) @ vv, rtol=1e-12, atol=1e-14
     )
+
+
+def _keep_reference(key: int, rows: list[int], shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The documented definition, one sample and one element at a time on Python ints:
+    ``V(s, j)`` = high half of ``Z(j)`` for ``j < h``, low half of ``Z(j - h)`` otherwise, with
+    ``Z(i) = splitmix64(k_s + (i + 1) φ')``, ``k_s = splitmix64(key + s φ)``; kept when
+    ``V >= ceil(p 2^32)``."""
+    n = len(rows)
+    m = math.prod(shape) // n
+    h = (m + 1) // 2
+    threshold = keep_threshold(p)
+    out = []
+    for s in rows:
+        ks = splitmix64_int(key + s * 0x9E3779B97F4A7C15)
+        words = [splitmix64_int(ks + (i + 1) * 0xD1B54A32D192ED03) for i in range(h)]
+        draws = [w >> 32 for w in words] + [w & 0xFFFFFFFF for w in words[: m - h]]
+        out.append([d >= threshold for d in draws])
+    return torch.tensor(out, dtype=torch.bool).reshape(shape)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    key=st.integers(0, 2**64 - 1),
+    rows=st.lists(st.integers(0, 10**6), min_size=1, max_size=5, unique=True),
+    per_row=st.sampled_from([1, 2, 3]),
+    inner=st.integers(1, 13),
+    p=st.sampled_from([0.0, 0.1, 1 / 3, 0.5, 0.9, 2**-33, 1 - 2**-30]),
+    block=st.sampled_from([1, 2, 5, 16, 1 << 16]),
+)
+def test_blocked_keep_masks_equal_the_per_sample_definition(key, rows, per_row, inner, p, block):
+    # keep_per_sample draws every sample of the micro-batch at once, in blocks of words
+    # (whole samples, or pieces of one sample when a sample has more words than a block)
+    shape = (len(rows) * per_row, inner)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(randomness, "KEEP_BLOCK_WORDS", block)
+        got = keep_per_sample(key, torch.tensor(rows), shape, p)
+    assert torch.equal(got, _keep_reference(key, rows, shape, p))
+    assert torch.equal(got, uniform_per_sample(key, torch.tensor(rows), shape) >= p)
+
+
+def _sdpa_reference(q, k, v, mask, p, causal, scale, keep, gqa):
+    """ATen's math kernel with the same explicit keep mask (the reference the fused kernels
+    are tested against; it takes a bool mask as SDPA's front end converts it)."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros((), dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, mask, p, causal, keep, scale=scale, enable_gqa=gqa
+    )[0]
+
+
+@pytest.mark.parametrize(
+    "lead, heads, kv_heads, length, source, mask_kind, causal, scale, p",
+    [
+        ((3,), 4, 2, 5, 5, None, True, None, 0.3),  # Llama: grouped-query, causal
+        ((3,), 4, 4, 5, 5, None, False, 0.7, 0.1),
+        ((2,), 2, 1, 4, 6, "bool", False, None, 0.5),  # a row masked entirely: weights 0
+        ((2,), 3, 3, 6, 4, "float", False, None, 0.25),  # learned bias (gets a gradient)
+        ((2,), 2, 2, 6, 3, None, True, None, 0.4),  # causal with L > S
+        ((2, 3), 2, 2, 4, 4, "bool", False, None, 0.2),  # two leading dims
+        ((4,), None, None, 3, 5, "float", False, None, 0.6),  # (N, L, E): no head dim
+    ],
+)
+def test_sdpa_dropout_equals_the_math_kernel_with_the_same_keep_mask(
+    lead, heads, kv_heads, length, source, mask_kind, causal, scale, p
+):
+    g = torch.Generator().manual_seed(len(lead) + length + source)
+    qh = () if heads is None else (heads,)
+    kh = () if kv_heads is None else (kv_heads,)
+    q = torch.randn(*lead, *qh, length, 3, dtype=torch.float64, generator=g)
+    k = torch.randn(*lead, *kh, source, 3, dtype=torch.float64, generator=g)
+    v = torch.randn(*lead, *kh, source, 2, dtype=torch.float64, generator=g)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(length, source, generator=g) > 0.4
+        mask[0] = False
+    elif mask_kind == "float":
+        mask = torch.randn(length, source, dtype=torch.float64, generator=g)
+        mask[1, 0] = float("-inf")
+    gqa = heads != kv_heads
+    n = lead[0]
+    rng = InvariantRandomness(nn.Identity(), seed=4, active=True)
+    keep = keep_per_sample(draw_key(4, 1, "", 0), torch.arange(n), (*q.shape[:-1], source), p)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        m = mask.clone().requires_grad_(True) if mask_kind == "float" else mask
+        out = fn(*leaves, m)
+        out.pow(2).sum().backward()
+        return [out] + [t.grad for t in leaves] + ([m.grad] if mask_kind == "float" else [])
+
+    def ours(qq, kk, vv, m):
+        with rng.forward(step=1, sample_index=torch.arange(n)):
+            return F.scaled_dot_product_attention(
+                qq, kk, vv, m, p, causal, scale=scale, enable_gqa=gqa
+            )
+
+    got = grads(ours)
+    want = grads(lambda qq, kk, vv, m: _sdpa_reference(qq, kk, vv, m, p, causal, scale, keep, gqa))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    if mask_kind == "bool":
+        assert torch.all(got[0][..., 0, :] == 0)  # the query row that sees no key
+
+
+def test_sdpa_dropout_one_gives_zeros_as_torch():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 3, 2, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 3, 2, dtype=torch.float64, generator=g) for _ in range(2))
+    rng = InvariantRandomness(nn.Identity(), seed=0, active=True)
+    # torch's SDPA gives zeros for dropout_p = 1 (ATen's dropout returns input * 0), not NaN
+    with rng.forward(step=0, sample_index=torch.arange(2)):
+        zero = F.scaled_dot_product_attention(q, q, q, None, 1.0)
+        grouped = F.scaled_dot_product_attention(q, k, v, None, 1.0, enable_gqa=True)
+    assert torch.equal(zero, torch.zeros_like(q))
+    assert torch.equal(grouped, torch.zeros_like(q))
+    assert torch.equal(zero, F.scaled_dot_product_attention(q, q, q, None, 1.0))  # torch's own

@@ -13,11 +13,12 @@ Interface (the engine's side):
 
 ``forward`` pushes a :class:`torch.overrides.TorchFunctionMode` that replaces ``F.dropout``,
 ``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``, ``F.rrelu`` (and the
-``torch.dropout`` family) and ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (computed
-by ATen's math kernel with an explicit per-sample ``dropout_mask``) by draws from a
-counter-based hash, and global module forward hooks that keep the innermost module's path (its
-name in ``model.named_modules()``) and a per-path call counter (reset for every micro-batch, so a
-sample's ``c``-th draw in a module has call number ``c`` whatever micro-batch it is in).
+``torch.dropout`` family) and ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (written
+out in torch ops as ATen's math kernel computes it, with a per-sample keep mask of the attention
+weights) by draws from a counter-based hash, and global module forward hooks that keep the
+innermost module's path (its name in ``model.named_modules()``) and a per-path call counter
+(reset for every micro-batch, so a sample's ``c``-th draw in a module has call number ``c``
+whatever micro-batch it is in).
 
 Draws: the 64-bit words ``Z(i) = splitmix64(k_s + (i + 1) * φ')`` of sample ``s``, with the
 per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steele, Lea, Flood,
@@ -25,9 +26,9 @@ per-sample key ``k_s = splitmix64(key(seed, step, path, call) + s * φ)`` (Steel
 draws ``V``: of a tensor with ``m`` elements per sample, element ``j < h = ceil(m / 2)`` gets the
 high half of ``Z(j)`` and element ``j >= h`` the low half of ``Z(j - h)``; ``u = V * 2^-32`` in
 ``[0, 1)``. A dropout keep mask ``u >= p`` is computed on the integers as ``V >= ceil(p *
-2^32)`` (bool, no floats); all on int64 tensors with wrap-around arithmetic and masked logical
-shifts, in place, so CPU and GPU give the same numbers. Backward reuses the forward's masks
-(autograd keeps them).
+2^32)`` (bool, no floats), for all samples of a micro-batch at once (in cache-sized blocks on
+CPU); all on int64 tensors with wrap-around arithmetic and masked logical shifts, in place, so
+CPU and GPU give the same numbers. Backward reuses the forward's masks (autograd keeps them).
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
@@ -43,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import warnings
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -206,6 +208,43 @@ def keep_threshold(p: float) -> int:
     return math.ceil(float(p) * 2.0**32)
 
 
+#: words per block of :func:`keep_per_sample` on CPU: a block's words and its scratch (2 x 512
+#: KiB) stay in the core's L2 cache through the hash's passes
+KEEP_BLOCK_WORDS = 1 << 16
+_SCRATCH = threading.local()  # per thread: device -> reused int64 scratch of 2 blocks
+_FLIP32 = _signed((1 << 63) | (1 << 31))  # the sign bit of both 32-bit halves of a word
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _scratch(words: int, device: torch.device) -> torch.Tensor:
+    """An int64 scratch of at least ``2 * words`` elements: on CPU kept per thread and reused
+    (a fresh tensor of a few MiB costs its page faults, as much as the hash), elsewhere new
+    (the device's caching allocator reuses memory)."""
+    if device.type != "cpu":
+        return torch.empty(2 * words, dtype=torch.int64, device=device)
+    cache = getattr(_SCRATCH, "tensors", None)
+    if cache is None:
+        cache = _SCRATCH.tensors = {}
+    buf = cache.get(device)
+    if buf is None or buf.numel() < 2 * words:
+        buf = cache[device] = torch.empty(2 * words, dtype=torch.int64, device=device)
+    return buf
+
+
+def _blocks(n: int, h: int, block: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(s0, s1, i0, i1)``: samples ``[s0, s1)`` x words ``[i0, i1)`` covering ``n x h`` in
+    blocks of at most ``max(block, h)`` words when ``h <= block`` (whole samples), else of at
+    most ``block`` words of one sample."""
+    if h <= block:
+        per = max(1, block // h)
+        for s0 in range(0, n, per):
+            yield s0, min(n, s0 + per), 0, h
+    else:
+        for s in range(n):
+            for i0 in range(0, h, block):
+                yield s, s + 1, i0, min(h, i0 + block)
+
+
 def keep_per_sample(
     key: int,
     sample_index: torch.Tensor,
@@ -215,10 +254,16 @@ def keep_per_sample(
 ) -> torch.Tensor:
     """The bool keep mask ``U(key, s, j) >= p`` of ``shape`` (dim 0: the samples
     ``sample_index``, as in :func:`draws_per_sample`), computed on the integers as
-    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words, in place: the high halves by
-    the int64 order of ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned order), the low
-    halves by ``Z & (2^32 - 1) >= T(p)``. The same mask as ``uniform_per_sample(...) >= p``, and
-    on CPU cheaper than torch's ``bernoulli_`` (docs/runtime.md "Randomness and BatchNorm cost").
+    ``V >= T(p)`` (:func:`keep_threshold`) straight from the words: the same mask as
+    ``uniform_per_sample(...) >= p``, and on CPU cheaper than torch's ``bernoulli_``
+    (docs/runtime.md "Randomness and BatchNorm cost").
+
+    All samples at once, in blocks of at most :data:`KEEP_BLOCK_WORDS` words on CPU (one block
+    elsewhere): per block, the words :func:`words_per_sample` computes, in place in a reused
+    scratch; then both 32-bit halves of every word get their sign bit flipped (one xor), so
+    that the signed int32 order of a half equals the unsigned order of ``V``, and the halves,
+    read as int32 (little-endian: low half first), are compared with ``T(p) ^ 2^31``: the high
+    halves give elements ``j < h``, the low halves elements ``h + j``.
 
     Raises:
         InputError: ``shape[0]`` is not a multiple of ``n``.
@@ -226,16 +271,46 @@ def keep_per_sample(
     shape = tuple(int(d) for d in shape)
     n, m, h = _layout(sample_index, shape)
     threshold = keep_threshold(p)
-    if threshold > _M32:  # p = 1: nothing is kept, no words needed
-        device = device if device is not None else sample_index.device
+    device = torch.device(device) if device is not None else sample_index.device
+    if threshold > _M32 or m == 0:  # p = 1: nothing is kept, no words needed
         return torch.zeros(shape, dtype=torch.bool, device=device)
-    z = words_per_sample(key, sample_index, h, device)
+    if not _LITTLE_ENDIAN:  # the int32 halves below assume the low half first
+        z = words_per_sample(key, sample_index, h, device)
+        return _keep_from_words(z, n, m, h, threshold).reshape(shape)
+    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
+    ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
+    offsets = _element_offsets(h, device)
+    t32 = threshold ^ (1 << 31)
+    t32 = t32 - (1 << 32) if t32 >= 1 << 31 else t32  # as a signed int32
+    out = torch.empty((n, m), dtype=torch.bool, device=device)
+    block = KEEP_BLOCK_WORDS if device.type == "cpu" else n * h
+    buf = _scratch(min(n * h, block), device)
+    for s0, s1, i0, i1 in _blocks(n, h, block):
+        size = (s1 - s0) * (i1 - i0)
+        z = buf[:size].view(s1 - s0, i1 - i0)
+        torch.add(ks[s0:s1, None], offsets[None, i0:i1], out=z)
+        _mix_(z, buf[size : 2 * size].view(s1 - s0, i1 - i0))
+        z ^= _FLIP32
+        halves = z.view(torch.int32)  # [k, 2 (i1 - i0)]: low, high half of each word
+        torch.ge(halves[:, 1::2], t32, out=out[s0:s1, i0:i1])
+        low_end = min(i1, m - h)  # elements h + j exist for j < m - h
+        if low_end > i0:
+            torch.ge(
+                halves[:, 0 : 2 * (low_end - i0) : 2], t32, out=out[s0:s1, h + i0 : h + low_end]
+            )
+    return out.reshape(shape)
+
+
+def _keep_from_words(z: torch.Tensor, n: int, m: int, h: int, threshold: int) -> torch.Tensor:
+    """The keep mask ``[n, m]`` from the words ``z`` (``[n, h]``, changed in place) on the
+    int64 order: high halves by ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned
+    order), low halves by ``Z & (2^32 - 1) >= T(p)``."""
     out = torch.empty((n, m), dtype=torch.bool, device=z.device)
     z ^= -(1 << 63)
     torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
     z &= _M32
     torch.ge(z[:, : m - h], threshold, out=out[:, h:])
-    return out.reshape(shape)
+    return out
 
 
 # -------------------------------------------------------------------------------- arguments
@@ -350,9 +425,6 @@ class InvariantRandomness:
                 if attrs:
                     self._candidates.append((module, attrs))
         self.problems: list[str] = []
-        # ATen warns once that an explicit SDPA dropout mask is "for testing"; here it is the
-        # point (the warning surfaces after the caller's SDPA call, so a local filter misses it)
-        warnings.filterwarnings("ignore", message="Dropout mask should only be used")
         # state of the current forward
         self._stack: list[str] = []
         self._calls: dict[str, int] = {}
@@ -496,37 +568,76 @@ def _dropout(
     return x.mul_(noise) if inplace else x * noise
 
 
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
+_SDPA_NAMES = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
+_SDPA_DEFAULTS = {
+    "attn_mask": None,
+    "dropout_p": 0.0,
+    "is_causal": False,
+    "scale": None,
+    "enable_gqa": False,
+}
 
 
 def _sdpa(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with ``dropout_p > 0``: ATen's math kernel
-    (``_scaled_dot_product_attention_math``, the reference the fused kernels are tested
-    against) with an explicit per-sample ``dropout_mask`` of the attention weights' shape."""
+    """``scaled_dot_product_attention`` with ``dropout_p = p > 0``: ``(softmax(q k^T * scale +
+    mask) * keep) @ (v / (1 - p))`` with the per-sample keep mask of the attention weights'
+    shape ``(*q.shape[:-1], S)`` (:meth:`InvariantRandomness.keep`), written out in torch ops
+    as ATen's math kernel (``_scaled_dot_product_attention_math``, the reference the fused
+    kernels are tested against) computes it, and as cheap as it can be on CPU:
+
+    - grouped-query attention (``enable_gqa``, ``Hk`` key/value heads for ``Hq = r * Hk``
+      query heads) repeats each key/value head ``r`` times (``repeat_interleave``, as the
+      math kernel);
+    - the scale multiplies ``q`` (``L x E``, not the ``L x S`` scores);
+    - the causal mask (``is_causal``: key ``i <= `` query ``i``) or ``attn_mask`` (bool: keep
+      where True; float: added) is added to the scores in place; with ``attn_mask``, rows
+      masked entirely get weights 0 (``_safe_softmax``, as the math kernel); causal rows
+      always keep a key, so they take the plain softmax (the same numbers);
+    - the weights are multiplied by the bool keep mask (nothing kept for ``p = 1``).
+
+    ``attn_mask`` together with ``is_causal`` is torch's error, raised by torch."""
     a = _bind(args, kwargs, _SDPA_NAMES, _SDPA_DEFAULTS)
-    if a["dropout_p"] <= 0:
-        return func(*args, **kwargs)
-    q, k = a["query"], a["key"]
-    shape = (*q.shape[:-1], k.shape[-2])
-    keep = rng.keep(shape, float(a["dropout_p"]), q.device)
+    p = float(a["dropout_p"])
     mask = a["attn_mask"]
-    if mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
-        mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+    if p <= 0 or (mask is not None and a["is_causal"]):
+        return func(*args, **kwargs)
+    q, k, v = a["query"], a["key"], a["value"]
+    length, source = q.shape[-2], k.shape[-2]
+    keep = rng.keep((*q.shape[:-1], source), p, q.device)
+    if a["enable_gqa"] and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        repeats = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(repeats, -3)
+        v = v.repeat_interleave(repeats, -3)
+    scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if a["is_causal"]:
+        above = torch.ones((length, source), dtype=torch.bool, device=q.device).triu_(1)
+        mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
+            above, float("-inf")
+        )
+    elif mask is not None and mask.dtype == torch.bool:  # as SDPA's convert_boolean_attn_mask
+        mask = torch.zeros((), dtype=scores.dtype, device=q.device).masked_fill(
             mask.logical_not(), float("-inf")
         )
-    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
-        q,
-        k,
-        a["value"],
-        mask,
-        float(a["dropout_p"]),
-        bool(a["is_causal"]),
-        keep,
-        scale=a["scale"],
-        enable_gqa=bool(kwargs.get("enable_gqa", False)),
-    )
-    return out
+    if mask is not None:
+        if torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape:
+            scores.add_(mask)
+        else:
+            scores = scores + mask
+    if mask is None or a["is_causal"]:
+        weights = torch.softmax(scores, -1)
+    else:
+        weights = torch.ops.aten._safe_softmax(scores, -1)
+    return torch.matmul(weights * keep, v * (1.0 / (1.0 - p) if p < 1 else 0.0))
 
 
 def _rrelu(rng: InvariantRandomness, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -556,37 +667,54 @@ class _Mode(TorchFunctionMode):
         self.seen = seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        kind = _F_DROPOUTS.get(func)
-        if kind is not None:
-            a = _bind(args, kwargs, _DROPOUT_NAMES, _DROPOUT_DEFAULTS)
-            x = a["input"]
-            feature, alpha, batched_ndim = kind
-            if feature and x.dim() < (batched_ndim or 3):
-                raise InputError(
-                    "model",
-                    self.rng.current_path() or "<root>",
-                    f"{func.__name__} on an unbatched input of shape {list(x.shape)}; "
-                    "hetrain draws randomness per sample",
-                )
-            return _dropout(self.rng, x, a["p"], a["training"], a["inplace"], feature, alpha)
-        kind = _TORCH_DROPOUTS.get(func)
-        if kind is not None:
-            a = _bind(args, kwargs, _TORCH_DROPOUT_NAMES, {})
-            return _dropout(self.rng, a["input"], a["p"], a["train"], False, *kind[:2])
-        if func is F.scaled_dot_product_attention:
-            return _sdpa(self.rng, func, args, kwargs)
-        if func is F.rrelu or func is torch.rrelu:
-            return _rrelu(self.rng, args, kwargs)
-        name = getattr(func, "__name__", "")
-        if name in _UNCOVERED_NAMES and (
-            name != "multi_head_attention_forward" or _mha(args, kwargs)
-        ):
+        # every torch call of the forward comes here: one dict look-up for the few replaced
+        # functions, one set look-up of the name for the uncovered ones, else the call
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self.rng, func, args, kwargs or {})
+        if getattr(func, "__name__", "") in _UNCOVERED_NAMES:
+            self._uncovered(func, args, kwargs or {})
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _uncovered(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        name = func.__name__
+        if name != "multi_head_attention_forward" or _mha(args, kwargs):
             where = self.rng.current_path() or "<root>"
             self.seen.append(
                 f"{where}: {name} draws random numbers hetrain cannot make plan-invariant"
             )
-        return func(*args, **kwargs)
+
+
+def _f_dropout(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``F.dropout`` and its feature / alpha variants (:data:`_F_DROPOUTS`)."""
+    feature, alpha, batched_ndim = _F_DROPOUTS[func]
+    a = _bind(args, kwargs, _DROPOUT_NAMES, _DROPOUT_DEFAULTS)
+    x = a["input"]
+    if feature and x.dim() < (batched_ndim or 3):
+        raise InputError(
+            "model",
+            rng.current_path() or "<root>",
+            f"{func.__name__} on an unbatched input of shape {list(x.shape)}; "
+            "hetrain draws randomness per sample",
+        )
+    return _dropout(rng, x, a["p"], a["training"], a["inplace"], feature, alpha)
+
+
+def _torch_dropout(rng: InvariantRandomness, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.dropout`` and its feature / alpha variants (:data:`_TORCH_DROPOUTS`)."""
+    feature, alpha, _ = _TORCH_DROPOUTS[func]
+    a = _bind(args, kwargs, _TORCH_DROPOUT_NAMES, {})
+    return _dropout(rng, a["input"], a["p"], a["train"], False, feature, alpha)
+
+
+#: the replaced functions: func -> handler(rng, func, args, kwargs)
+_HANDLERS: dict[Callable, Callable[[InvariantRandomness, Callable, tuple, dict], Any]] = {
+    **dict.fromkeys(_F_DROPOUTS, _f_dropout),
+    **dict.fromkeys(_TORCH_DROPOUTS, _torch_dropout),
+    F.scaled_dot_product_attention: _sdpa,
+    F.rrelu: lambda rng, func, args, kwargs: _rrelu(rng, args, kwargs),
+    torch.rrelu: lambda rng, func, args, kwargs: _rrelu(rng, args, kwargs),
+}
 
 
 def _mha(args: tuple, kwargs: dict) -> bool:
