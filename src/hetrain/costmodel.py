@@ -916,9 +916,15 @@ def expected_max_normal(times_s: Sequence[float], jitter: float) -> float:
 
     ``max_g T_g`` when ``σ = 0`` or one time; equal times give ``T (1 + σ e_G)`` with ``e_G``
     the expected maximum of ``G`` standard normals (Harter 1961: 0.564 for 2, 1.029 for 4);
-    otherwise ``∫ (1 − Π_g Φ((x − T_g)/(σ T_g))) dx`` from 0 (numerically, 4001 points over
-    ``T_g ± 8 σ T_g``; the mass below 0 is neglected: ``σ < 1/8``). Times of 0 (idle groups)
-    are left out.
+    otherwise ``a + ∫_a^b (1 − Π_g Φ((x − T_g)/(σ T_g))) dx`` with ``a = max_g T_g (1 − 8σ)``
+    (below it the slowest-starting group is slower than ``x`` with probability ``1 − 10⁻¹⁵``,
+    so the integrand is 1) and ``b = max_g T_g (1 + 8σ)``, over the groups with
+    ``T_g (1 + 8σ) > a`` (the others are faster than ``a`` with that probability: their
+    ``Φ`` is 1 on ``[a, b]``), by the trapezoidal rule on 257 points, which converges
+    geometrically on such smooth, flat-ended integrands (Trefethen & Weideman, *SIAM Review*
+    56(3), 2014): within 1e-12 (relative) of adaptive quadrature on random instances of 2-40
+    groups and ``σ`` in 0.005-0.12 (``tests/test_costmodel_refinement.py``). The mass below 0 is
+    neglected: ``σ < 1/8``. Times of 0 (idle groups) are left out.
 
     Raises:
         ValueError: ``jitter`` negative or not finite.
@@ -936,9 +942,13 @@ def expected_max_normal(times_s: Sequence[float], jitter: float) -> float:
     from scipy.special import ndtr  # Φ, vectorised (np.vectorize(math.erf) was ~10x slower)
 
     sd = jitter * t
-    lo = max(0.0, float(np.min(t - 8 * sd)))
+    lo = max(0.0, float(np.max(t - 8 * sd)))
+    near = t + 8 * sd > lo
+    t, sd = t[near], sd[near]
+    if t.size == 1:
+        return top
     hi = float(np.max(t + 8 * sd))
-    x = np.linspace(lo, hi, 4001)
+    x = np.linspace(lo, hi, 257)
     cdf = np.prod(ndtr((x[:, None] - t[None, :]) / sd[None, :]), axis=1)
     tail = 1.0 - cdf
     return float(lo + np.sum((tail[1:] + tail[:-1]) * np.diff(x)) / 2.0)
