@@ -913,6 +913,12 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
     return unique
 
 
+# solve_structure's refinement pass prunes active prefixes against the incumbent ``best``
+# (the first pass against 1.5 × it, since its solution chooses the μ to refine): only a
+# solution below ``best`` can be returned, so the plans are those without this pruning
+REFINE_BOUND_IS_INCUMBENT = True
+
+
 def solve_structure(
     ctx: SearchContext,
     groups: Sequence[tuple[int, ...]],
@@ -1041,8 +1047,11 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
-                              all_active, chain)  # fmt: skip
+        # (pruned against the incumbent itself: only a solution below ``best`` is returned,
+        # and the first pass's ``cand``, whose μ this pass refines, is already known)
+        refine_bound = bound if best is None or not REFINE_BOUND_IS_INCUMBENT else best.objective
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, refine_bound,
+                              quick, all_active, chain)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best
