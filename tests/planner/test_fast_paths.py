@@ -732,3 +732,45 @@ def test_plans_equal_without_pruning_the_refinement_by_the_incumbent(seeds) -> N
                 plans[pruned] = best_plan(state, arrays, config, reproducible=True)
         assert plans[True].model_dump_json() == plans[False].model_dump_json()
     assert counts[True] < counts[False]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_time_arrays_row_by_row_equal_the_scatter(seed: int) -> None:
+    """The share solution's padded ``(G, P_max)`` option arrays filled row by row (up to
+    ``PADDED_BY_ROWS_MAX`` groups) equal those of one scatter of all options: values, dtypes
+    and shapes, with groups without options among them."""
+    import hetrain.planner.shares as shares_module
+    from hetrain.planner.shares import _padded_time_arrays
+
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(40):
+        opts = _random_options(rng, int(rng.integers(1, 17)))
+        if rng.random() < 0.3:
+            opts.insert(int(rng.integers(0, len(opts) + 1)), GroupOptions.from_tables([], 2))
+        rows = _padded_time_arrays(opts)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(shares_module, "PADDED_BY_ROWS_MAX", 0)
+            scatter = _padded_time_arrays(opts)
+        for a, b in zip(rows, scatter, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_approx_signature_is_kept_per_device_sequence(seed: int) -> None:
+    """``SearchContext.approx_signature`` is computed once per device sequence (the same
+    object when asked again) with the value a fresh context computes, for orders of the
+    devices of a seeded measured-times instance."""
+    from random_inputs import measured_times_case
+
+    case = measured_times_case(seed)
+    state = cluster_from_dict(case["cluster"]).state()
+    arrays = profile_from_dict(case["profile"]).arrays()
+    config = TrainingConfig(batch=case["batch"])
+    ctx = SearchContext(state, arrays, config)
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        devices = rng.permutation(state.num_devices)[: int(rng.integers(1, 5))]
+        first = ctx.approx_signature(devices)
+        assert ctx.approx_signature(devices.copy()) is first
+        assert SearchContext(state, arrays, config).approx_signature(devices) == first

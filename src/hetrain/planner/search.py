@@ -209,15 +209,19 @@ class SearchContext:
     def approx_signature(self, devices: np.ndarray) -> tuple:
         """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
         significant digits: groups that differ by measurement noise share their *splits*
-        (their times are still computed exactly)."""
-        s = self.state
-        per = tuple(self._device_key(int(d), True) for d in devices)
-        links = (
-            tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
-            if len(devices) > 1
-            else ()
-        )
-        return per, links
+        (their times are still computed exactly). Cached per device sequence."""
+        key = ("approx-signature", np.asarray(devices, dtype=np.int64).tobytes())
+        out = self.option_cache.get(key)
+        if out is None:
+            s = self.state
+            per = tuple(self._device_key(int(d), True) for d in devices)
+            links = (
+                tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
+                if len(devices) > 1
+                else ()
+            )
+            out = self.option_cache[key] = (per, links)
+        return out
 
     def _device_key(self, d: int, approx: bool) -> tuple:
         """One device's part of :meth:`signature` (``approx``: of :meth:`approx_signature`),
