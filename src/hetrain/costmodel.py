@@ -214,6 +214,29 @@ class ProfilePrefix:
             last = self._cache["kind-index-last"]
         return last[2]
 
+    def device_kinds(self, state: ClusterState, devices: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, float]:  # fmt: skip
+        """For the devices ``devices`` (int64 array, any shape) of ``state``: their
+        :meth:`kind_index` and :meth:`time_scale` (``devices``' shape each) and the fraction
+        with measured times, as a float that is exactly 0.0 or 1.0 when none or all have them.
+        Kept per device array contents (and shape) for the last state object asked (the
+        planner times the same groups many times); read-only arrays."""
+        last = self._cache.get("device-kinds-last")
+        if last is None or last[0] is not state:
+            last = self._cache["device-kinds-last"] = (state, {})
+        key = (devices.tobytes(), devices.shape)
+        out = last[1].get(key)
+        if out is None:
+            # (arrays also for a 0-d index, whose gather is a scalar)
+            kind = np.array(self.kind_index(state)[devices])
+            scale = np.array(self.time_scale(state)[devices])
+            mine = kind >= 0
+            share = 1.0 if bool(mine.all()) else (0.0 if not bool(mine.any()) else 0.5)
+            kind.flags.writeable = False
+            scale.flags.writeable = False
+            out = last[1][key] = (kind, scale, share)
+        return out
+
     def _kind_index_of(self, kinds: tuple[str, ...]) -> np.ndarray:
         key = ("kind-index", kinds)
         out = self._cache.get(key)
@@ -401,11 +424,14 @@ def stage_compute_s(
     ends = np.asarray(ends, dtype=np.int64)
     if part not in ("train", "bwd"):
         raise ValueError(f"part: expected 'train' or 'bwd', got {part!r}")
-    kind = prefix.kind_index(state)[devices] if prefix.measured else None
-    mine = None if kind is None else kind >= 0
-    some = mine is not None and bool(mine.any())
-    if some and bool(mine.all()):
-        return _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
+    kind = mine = None
+    some = False
+    if prefix.measured:
+        kind, scale, share = prefix.device_kinds(state, devices)
+        if share == 1:
+            return _measured_stage_s(prefix, kind, scale, starts, ends, microbatch_size, part)
+        some = share > 0
+        mine = kind >= 0
     if part == "train":
         flops = prefix.train_flops[ends] - prefix.train_flops[starts]
         out = microbatch_size * flops / state.speed_flops[devices] + state.kappa_s[devices]
@@ -417,26 +443,32 @@ def stage_compute_s(
         out = microbatch_size * flops / state.speed_flops[devices]
     if not some:
         return out
-    measured = _measured_stage_s(state, prefix, kind, devices, starts, ends, microbatch_size, part)
+    measured = _measured_stage_s(prefix, np.maximum(kind, 0), scale, starts, ends,
+                                 microbatch_size, part)  # fmt: skip
     return np.where(mine, measured, out)
 
 
 def _measured_stage_s(
-    state: ClusterState,
     prefix: ProfilePrefix,
-    kind: np.ndarray,
-    devices: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
     starts: np.ndarray,
     ends: np.ndarray,
     microbatch_size: int | np.ndarray,
     part: str,
 ) -> np.ndarray:
-    """:func:`stage_compute_s` of measured-time devices (``kind`` >= 0: the index of the
-    device's kind in ``prefix.measured``; entries with -1 are computed as kind 0 and must be
-    replaced by the caller). Broadcast shape of the inputs, seconds."""
+    """:func:`stage_compute_s` of measured-time devices: ``q`` the index of each device's
+    kind in ``prefix.measured`` (``≥ 0``; the caller replaces the entries of FLOP-model
+    devices), ``scale`` its :meth:`ClusterState.measured_time_scale`, both of the devices'
+    shape. Broadcast shape of the inputs, seconds."""
+    if (isinstance(microbatch_size, np.ndarray) and microbatch_size.dtype.kind in "iu"
+            and microbatch_size.size > 1 and int(microbatch_size.min()) >= 1):  # fmt: skip
+        # whole sizes given as integers (the partitioner's and search's): the table's row is
+        # the size itself, no conversion or check per call
+        table = prefix.measured_prefix_by_size_s(microbatch_size, part)  # (N_kinds, S, L + 1)
+        which = microbatch_size
+        return table[q, which, ends] * scale - table[q, which, starts] * scale
     mu = np.asarray(microbatch_size, dtype=float)
-    q = np.maximum(kind, 0)
-    scale = prefix.time_scale(state)[devices]
     # (the scale multiplies the gathered prefix sums before the difference: the gathers
     # are smaller than the result when starts and ends broadcast against each other)
     if mu.size == 1:  # one size (the common case): no per-element size index

@@ -660,3 +660,117 @@ def test_plans_equal_without_the_shared_prefix_speeds_and_direct_shares(
         return plan.model_dump_json()
 
     assert plan_json(True) == plan_json(False)
+
+
+# --- issue 21: planning time with measured times -------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(measured_instances(), st.integers(0, 10**6))
+def test_stage_times_of_whole_sizes_and_kept_device_kinds_equal_the_plain_computation(
+    instance, seed
+) -> None:
+    """``stage_compute_s`` with integer micro-batch sizes (the partitioner's and search's
+    calls: the size indexes the table, ``ProfilePrefix.device_kinds`` kept per device array
+    for the last state) gives the bits of the float sizes through a fresh prefix, for two
+    states asked in turn (speeds moved: the time scale changes)."""
+    from hetrain.costmodel import _build_prefix
+
+    profile, cluster, factors = instance
+    arrays = profile_from_dict(profile).arrays()
+    base = cluster_from_dict(cluster).state()
+    moved = base.with_changes(speed_flops=base.speed_flops * factors)
+    prefix = profile_prefix(arrays)
+    rng = np.random.default_rng(seed)
+    num_layers, num_dev = arrays.num_layers, base.num_devices
+    for state in (base, moved, base, moved):
+        devices = rng.integers(0, num_dev, size=(1, int(rng.integers(1, 4))))
+        starts = rng.integers(0, num_layers, size=(5, devices.shape[1]))
+        ends = np.minimum(starts + rng.integers(1, num_layers + 1, size=starts.shape), num_layers)
+        mus = rng.integers(1, 20, size=(5, 1))
+        for part in ("train", "bwd"):
+            got = stage_compute_s(state, prefix, devices, starts, ends, mus, part)
+            want = stage_compute_s(state, _build_prefix(arrays), devices, starts, ends,
+                                   mus.astype(float), part)  # fmt: skip
+            assert got.tolist() == want.tolist()
+        kind, scale, share = prefix.device_kinds(state, devices)
+        assert kind.tolist() == prefix.kind_index(state)[devices].tolist()
+        assert scale.tolist() == state.measured_time_scale()[devices].tolist()
+        mine = kind >= 0
+        assert share == (1.0 if mine.all() else 0.0 if not mine.any() else 0.5)
+
+
+@pytest.mark.parametrize("seeds", [range(0, 4), range(4, 8)])
+def test_plans_equal_without_pruning_the_refinement_by_the_incumbent(seeds) -> None:
+    """``best_plan`` (solve-count budget) gives the same plan JSON, to the last bit, when
+    ``solve_structure``'s refinement pass prunes against 1.5 × the incumbent instead of the
+    incumbent (``REFINE_BOUND_IS_INCUMBENT``), on random instances with measured times (5-16
+    devices of 2-4 kinds, 8-30 layers, B 16-128), and solves fewer share problems."""
+    from random_inputs import measured_times_case
+
+    import hetrain.planner.search as search_module
+    import hetrain.planner.shares as shares_module
+    from hetrain.planner import best_plan
+
+    counts = {True: 0, False: 0}
+    for seed in seeds:
+        case = measured_times_case(seed)
+        state = cluster_from_dict(case["cluster"]).state()
+        config = TrainingConfig(batch=case["batch"])
+        plans = {}
+        for pruned in (True, False):
+            arrays = profile_from_dict(case["profile"]).arrays()  # (a new profile object)
+            solve = shares_module.ShareProblem.solve
+
+            def counted(problem, pruned=pruned, solve=solve):
+                counts[pruned] += 1
+                return solve(problem)
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(search_module, "REFINE_BOUND_IS_INCUMBENT", pruned)
+                mp.setattr(shares_module.ShareProblem, "solve", counted)
+                plans[pruned] = best_plan(state, arrays, config, reproducible=True)
+        assert plans[True].model_dump_json() == plans[False].model_dump_json()
+    assert counts[True] < counts[False]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_time_arrays_row_by_row_equal_the_scatter(seed: int) -> None:
+    """The share solution's padded ``(G, P_max)`` option arrays filled row by row (up to
+    ``PADDED_BY_ROWS_MAX`` groups) equal those of one scatter of all options: values, dtypes
+    and shapes, with groups without options among them."""
+    import hetrain.planner.shares as shares_module
+    from hetrain.planner.shares import _padded_time_arrays
+
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(40):
+        opts = _random_options(rng, int(rng.integers(1, 17)))
+        if rng.random() < 0.3:
+            opts.insert(int(rng.integers(0, len(opts) + 1)), GroupOptions.from_tables([], 2))
+        rows = _padded_time_arrays(opts)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(shares_module, "PADDED_BY_ROWS_MAX", 0)
+            scatter = _padded_time_arrays(opts)
+        for a, b in zip(rows, scatter, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_approx_signature_is_kept_per_device_sequence(seed: int) -> None:
+    """``SearchContext.approx_signature`` is computed once per device sequence (the same
+    object when asked again) with the value a fresh context computes, for orders of the
+    devices of a seeded measured-times instance."""
+    from random_inputs import measured_times_case
+
+    case = measured_times_case(seed)
+    state = cluster_from_dict(case["cluster"]).state()
+    arrays = profile_from_dict(case["profile"]).arrays()
+    config = TrainingConfig(batch=case["batch"])
+    ctx = SearchContext(state, arrays, config)
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        devices = rng.permutation(state.num_devices)[: int(rng.integers(1, 5))]
+        first = ctx.approx_signature(devices)
+        assert ctx.approx_signature(devices.copy()) is first
+        assert SearchContext(state, arrays, config).approx_signature(devices) == first

@@ -296,10 +296,12 @@ def _stage_matrices(
     fixed, act, monotone = base
     idx = np.arange(num_layers + 1)
     # (U, 1, 1, 1); integers as floats: exact, and no casting in the products
-    mu = np.asarray(microbatch_sizes, dtype=np.int64).astype(float)[:, None, None, None]
-    # (U, K, L + 1, L + 1): stage [i, j) on device k (entries with j <= i are masked later)
+    mu_whole = np.asarray(microbatch_sizes, dtype=np.int64)[:, None, None, None]
+    mu = mu_whole.astype(float)
+    # (U, K, L + 1, L + 1): stage [i, j) on device k (entries with j <= i are masked later;
+    # the sizes as integers: stage_compute_s's lookup by size, the same values)
     compute = stage_compute_s(
-        state, prefix, np.asarray(devices)[:, None, None], idx[:, None], idx[None, :], mu
+        state, prefix, np.asarray(devices)[:, None, None], idx[:, None], idx[None, :], mu_whole
     )
     full = (len(mu), len(devices), num_layers + 1, num_layers + 1)
     if compute.shape != full or not compute.flags.writeable:

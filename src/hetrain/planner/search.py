@@ -209,15 +209,19 @@ class SearchContext:
     def approx_signature(self, devices: np.ndarray) -> tuple:
         """:meth:`signature` with speeds in 10 % buckets (log scale) and the rest to three
         significant digits: groups that differ by measurement noise share their *splits*
-        (their times are still computed exactly)."""
-        s = self.state
-        per = tuple(self._device_key(int(d), True) for d in devices)
-        links = (
-            tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
-            if len(devices) > 1
-            else ()
-        )
-        return per, links
+        (their times are still computed exactly). Cached per device sequence."""
+        key = ("approx-signature", np.asarray(devices, dtype=np.int64).tobytes())
+        out = self.option_cache.get(key)
+        if out is None:
+            s = self.state
+            per = tuple(self._device_key(int(d), True) for d in devices)
+            links = (
+                tuple(float(f"{x:.3g}") for x in link_bandwidths_bytes_per_s(s, devices))
+                if len(devices) > 1
+                else ()
+            )
+            out = self.option_cache[key] = (per, links)
+        return out
 
     def _device_key(self, d: int, approx: bool) -> tuple:
         """One device's part of :meth:`signature` (``approx``: of :meth:`approx_signature`),
@@ -913,6 +917,12 @@ def candidate_structures(ctx: SearchContext) -> list[tuple[str, list[tuple[int, 
     return unique
 
 
+# solve_structure's refinement pass prunes active prefixes against the incumbent ``best``
+# (the first pass against 1.5 × it, since its solution chooses the μ to refine): only a
+# solution below ``best`` can be returned, so the plans are those without this pruning
+REFINE_BOUND_IS_INCUMBENT = True
+
+
 def solve_structure(
     ctx: SearchContext,
     groups: Sequence[tuple[int, ...]],
@@ -1041,8 +1051,11 @@ def solve_structure(
                 g0 = entries[keys[i]][0]
                 add = ctx.envelope_options(garr[g0], more, fixed[g0])
                 new_opts[i] = _merge([opts[i], add])
-        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, bound, quick,
-                              all_active, chain)  # fmt: skip
+        # (pruned against the incumbent itself: only a solution below ``best`` is returned,
+        # and the first pass's ``cand``, whose μ this pass refines, is already known)
+        refine_bound = bound if best is None or not REFINE_BOUND_IS_INCUMBENT else best.objective
+        cand = _solve_entries(ctx, garr, entries, keys, new_opts, feasible, cand, refine_bound,
+                              quick, all_active, chain)  # fmt: skip
     if cand is not None and (best is None or cand.objective < best.objective):
         return cand
     return best

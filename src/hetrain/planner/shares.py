@@ -37,6 +37,9 @@ from hetrain.planner.partition import SplitTable
 # ShareProblem._finish times each member's (entry, share) pair directly up to this many
 # members, and only the distinct pairs (np.unique) beyond
 FINISH_DIRECT_MAX = 64
+# _padded_time_arrays fills the rows of up to this many groups one by one (a few slice
+# assignments), more groups with one scatter of all options
+PADDED_BY_ROWS_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -167,10 +170,13 @@ def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...
     """The options' own ``(μ, A, M, n_max)`` (:meth:`GroupOptions.time_for`'s inputs) as
     ``(G, P_max)`` arrays (``n_max`` as floats: exact for any count of micro-batches),
     padded with ``μ = 1``, ``A = inf``, ``M = 0``, ``n_max = −1``."""
-    sizes = np.array([len(g) for g in groups], dtype=np.int64)
-    width = max(int(sizes.max(initial=0)), 1)
-    rows = np.repeat(np.arange(len(groups)), sizes)
-    cols = np.arange(int(sizes.sum())) - (sizes.cumsum() - sizes).repeat(sizes)
+    sizes = [len(g) for g in groups]
+    width = max(max(sizes, default=0), 1)
+    by_rows = len(groups) <= PADDED_BY_ROWS_MAX
+    if not by_rows:
+        counts = np.array(sizes, dtype=np.int64)
+        rows = np.repeat(np.arange(len(groups)), counts)
+        cols = np.arange(int(counts.sum())) - (counts.cumsum() - counts).repeat(counts)
     mu_type = np.result_type(np.int64, *[g.microbatch_size for g in groups])
     arrays = []
     for name, pad, dtype in (("microbatch_size", 1, mu_type), ("fill_s", np.inf, float),
@@ -178,7 +184,11 @@ def _padded_time_arrays(groups: Sequence[GroupOptions]) -> tuple[np.ndarray, ...
                              ("max_microbatches", -1.0, float)):  # fmt: skip
         out = np.empty((len(groups), width), dtype=dtype)
         out.fill(pad)
-        if len(rows):
+        if by_rows:
+            for row, (g, size) in enumerate(zip(groups, sizes, strict=True)):
+                if size:
+                    out[row, :size] = getattr(g, name)
+        elif len(rows):
             out[rows, cols] = np.concatenate([getattr(g, name) for g in groups])
         arrays.append(out)
     return tuple(arrays)
