@@ -208,20 +208,33 @@ def run_blocks(
     outs: dict[Key, torch.Tensor] = {}
     for i, block, spec, fills, count in plan.steps:
         flat = [_resolve(f, live, extras, outs) for f in fills]
-        args, kwargs = tree_unflatten(flat, spec)
-        y = block(*args, **kwargs)
-        ts = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
-        if len(ts) != count:
-            raise CaptureError(
-                cut.source,
-                "layers",
-                f"block {cut.block_names[i]} returned {len(ts)} tensors, {count} when it was "
-                "recorded: the forward took another path; name other cut points with "
-                "layers=[...]",
-            )
+        ts = call_recorded(cut, block, flat, spec, count, f"block {cut.block_names[i]}")
         for j, t in enumerate(ts):
             outs[(i + 1, "", -1, -1, j)] = t
     return outs
+
+
+def call_recorded(
+    cut: ModuleCut, fn: Any, flat: list[Any], spec: Any, count: int, what: str
+) -> list[torch.Tensor]:
+    """``fn`` called on the arguments ``tree_unflatten(flat, spec)`` (``(args, kwargs)``) of
+    a recorded call; returns the tensors of its output in ``tree_flatten`` order.
+
+    Raises:
+        CaptureError: the output holds another number of tensors (``count``) than when the
+            call was recorded (``what`` names the call).
+    """
+    args, kwargs = tree_unflatten(flat, spec)
+    y = fn(*args, **kwargs)
+    ts = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
+    if len(ts) != count:
+        raise CaptureError(
+            cut.source,
+            "layers",
+            f"{what} returned {len(ts)} tensors, {count} when it was recorded: the forward "
+            "took another path; name other cut points with layers=[...]",
+        )
+    return ts
 
 
 _TAGS: dict[tuple[int, Any], torch.Tensor] = {}

@@ -50,8 +50,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from hetrain.runtime.cut_chains import CaptureError
-
 if TYPE_CHECKING:
     from hetrain.runtime.cut_direct import DirectPlan
     from hetrain.runtime.module_cut import ModuleCut
@@ -293,7 +291,7 @@ def replay(
     in_flat, in_spec = tree_flatten(inputs)
     if in_spec != trace.input_spec:
         return None
-    from hetrain.runtime.cut_direct import _resolve, run_blocks
+    from hetrain.runtime.cut_direct import _resolve, call_recorded, run_blocks
 
     outs = run_blocks(cut, plan, live, extras) if plan is not None else {}
     env: dict[tuple[int, int], torch.Tensor] = {}
@@ -307,17 +305,7 @@ def replay(
         return _resolve(src, live, extras, outs)  # "out", "recv", "x", "p", "c"
 
     for op, (_kind, fn, spec, fills, count) in enumerate(trace.ops):
-        args, kwargs = tree_unflatten([resolve(f) for f in fills], spec)
-        y = fn(*args, **kwargs)
-        ts = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
-        if len(ts) != count:
-            raise CaptureError(
-                cut.source,
-                "layers",
-                f"the suffix's call {op} returned {len(ts)} tensors, {count} when it was "
-                "recorded: the forward took another path; name other cut points with "
-                "layers=[...]",
-            )
-        for j, t in enumerate(ts):
+        flat = [resolve(f) for f in fills]
+        for j, t in enumerate(call_recorded(cut, fn, flat, spec, count, f"the suffix's call {op}")):
             env[(op, j)] = t
     return tree_unflatten([resolve(f) for f in trace.out_fills], trace.out_spec)
