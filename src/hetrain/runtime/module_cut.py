@@ -493,33 +493,33 @@ class ModuleCut(Chain):
                 return False
         return True
 
-    def _last_stage(self, start: int, got: list, inputs: Any) -> Any:
-        """Stage ``[start, num_layers)`` from the recorded suffix
-        (:mod:`hetrain.runtime.cut_suffix`), or None: it runs the model's forward, recording
-        the suffix (``self._trace_run``) when its signature is new."""
+    def _last_stage(self, start: int, got: list, inputs: Any) -> tuple[Any, tuple | None]:
+        """``(output, None)``: stage ``[start, num_layers)`` from the recorded suffix
+        (:mod:`hetrain.runtime.cut_suffix`); or ``(None, recording)``: it runs the model's
+        forward, recording the suffix when ``recording`` (``(signature, TraceRecorder)``) is
+        not None (a new signature)."""
         nb = len(self.blocks)
-        self._trace_run = None
         if self._meta_model or start > nb + 1:
-            return None
+            return None, None
         keys = self._live[start]
         plan = None
         extras: list = []
         if start <= nb:
             positions = self._extras_at[start]
             if positions is None or len(got) != len(keys) + len(positions) + 1:
-                return None
+                return None, None
             key = (start, nb + 1)
             plan = self._direct.get(key, False)
             if plan is False:
                 plan = self._direct[key] = direct_plan(self, start, nb + 1)
             if plan is None:
-                return None
+                return None, None
             extras = got[len(keys) : -1]
         elif len(got) != len(keys):
-            return None
+            return None, None
         sig = signature(start, got, inputs, self.module)
         if sig is None:
-            return None
+            return None, None
         trace = self._suffix_traces.get(sig, False)
         if trace is False:
             flat, spec = tree_flatten(inputs)
@@ -529,11 +529,10 @@ class ModuleCut(Chain):
                     rec.name(a, ("in", i))
             for i, t in enumerate(got[: len(keys)]):
                 rec.name(t, ("recv", i))
-            self._trace_run = (sig, rec)
-            return None
+            return None, (sig, rec)
         if trace is None:
-            return None
-        return replay(self, plan, trace, got[: len(keys)], extras, inputs)
+            return None, None
+        return replay(self, plan, trace, got[: len(keys)], extras, inputs), None
 
     def verify(self, example_inputs: Any) -> None:
         """Run every layer as its own stage on ``example_inputs`` and on their first sample
@@ -574,10 +573,9 @@ class ModuleCut(Chain):
         if start > 0:
             got = list(x) if isinstance(x, list | tuple) else [x]
             if end == self.num_layers:
-                out = self._last_stage(start, got, inputs)
+                out, recording = self._last_stage(start, got, inputs)
                 if out is not None:
                     return out
-                recording = self._trace_run
             keys = self._live[start]
             extras = self._extras_at[start]
             if extras is not None and len(got) == len(keys) + len(extras) + 1:
