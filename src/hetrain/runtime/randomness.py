@@ -161,10 +161,16 @@ def words_per_sample(
     samples ``s`` in ``sample_index``, with the per-sample key ``k_s = splitmix64(key + s * φ)``
     (one splitmix64 per word, computed in place): int64 ``[n, count]`` holding the uint64 bits."""
     device = device if device is not None else sample_index.device
-    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
-    ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
+    ks = _sample_keys(key, sample_index, device)
     z = torch.add(ks[:, None], _element_offsets(count, device)[None, :])
     return _mix_(z, torch.empty_like(z))
+
+
+def _sample_keys(key: int, sample_index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The per-sample keys ``k_s = splitmix64(key + s * φ)`` of ``sample_index`` (int64
+    ``[n]``) on ``device``."""
+    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
+    return splitmix64(rows * _signed(_GOLDEN) + _signed(key))
 
 
 def draws_per_sample(
@@ -213,7 +219,9 @@ def keep_threshold(p: float) -> int:
 KEEP_BLOCK_WORDS = 1 << 16
 _SCRATCH = threading.local()  # per thread: device -> reused int64 scratch of 2 blocks
 _FLIP32 = _signed((1 << 63) | (1 << 31))  # the sign bit of both 32-bit halves of a word
-_LITTLE_ENDIAN = sys.byteorder == "little"
+# where a word's high and low 32-bit halves sit in its int32 view (low half first on a
+# little-endian machine)
+_HIGH_HALF, _LOW_HALF = (1, 0) if sys.byteorder == "little" else (0, 1)
 
 
 def _scratch(words: int, device: torch.device) -> torch.Tensor:
@@ -262,7 +270,7 @@ def keep_per_sample(
     elsewhere): per block, the words :func:`words_per_sample` computes, in place in a reused
     scratch; then both 32-bit halves of every word get their sign bit flipped (one xor), so
     that the signed int32 order of a half equals the unsigned order of ``V``, and the halves,
-    read as int32 (little-endian: low half first), are compared with ``T(p) ^ 2^31``: the high
+    read as int32 (in the machine's byte order), are compared with ``T(p) ^ 2^31``: the high
     halves give elements ``j < h``, the low halves elements ``h + j``.
 
     Raises:
@@ -274,11 +282,7 @@ def keep_per_sample(
     device = torch.device(device) if device is not None else sample_index.device
     if threshold > _M32 or m == 0:  # p = 1: nothing is kept, no words needed
         return torch.zeros(shape, dtype=torch.bool, device=device)
-    if not _LITTLE_ENDIAN:  # the int32 halves below assume the low half first
-        z = words_per_sample(key, sample_index, h, device)
-        return _keep_from_words(z, n, m, h, threshold).reshape(shape)
-    rows = sample_index.reshape(-1).to(device=device, dtype=torch.int64)
-    ks = splitmix64(rows * _signed(_GOLDEN) + _signed(key))
+    ks = _sample_keys(key, sample_index, device)
     offsets = _element_offsets(h, device)
     t32 = threshold ^ (1 << 31)
     t32 = t32 - (1 << 32) if t32 >= 1 << 31 else t32  # as a signed int32
@@ -291,26 +295,13 @@ def keep_per_sample(
         torch.add(ks[s0:s1, None], offsets[None, i0:i1], out=z)
         _mix_(z, buf[size : 2 * size].view(s1 - s0, i1 - i0))
         z ^= _FLIP32
-        halves = z.view(torch.int32)  # [k, 2 (i1 - i0)]: low, high half of each word
-        torch.ge(halves[:, 1::2], t32, out=out[s0:s1, i0:i1])
+        halves = z.view(torch.int32)  # [k, 2 (i1 - i0)]: both halves of each word
+        torch.ge(halves[:, _HIGH_HALF::2], t32, out=out[s0:s1, i0:i1])
         low_end = min(i1, m - h)  # elements h + j exist for j < m - h
         if low_end > i0:
-            torch.ge(
-                halves[:, 0 : 2 * (low_end - i0) : 2], t32, out=out[s0:s1, h + i0 : h + low_end]
-            )
+            low = halves[:, _LOW_HALF : 2 * (low_end - i0) : 2]
+            torch.ge(low, t32, out=out[s0:s1, h + i0 : h + low_end])
     return out.reshape(shape)
-
-
-def _keep_from_words(z: torch.Tensor, n: int, m: int, h: int, threshold: int) -> torch.Tensor:
-    """The keep mask ``[n, m]`` from the words ``z`` (``[n, h]``, changed in place) on the
-    int64 order: high halves by ``Z ^ 2^63`` against ``(T(p) * 2^32) ^ 2^63`` (unsigned
-    order), low halves by ``Z & (2^32 - 1) >= T(p)``."""
-    out = torch.empty((n, m), dtype=torch.bool, device=z.device)
-    z ^= -(1 << 63)
-    torch.ge(z, _signed((threshold << 32) ^ (1 << 63)), out=out[:, :h])
-    z &= _M32
-    torch.ge(z[:, : m - h], threshold, out=out[:, h:])
-    return out
 
 
 # -------------------------------------------------------------------------------- arguments
