@@ -461,31 +461,32 @@ def _measured_stage_s(
     kind in ``prefix.measured`` (``≥ 0``; the caller replaces the entries of FLOP-model
     devices), ``scale`` its :meth:`ClusterState.measured_time_scale`, both of the devices'
     shape. Broadcast shape of the inputs, seconds."""
-    if (isinstance(microbatch_size, np.ndarray) and microbatch_size.dtype.kind in "iu"
-            and microbatch_size.size > 1 and int(microbatch_size.min()) >= 1):  # fmt: skip
-        # whole sizes given as integers (the partitioner's and search's): the table's row is
-        # the size itself, no conversion or check per call
-        table = prefix.measured_prefix_by_size_s(microbatch_size, part)  # (N_kinds, S, L + 1)
-        which = microbatch_size
-        return table[q, which, ends] * scale - table[q, which, starts] * scale
-    mu = np.asarray(microbatch_size, dtype=float)
+    sizes = np.asarray(microbatch_size)
     # (the scale multiplies the gathered prefix sums before the difference: the gathers
     # are smaller than the result when starts and ends broadcast against each other)
-    if mu.size == 1:  # one size (the common case): no per-element size index
+    if sizes.size == 1:  # one size (the common case): no per-element size index
+        mu = sizes.astype(float)
         table = prefix.measured_prefix_s(mu.reshape(1), part)[:, 0]  # (N_kinds, L + 1)
         measured = table[q, ends] * scale - table[q, starts] * scale
         if mu.ndim <= measured.ndim:  # (a size-1 array adds no axis: the shape is final)
             return measured
         return np.broadcast_to(measured, np.broadcast_shapes(measured.shape, mu.shape)).copy()
-    whole = mu.astype(np.int64)
-    if bool((whole == mu).all()) and whole.min(initial=1) >= 1:
+    if sizes.dtype.kind in "iu":  # integers (the partitioner's and search's): whole as given
+        whole = sizes
+        is_whole = whole.min(initial=1) >= 1
+    else:
+        mu = sizes.astype(float)
+        whole = mu.astype(np.int64)
+        is_whole = bool((whole == mu).all()) and whole.min(initial=1) >= 1
+    if is_whole:
         # whole sizes (the planner's): the table's row is the size itself
         which = whole
         table = prefix.measured_prefix_by_size_s(whole, part)  # (N_kinds, S, L + 1)
     else:
-        sizes = np.unique(mu)
-        which = np.searchsorted(sizes, mu)  # (the index of each size in `sizes`, mu's shape)
-        table = prefix.measured_prefix_s(sizes, part)  # (N_kinds, U, L + 1)
+        mu = sizes.astype(float)
+        unique = np.unique(mu)
+        which = np.searchsorted(unique, mu)  # (the index of each size in `unique`, mu's shape)
+        table = prefix.measured_prefix_s(unique, part)  # (N_kinds, U, L + 1)
     # (mu's shape is in the index, so the result has the broadcast shape of all inputs)
     return table[q, which, ends] * scale - table[q, which, starts] * scale
 
