@@ -941,23 +941,17 @@ def solve_structure(
     ``all_active``: do not try idling groups beyond what the share solver does (the structure
     enumeration covers the smaller structures)."""
     # each group's device array and signature id (SearchContext.group_array_and_signature_id)
-    known = ctx.option_cache.setdefault("group-array-signature", {})
-    infos = [known.get(g) if type(g) is tuple else None for g in groups]
-    if None in infos:
-        for g, devs in enumerate(groups):
-            if infos[g] is None:
-                infos[g] = ctx.group_array_and_signature_id(tuple(int(d) for d in devs))
+    infos = [
+        ctx.group_array_and_signature_id(g if type(g) is tuple else tuple(int(d) for d in g))
+        for g in groups
+    ]
     garr = [info[0] for info in infos]
     fixed = list(fixed_bounds) if fixed_bounds is not None else [None] * len(garr)
     # merge groups with equal signature (identical options)
     entries: dict[tuple, list[int]] = {}
-    if fixed_bounds is None:
-        for g, info in enumerate(infos):
-            entries.setdefault((info[1], None), []).append(g)
-    else:
-        for g, info in enumerate(infos):
-            fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
-            entries.setdefault((info[1], fk), []).append(g)
+    for g, info in enumerate(infos):
+        fk = None if fixed[g] is None else tuple(int(x) for x in fixed[g])
+        entries.setdefault((info[1], fk), []).append(g)
     keys = list(entries)
     if best is not None:
         # no μ, split or share of these groups (nor of any subset of them kept active) takes
