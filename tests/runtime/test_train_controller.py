@@ -423,3 +423,63 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
         old.close(wait_s=1)
         if new is not None:
             new.close(wait_s=1)
+
+
+def test_logged_predictions_are_the_plans_times_with_f_and_cost_two_evaluations(
+    monkeypatch,
+) -> None:
+    """The service's predictions (evaluated after a decision is posted, from a snapshot) are
+    bit-equal to the cost model's times with the learned ``F``, and a measured step costs two
+    cost-model evaluations for them and the residual of ``F`` (the plan in force's time is
+    shared), over a run whose ``F`` and plans change."""
+    import dataclasses
+
+    import hetrain.runtime.ctlcontroller as cc
+
+    devices = DEVICES
+    profile = _profile()
+    config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
+    ctl = PlanController(
+        local_cluster_state(devices, [2e10] * 4),
+        profile,
+        config,
+        even_dp_plan(devices, 4, BATCH, 8),
+        40,
+        async_search=False,
+    )
+    calls = []
+    real = cc.predict_iteration_time_s
+    monkeypatch.setattr(cc, "predict_iteration_time_s", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(5)
+    flops = float(profile.train_flops.sum())
+    overheads, per_step, changes = set(), [], 0
+    for t in range(40):
+        plan = ctl.current
+        factor = [1.0, 3.0 if t >= 20 else 1.0, 1.0, 1.0]
+        compute = {
+            d: flops * g.batch / 2e10 * factor[i] * rng.uniform(0.8, 1.2)
+            for g in plan.groups
+            if g.batch > 0
+            for i, d in enumerate(devices)
+            if d in g.devices
+        }
+        measured = max(compute.values()) + 0.004  # a fixed 4 ms the model does not know
+        calls.clear()
+        ctl.observe(t, int(plan.plan_id), compute, measured)
+        snapshot = ctl.prediction_inputs()
+        got = ctl.predictions_of(snapshot)
+        per_step.append(len(calls))
+        expected_plan, state, overhead_s = snapshot
+        with_f = dataclasses.replace(config, step_overhead_s=overhead_s)
+        even = even_dp_plan(devices, 4, BATCH, 1)
+        assert got["predicted_time_s"] == real(expected_plan, state, profile, with_f)
+        assert got["dp_even_time_s"] == real(even, state, profile, with_f)
+        assert got["step_overhead_s"] == overhead_s
+        overheads.add(round(overhead_s, 6))
+        changes += ctl.decide(t + 1) is not None
+    assert len(overheads) > 5  # F was learned and moved
+    assert ctl.current.plan_id != 0  # plans changed on the way
+    # two evaluations per step (three before: the residual evaluated the plan in force on its
+    # own); a third only right after a decision changed the plan in force
+    assert set(per_step) <= {2, 3}
+    assert changes >= 1 and per_step.count(3) <= changes
