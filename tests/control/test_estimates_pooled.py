@@ -82,6 +82,7 @@ def _feed_step(est: SpeedEstimates, times_s: dict[str, float]) -> None:
     for d, t in times_s.items():
         est.observe(d, FLOPS, t, 1)
     est.close_step()
+    assert est.slowdowns() == est._pooled()[0]  # kept from close_step: the same values
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -112,6 +112,7 @@ class SpeedEstimates:
         self.change_tolerance = float(change_tolerance)
         self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
         self.distinct: set[str] = set()  # devices out of their kind's pool (hysteresis)
+        self._closed: dict[str, float] | None = None  # slowdowns() at the last close_step
 
     def observe(
         self,
@@ -139,6 +140,7 @@ class SpeedEstimates:
         if not (expected_s > 0 and math.isfinite(expected_s)):
             return
         recent = self._samples[device]
+        self._closed = None
         recent.append(time_s / expected_s)
         del recent[: -self.long_window]
 
@@ -167,13 +169,25 @@ class SpeedEstimates:
         or its own estimate (:meth:`own_slowdowns`) where that differs significantly from
         the pooled one, or where the device was distinct at the last :meth:`close_step` and
         its own estimate is still more than ``change_tolerance`` from the pooled one (class
-        docstring)."""
+        docstring). Kept from :meth:`close_step` until the next measurement."""
+        if self._closed is not None:
+            return dict(self._closed)
         return self._pooled()[0]
 
     def close_step(self) -> None:
         """End of one step's measurements: the devices that keep their own estimate from now
-        on (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now."""
-        self.distinct = self._pooled()[1]
+        on (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now (the
+        same slow-downs with the new set: a device enters it only with a gap above
+        ``change_tolerance``, and leaves it only with a gap within it)."""
+        out, self.distinct = self._pooled()
+        self._closed = out
+
+    def restore(self, samples: dict[str, list[float]], distinct: set[str]) -> None:
+        """Set the ratios per device (``samples``, at most ``long_window`` each, newest last)
+        and the devices out of their kind's pool (a saved state's)."""
+        self._samples = samples
+        self.distinct = set(distinct)
+        self._closed = None
 
     def _pooled(self) -> tuple[dict[str, float], set[str]]:
         """``(slowdowns, devices given their own estimate)``."""
@@ -213,6 +227,7 @@ class SpeedEstimates:
         state.setdefault("kinds", {d: d for d in state.get("ids", ())})
         state.setdefault("z", 3.0)
         state.setdefault("distinct", set())
+        state.setdefault("_closed", None)
         self.__dict__.update(state)
 
     def speeds_flops(self) -> dict[str, float]:

@@ -451,8 +451,7 @@ class PlanController:
         self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
-        self.estimates._samples = samples
-        self.estimates.distinct = distinct
+        self.estimates.restore(samples, distinct)
         self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
