@@ -293,6 +293,9 @@ def _rendezvous_problem(endpoint: str, timeout_s: float) -> str | None:
     return answer[0]
 
 
+_QUIET_LOGGERS = ("torch.distributed", "torch.multiprocessing")
+
+
 def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rdzv_timeout_s):
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -331,13 +334,17 @@ def _launch(job, nproc_per_node, nnodes, rdzv_endpoint, run_id, max_restarts, rd
     started = time.time()
     before = _checkpoint_stamp(job)
     metrics_before = _metrics_stamp(job)
-    # the elastic agent logs a multi-line report of every failed child; the root cause is
-    # reported below in one line (rank_errors.jsonl keeps every traceback)
-    # (torch's elastic loggers have their own levels: each is set, not only the parents)
+    # the elastic agent logs a multi-line report of every failed child, and torch's process
+    # context a "Terminating process ... via signal SIGTERM" line for every rank still alive
+    # when another failed; the root cause is reported below in one line (rank_errors.jsonl
+    # keeps every traceback). torch's loggers have their own levels: each is set, not only
+    # the parents, and the process context's is created here if not imported yet.
+    import torch.multiprocessing.spawn  # noqa: F401  (creates its logger)
+
     quiet = [
         logging.getLogger(n)
         for n in sorted(logging.root.manager.loggerDict)
-        if n == "torch.distributed" or n.startswith("torch.distributed.")
+        if any(n == p or n.startswith(p + ".") for p in _QUIET_LOGGERS)
     ]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
