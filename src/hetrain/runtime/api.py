@@ -112,8 +112,8 @@ def train(
         layers: cut points (module names, e.g. ``["transformer.h.0", ...]``) instead of the
             default cut.
         collate_fn: ``list of items -> batch`` (a dict or ``(inputs, targets)``), applied to
-            each micro-batch's samples (e.g. padding to the micro-batch's longest sequence);
-            default: stack the samples.
+            the whole global batch's samples (e.g. padding to its longest sequence, as one
+            device's loop does) before the plan splits its rows; default: stack the samples.
         target_key: the key of dict samples that holds the targets (``labels``).
         param_groups: ``[{"params": [names or parameters of model], **options}, ...]`` (e.g.
             ``{"weight_decay": 0.0}`` for norms and biases), every trainable parameter in one

@@ -11,8 +11,7 @@ group's rows ``[offset_g, offset_g + b_g)``.
 User data (:func:`as_source`): tensors, a ``TensorDataset``, or a map-style data set of
 ``(input, target)`` pairs, of dicts (the targets under ``target_key``, default ``labels``; the
 other keys are the model's keyword arguments) or of ``(dict, target)`` pairs, collated by
-:func:`stack_samples` or by the user's ``collate_fn`` (then per micro-batch by the engine,
-:class:`SampleList`).
+:func:`stack_samples` or by the user's ``collate_fn``, always over the whole global batch.
 
 The example tasks (``--example``) are in :mod:`hetrain.runtime.examples`; their names stay
 importable from here (loaded on first use).
@@ -193,9 +192,10 @@ class MapSource:
 
     A batch is ``collate_fn(items)`` (a list of items in, a dict or an ``(inputs, targets)``
     pair out, as a ``DataLoader``'s ``collate_fn``, e.g. ``transformers``'
-    ``DataCollatorWithPadding``) or, without one, :func:`stack_samples`. With a ``collate_fn``
-    the engine collates each micro-batch's samples by themselves (:meth:`samples`): padding to
-    the longest sequence of the micro-batch."""
+    ``DataCollatorWithPadding``) or, without one, :func:`stack_samples`. The whole global batch
+    is collated at once (padding to its longest sequence, as one device's loop over it does)
+    and the engine takes each micro-batch's rows from it, so every plan computes on the same
+    padded rows (a sample's dropout draws depend on its padded shape)."""
 
     dataset: Any
     collate_fn: Callable[[list[Any]], Any] | None = None
@@ -215,42 +215,6 @@ class MapSource:
 
     def batch(self, indices: np.ndarray) -> tuple[Any, Any]:
         return self.collate(self.items(indices))
-
-    def samples(self, indices: np.ndarray) -> SampleList | tuple[Any, Any]:
-        """The global batch of ``indices`` for the engine: a :class:`SampleList` (collated per
-        micro-batch) with a ``collate_fn``, else the collated ``(inputs, targets)``."""
-        if self.collate_fn is None:
-            return self.batch(indices)
-        return SampleList(tuple(self.items(indices)), self)
-
-
-@dataclass(frozen=True)
-class SampleList:
-    """The raw samples of (part of) a global batch, in row order; the engine takes its group's
-    rows with :meth:`rows` and collates each micro-batch with :meth:`collate`, so padding
-    depends only on the micro-batch's own samples."""
-
-    items: tuple[Any, ...]
-    source: MapSource
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def rows(self, start: int, end: int) -> SampleList:
-        """Samples ``[start, end)``."""
-        return SampleList(self.items[start:end], self.source)
-
-    def collate(self) -> tuple[Any, Any]:
-        """``(inputs, targets)`` of these samples (the source's ``collate_fn``)."""
-        return self.source.collate(list(self.items))
-
-
-def global_batch(source: SampleSource, indices: np.ndarray) -> tuple[Any, Any]:
-    """What the engine's ``step`` takes for the samples ``indices``: ``(SampleList, None)``
-    for a source that collates per micro-batch, else ``source.batch(indices)``."""
-    if isinstance(source, MapSource) and source.collate_fn is not None:
-        return source.samples(indices), None
-    return source.batch(indices)
 
 
 @dataclass(frozen=True)
@@ -289,8 +253,8 @@ def as_source(
     ``torch.utils.data.TensorDataset`` of two tensors, or any map-style data set (a list
     included) of ``(input, target)`` pairs, of dicts (targets under ``target_key``, the other
     keys the model's keyword arguments) or of ``(dict, target)`` pairs (:class:`MapSource`,
-    collated by ``collate_fn`` per micro-batch when given). The first two items are collated
-    here, so a bad item or ``collate_fn`` is reported before training.
+    collated by ``collate_fn`` over the whole global batch when given). The first two items
+    are collated here, so a bad item or ``collate_fn`` is reported before training.
 
     Raises:
         InputError: anything else, an empty data set, ``collate_fn`` not callable or with a

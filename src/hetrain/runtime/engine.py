@@ -29,7 +29,6 @@ from torch import nn
 from hetrain.errors import InputError
 from hetrain.plan import Plan
 from hetrain.runtime.cutting import Chain, cut_module
-from hetrain.runtime.data import SampleList, cast_inputs
 from hetrain.runtime.data_parallel import (
     Bucket,
     GradientSync,
@@ -46,7 +45,7 @@ from hetrain.runtime.optim import (
     set_lr_factor,
 )
 from hetrain.runtime.randomness import InvariantRandomness
-from hetrain.runtime.stages import P2P, MicroBatches, Timers, run_stage, schedule_ops
+from hetrain.runtime.stages import P2P, Timers, run_stage, schedule_ops
 from hetrain.runtime.step_result import (
     _SUMS_HEAD,
     MigrationResult,
@@ -335,23 +334,6 @@ class Worker(LayerState, StepSums):
                 )
         return out
 
-    def _collate_microbatches(
-        self, samples: SampleList, microbatches: Sequence[tuple[int, int]]
-    ) -> tuple[MicroBatches, MicroBatches]:
-        """Inputs and targets of each micro-batch ``[start, end)`` (rows of ``samples``),
-        collated from its own samples (the source's ``collate_fn``), on this rank's device,
-        floating inputs in the training dtype."""
-        from torch.utils._pytree import tree_map_only
-
-        xs, ys = {}, {}
-        for start, end in microbatches:
-            x, y = samples.rows(start, end).collate()
-            xs[(start, end)] = tree_map_only(
-                torch.Tensor, lambda t: cast_inputs(t.to(self.device), self.dtype), x
-            )
-            ys[(start, end)] = tree_map_only(torch.Tensor, lambda t: t.to(self.device), y)
-        return MicroBatches(xs), MicroBatches(ys)
-
     # ----------------------------------------------------------------------------- properties
     @property
     def layers(self) -> Chain:
@@ -404,13 +386,6 @@ class Worker(LayerState, StepSums):
 
         t_start = time.perf_counter()
         batch = self.layout.global_batch
-        samples = inputs if isinstance(inputs, SampleList) else None
-        if samples is not None:  # collated per micro-batch below (data.py)
-            if len(samples) != batch:
-                raise ValueError(
-                    f"inputs: expected the global batch of {batch} samples, got {len(samples)}"
-                )
-            inputs = targets = None
         rows_in = [t.shape[0] for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         rows_t = [t.shape[0] for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
         if any(r != batch for r in rows_in + rows_t):
@@ -460,16 +435,9 @@ class Worker(LayerState, StepSums):
                     t = t[rows].to(self.device)
                     return t.to(self.dtype) if t.is_floating_point() else t
 
-                if samples is not None:
-                    x, y = self._collate_microbatches(
-                        samples.rows(rows.start, rows.stop), microbatches
-                    )
-                else:
-                    x = tree_map_only(torch.Tensor, cast, inputs)
-                    y = None
-                if k < len(group.ranks) - 1:
-                    y = None
-                elif samples is None:
+                x = tree_map_only(torch.Tensor, cast, inputs)
+                y = None
+                if k == len(group.ranks) - 1:
                     y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
                 s0, s1 = stage
                 try:

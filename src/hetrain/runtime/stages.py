@@ -395,20 +395,8 @@ class P2P:
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
 
-@dataclass(frozen=True)
-class MicroBatches:
-    """Model inputs (or targets) already made per micro-batch: ``parts[(start, end)]`` is
-    micro-batch ``[start, end)`` (rows of the group), e.g. collated from its own samples by a
-    data set's ``collate_fn`` (engine.py)."""
-
-    parts: dict[tuple[int, int], Any]
-
-
 def _slice_rows(obj: Any, start: int, end: int) -> Any:
-    """Rows ``[start, end)`` of every tensor of a pytree of model inputs (or the micro-batch
-    ``[start, end)`` of a :class:`MicroBatches`)."""
-    if isinstance(obj, MicroBatches):
-        return obj.parts[(start, end)]
+    """Rows ``[start, end)`` of every tensor of a pytree of model inputs."""
     flat, spec = tree_flatten(obj)
     return tree_unflatten([a[start:end] if isinstance(a, torch.Tensor) else a for a in flat], spec)
 

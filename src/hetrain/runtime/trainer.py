@@ -27,7 +27,6 @@ import torch.distributed as dist
 from hetrain.plan import Plan, plan_from_dict
 from hetrain.runtime import checkpoint as ckpt
 from hetrain.runtime.ctldecision import Decision
-from hetrain.runtime.data import global_batch
 from hetrain.runtime.stop import (
     EXIT_STOPPED_BY_PEER,
     NonFiniteError,
@@ -152,7 +151,7 @@ class Trainer(TrainerSetup):
         """
         job, worker, plan = self.job, self.worker, self.plan
         worker.emulation = self.emu.emulation(step)
-        x, y = global_batch(job.task.train, self.sampler.indices(step))
+        x, y = job.task.train.batch(self.sampler.indices(step))
         if worker.device.type == "cuda":
             # one pinned host buffer and an asynchronous copy per step (the engine's
             # per-micro-batch slices are then already on the GPU)
