@@ -774,3 +774,48 @@ def test_approx_signature_is_kept_per_device_sequence(seed: int) -> None:
         first = ctx.approx_signature(devices)
         assert ctx.approx_signature(devices.copy()) is first
         assert SearchContext(state, arrays, config).approx_signature(devices) == first
+
+
+@pytest.mark.parametrize("seeds", [range(0, 4), range(4, 8)])
+def test_plans_equal_with_each_prefix_s_devices_concatenated(seeds) -> None:
+    """``best_plan`` (solve-count budget) gives the same plan JSON, to the last bit, when
+    ``_solve_entries`` concatenates each active prefix's members' device arrays instead of
+    slicing those of all members (``PREFIX_DEVICES_SLICED``), and builds the same share
+    problems (the prefixes' lower bounds prune the same ones): random instances with measured
+    times (5-16 devices of 2-4 kinds, 8-30 layers, B 16-128) and the same instances without
+    measured times."""
+    from random_inputs import measured_times_case
+
+    import hetrain.planner.search as search_module
+    import hetrain.planner.shares as shares_module
+    from hetrain.planner import best_plan
+
+    for seed in seeds:
+        for measured in (True, False):
+            case = measured_times_case(seed)
+            if not measured:
+                case["profile"].pop("measured_times")
+            state = cluster_from_dict(case["cluster"]).state()
+            config = TrainingConfig(batch=case["batch"])
+            plans, problems = [], []
+            for sliced in (True, False):
+                arrays = profile_from_dict(case["profile"]).arrays()  # (a new profile object)
+                built: list[tuple[int, ...]] = []
+                init = shares_module.ShareProblem.__init__
+
+                def counted(problem, groups, batch, counts=None, chain=None, built=built,
+                            init=init):  # fmt: skip
+                    built.append(tuple(int(c) for c in (counts if counts is not None else [])))
+                    init(problem, groups, batch, counts, chain)
+
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(search_module, "PREFIX_DEVICES_SLICED", sliced)
+                    mp.setattr(shares_module.ShareProblem, "__init__", counted)
+                    try:
+                        plan = best_plan(state, arrays, config, reproducible=True)
+                        plans.append(plan.model_dump_json())
+                    except NoFeasiblePlanError:  # (the same verdict both ways)
+                        plans.append("infeasible")
+                problems.append(built)
+            assert plans[0] == plans[1]
+            assert problems[0] == problems[1]
