@@ -158,6 +158,10 @@ class ClusterState:
             kind has measured times runs them scaled by ``nominal / speed_flops`` (a trace's
             speed factor slows measured times as it slows the FLOP model's; docs/model.md
             §3). Default: ``speed_flops`` (scale 1).
+        measured_extra_s: fixed seconds per micro-batch and stage a device whose kind has
+            measured times takes beyond those scaled times (``≥ 0``; the controller's fitted
+            fixed cost, :class:`hetrain.control.estimates.SpeedEstimates`; docs/model.md §3).
+            Default: zeros. FLOP-model devices carry their fixed cost in ``κ_d`` instead.
     """
 
     ids: tuple[str, ...]
@@ -174,6 +178,7 @@ class ClusterState:
     layer_overhead_s: np.ndarray | None = None
     kinds: tuple[str, ...] | None = None
     nominal_speed_flops: np.ndarray | None = None
+    measured_extra_s: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.layer_overhead_s is None:
@@ -182,6 +187,8 @@ class ClusterState:
             object.__setattr__(self, "kinds", tuple(default_kind(d) for d in self.ids))
         if self.nominal_speed_flops is None:
             object.__setattr__(self, "nominal_speed_flops", self.speed_flops)
+        if self.measured_extra_s is None:
+            object.__setattr__(self, "measured_extra_s", np.zeros(len(self.ids)))
 
     def measured_time_scale(self) -> np.ndarray:
         """``nominal_speed_flops / speed_flops`` per device, shape ``(D,)``: the factor a

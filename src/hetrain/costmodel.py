@@ -412,9 +412,10 @@ def stage_compute_s(
     result has the broadcast shape. A device whose kind (``state.kinds``) has measured times in
     the profile takes ``(P_q(μ)[end] − P_q(μ)[start]) · nominal_d / s_d``
     (:meth:`ProfilePrefix.measured_prefix_s`, :meth:`ClusterState.measured_time_scale`; κ and
-    λ are not charged: the measured times include them); any other device takes the FLOP
-    model ``μ Σ(f_l + w_l)/s_d + κ_d + λ_d Σ ν_l``. ``part="bwd"`` gives the backward pass
-    only (``μ Σ w_l / s_d`` without κ and λ, or the measured backward times).
+    λ are not charged: the measured times include them) plus its
+    ``ClusterState.measured_extra_s`` per micro-batch (``part="train"``); any other device
+    takes the FLOP model ``μ Σ(f_l + w_l)/s_d + κ_d + λ_d Σ ν_l``. ``part="bwd"`` gives the
+    backward pass only (``μ Σ w_l / s_d`` without κ and λ, or the measured backward times).
 
     Raises:
         ValueError: unknown ``part``.
@@ -429,7 +430,11 @@ def stage_compute_s(
     if prefix.measured:
         kind, scale, share = prefix.device_kinds(state, devices)
         if share == 1:
-            return _measured_stage_s(prefix, kind, scale, starts, ends, microbatch_size, part)
+            out = _measured_stage_s(prefix, kind, scale, starts, ends, microbatch_size, part)
+            extra = state.measured_extra_s
+            if part == "train" and np.any(extra):
+                out = out + extra[devices]
+            return out
         some = share > 0
         mine = kind >= 0
     if part == "train":
@@ -445,6 +450,8 @@ def stage_compute_s(
         return out
     measured = _measured_stage_s(prefix, np.maximum(kind, 0), scale, starts, ends,
                                  microbatch_size, part)  # fmt: skip
+    if part == "train" and np.any(state.measured_extra_s):
+        measured = measured + state.measured_extra_s[devices]
     return np.where(mine, measured, out)
 
 

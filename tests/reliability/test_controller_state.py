@@ -74,7 +74,7 @@ def test_restored_controller_takes_the_same_decisions(cut):
 
     assert isinstance(a, Stateful)  # torch.distributed.checkpoint's protocol
     state = json.loads(json.dumps(a.state_dict()))  # plain JSON, nothing else
-    assert state["format"] == "hetrain.controller" and state["version"] == 1
+    assert state["format"] == "hetrain.controller" and state["version"] == 2
     b = _controller(plan=a.current)
     b.load_state_dict(state)
     assert b.next_plan_id == a.next_plan_id and b.observed_steps == a.observed_steps
@@ -88,7 +88,7 @@ def _malformed() -> list[tuple[str, dict]]:
     base = good.state_dict()
     cases = []
     for name, change in [
-        ("version", lambda s: s.update(version=2)),
+        ("version", lambda s: s.update(version=1)),
         ("format", lambda s: s.update(format="pickle")),
         ("devices", lambda s: s.update(devices=["w0", "w1"])),
         ("samples", lambda s: s["estimates"]["samples"].update(w1="abc")),

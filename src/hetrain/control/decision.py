@@ -59,6 +59,9 @@ def state_to_dict(state: ClusterState) -> dict[str, Any]:
     # device kinds and nominal speeds (measured per-layer times, docs/model.md §3)
     out["kinds"] = list(state.kinds)
     out["nominal_speed_flops"] = np.asarray(state.nominal_speed_flops, dtype=float).tolist()
+    extra = np.asarray(state.measured_extra_s, dtype=float)
+    if np.any(extra):
+        out["measured_extra_s"] = extra.tolist()
     return out
 
 
@@ -82,6 +85,8 @@ def state_from_dict(data: dict[str, Any]) -> ClusterState:
         kwargs["kinds"] = tuple(str(k) for k in data["kinds"])
     if "nominal_speed_flops" in data:
         kwargs["nominal_speed_flops"] = np.asarray(data["nominal_speed_flops"], dtype=float)
+    if "measured_extra_s" in data:
+        kwargs["measured_extra_s"] = np.asarray(data["measured_extra_s"], dtype=float)
     return ClusterState(**kwargs)
 
 

@@ -1,5 +1,5 @@
-"""The one speed estimator of the controller: per-device slow-downs from measured compute
-times (docs/model.md §3), used by the runtime's controller process
+"""The one speed estimator of the controller: per-device slow-downs and per-kind fixed costs
+from measured compute times (docs/model.md §3), used by the runtime's controller process
 (``hetrain.runtime.ctlcontroller.PlanController``) and by replays of its measurements.
 
 Imports numpy and the cluster state only (no torch).
@@ -18,24 +18,54 @@ from hetrain.profile import ProfileArrays
 
 
 class SpeedEstimates:
-    """Per-device slow-down estimates from per-iteration compute measurements, and the speeds
-    and fixed costs they give.
+    """Per-device slow-downs and per-kind fixed costs from per-iteration compute measurements,
+    and the speeds and fixed costs they give.
 
-    Each iteration of device ``d`` gives the ratio ``r = time_s / t0`` of its measured stage
-    compute time to what its start-up calibration predicts for the same work, ``t0 = flops /
-    s_d + n (κ_d + λ_d Σν_l)`` (docs/model.md §3: each micro-batch of a stage costs ``μ c + κ +
-    λ Σν_l``), or the stage's measured per-layer times when the device's kind has them
-    (``expected_s`` of :meth:`observe`; the cost model then scales those times by ``r̂_d``
-    through ``nominal / speed``, docs/model.md §3); the estimate ``r̂_d`` is the median of the
+    **Model.** Each iteration of device ``d`` gives its measured stage compute time ``t``, the
+    start-up calibration's prediction ``e`` for the same work (``e = flops / s_d + n (κ_d +
+    λ_d Σν_l)``, docs/model.md §3: each micro-batch of a stage costs ``μ c + κ + λ Σν_l``; or
+    the stage's measured per-layer times when the device's kind has them, ``expected_s`` of
+    :meth:`observe`) and its number of micro-batches ``n``. The measured time is modelled as
+
+        ``t = r_d (e + φ_k n)``
+
+    ``φ_k`` (s per micro-batch, ``≥ 0``): the fixed cost per micro-batch that a step of a
+    device of kind ``k`` takes beyond what the start-up calibration predicted (Python, the
+    engine's per-micro-batch work, contention while the ranks train: the calibration times
+    layers alone, and its fit can put part of a step's fixed cost into the per-sample term);
+    ``r_d``: the device's slow-down, applied to all of its work (a device that slows down,
+    thermal throttling, a shared or emulated device, is slower at its fixed work too). One
+    ratio without ``φ`` (``t / e``) extrapolates badly across shares: a small share's step is
+    mostly fixed cost, so its ratio rises as its share falls (8.4 at 1 sample against 2.2 at 4
+    for a 3x slow rank of the README main job).
+
+    **φ fit** (:meth:`close_step`, per kind): the least-absolute-deviation fit of ``log t -
+    log(e + φ n) - m_d`` over the kind's devices with at least ``window`` measurements (all
+    kept ones of a steady device, the short and long medians of its ratios within
+    ``change_tolerance``; the last ``window`` of another, whose older ones would read a change
+    of level as a share effect), ``m_d`` each device's median of ``log(t / (e + φ n))`` (its
+    ``log r_d`` for that ``φ``); robust to descheduled steps (a step 2-5x its usual time
+    counts by its rank, not its size). The best ``φ`` is searched on a grid of 65 values (0
+    and ``m · 10^[-3, 1.5]``, ``m`` the median start-up time per micro-batch of those
+    measurements), then on 65 evenly spaced values between the best one's two neighbours.
+    ``φ`` only shows where a device's work per micro-batch varies: the kind's ``φ`` is
+    nonzero only where some such device's measurements hold start-up times per micro-batch
+    at least ``1.5x`` apart and the best fit is significantly better than ``φ = 0``
+    (:attr:`FIT_CHI2`), and then the lower end of the best fit's likelihood-ratio interval
+    (:attr:`INTERVAL_CHI2`); else 0: the start-up calibration's split is the prior, kept
+    until the measurements show otherwise. Refitted at every :meth:`close_step` from the
+    kept measurements alone (no memory of earlier fits).
+
+    **Slow-downs.** Each iteration gives the ratio ``t / (e + φ_k n)`` (recomputed from the
+    kept ``(t, e, n)`` whenever ``φ_k`` changes); the estimate ``r̂_d`` is the median of the
     last ``long_window`` ratios while the median of the last ``window`` ratios is within
     ``change_tolerance`` of it (a steady device: the longer median is the more precise, so
     that identical ranks look identical), else the median of the last ``window`` (a lasting
-    change, followed after ``window // 2 + 1`` steps); and the device's speed, per-micro-batch
-    overhead and per-layer overhead are ``s_d / r̂_d``, ``κ_d r̂_d`` and ``λ_d r̂_d``: a device
-    that slows down (thermal throttling, a shared or emulated device) is slower at all of its
-    work. Putting the whole change on the
-    speed instead, ``flops / (time_s - n (κ + λ Σν))`` with start-up overheads, makes a device
-    with a small share, whose step is mostly overhead, look ever slower the less it is given.
+    change, followed after ``window // 2 + 1`` steps). The device's speed, per-micro-batch
+    overhead and per-layer overhead are then ``s_d / r̂_d``, ``(κ_d + φ_k) r̂_d`` and ``λ_d
+    r̂_d`` (:meth:`apply`; a device whose kind has measured times runs them scaled by ``r̂_d``
+    plus ``φ_k r̂_d`` per micro-batch, ``ClusterState.measured_extra_s``), so that the cost
+    model predicts ``r̂_d (e + φ_k n)`` for any share.
 
     A median, not an EWMA: on a shared machine one step of a rank can take 5-10x its usual
     time (descheduled) for several steps in a row, which an EWMA carries into the next
@@ -65,9 +95,10 @@ class SpeedEstimates:
     found slow (a share of one sample: its step is mostly scheduling noise, so the standard
     error of its ratios is large) or none (idle: no new ratios) would otherwise fall back to
     its kind's ratio, be given an equal share again, be found slow again, and so on
-    (``tests/control/test_estimates_pooled.py``). The set of distinct devices is updated by
-    :meth:`close_step`, once per step after that step's :meth:`observe` calls, so that
-    :meth:`slowdowns` depends only on the measurements fed and not on how often it is asked.
+    (``tests/control/test_estimates_pooled.py``). ``φ`` and the set of distinct devices are
+    updated by :meth:`close_step`, once per step after that step's :meth:`observe` calls, so
+    that :meth:`slowdowns` depends only on the measurements fed and not on how often it is
+    asked.
 
     Args:
         ids: device ids.
@@ -76,7 +107,7 @@ class SpeedEstimates:
             layer unit, default 0).
         window: the short window (measurements): its median follows a lasting change.
         long_window: the long window (default ``3 * window``): its median is the estimate of
-            a steady device.
+            a steady device; also the most measurements kept per device.
         change_tolerance: relative gap between the two medians above which the short one is
             used; also the least relative gap from its kind's pooled ratio at which a device
             keeps its own estimate.
@@ -85,6 +116,28 @@ class SpeedEstimates:
         z: standard errors of the gap from the pooled ratio at which a device's own estimate
             is significant (default 3).
     """
+
+    FIT_SPREAD = 1.5
+    """Least ratio between the largest and smallest start-up time per micro-batch in one
+    device's window at which its measurements show ``φ``."""
+
+    FIT_CHI2 = 10.83
+    """Least likelihood-ratio statistic of the fitted ``φ`` against ``φ = 0`` at which the
+    kind takes it: ``2 ΔL / τ``, ``ΔL`` the drop of the least-absolute-deviation loss and ``τ
+    = σ √(π/2)`` its sparsity for normal residuals (``σ`` = 1.4826 x their MAD; Koenker,
+    *Quantile Regression*, 2005, §3.5), against ``χ²₁`` at 0.999 (the test runs every step).
+    With a 0.1 % drop of the loss as the threshold instead, a stream without fixed cost beyond
+    the start-up one (±15 % uniform noise, ``tests/runtime/test_adapt_reaches_plan.py``) gave
+    the slow rank a spurious ``φ`` and a speed estimate 30 % high."""
+
+    INTERVAL_CHI2 = 3.84
+    """The kind takes the lower end of the fitted ``φ``'s likelihood-ratio interval at
+    ``χ²₁`` 0.95 (the least ``φ`` whose statistic against the best fit is within it): the
+    smallest fixed cost the measurements support, so that a weakly determined fit (a flat
+    loss over a wide range of ``φ``) stays near the start-up split. The best fit itself in a
+    loaded README main job run (4 ranks on 2 cores, where a rank's compute time follows its
+    peers' load more than its share) jumped to ``φ`` making the per-sample cost 20-70x
+    smaller for one step, and the controller put the whole batch on one rank."""
 
     def __init__(
         self,
@@ -110,7 +163,9 @@ class SpeedEstimates:
         self.window = int(window)
         self.long_window = max(int(long_window or 3 * self.window), self.window)
         self.change_tolerance = float(change_tolerance)
-        self._samples: dict[str, list[float]] = {d: [] for d in self.ids}
+        # per device, (time_s, start-up expected_s, micro-batches) per iteration, newest last
+        self._samples: dict[str, list[tuple[float, float, float]]] = {d: [] for d in self.ids}
+        self.fixed_s: dict[str, float] = {}  # φ per kind (s per micro-batch; absent = 0)
         self.distinct: set[str] = set()  # devices out of their kind's pool (hysteresis)
         self._closed: dict[str, float] | None = None  # slowdowns() at the last close_step
 
@@ -141,8 +196,18 @@ class SpeedEstimates:
             return
         recent = self._samples[device]
         self._closed = None
-        recent.append(time_s / expected_s)
+        recent.append((float(time_s), float(expected_s), float(max(int(num_microbatches), 1))))
         del recent[: -self.long_window]
+
+    def fixed_overheads_s(self) -> dict[str, float]:
+        """``φ_k`` of each device's kind (s per micro-batch at start-up speed, ``≥ 0``; 0
+        before :meth:`close_step` found one), for every device."""
+        return {d: self.fixed_s.get(self.kinds[d], 0.0) for d in self.ids}
+
+    def ratios(self, device: str) -> list[float]:
+        """``device``'s kept ratios ``t / (e + φ_k n)`` (oldest first; class docstring)."""
+        phi = self.fixed_s.get(self.kinds[device], 0.0)
+        return [t / (e + phi * n) for t, e, n in self._samples[device]]
 
     def own_slowdowns(self) -> dict[str, float]:
         """Each measured device's own ``r̂_d`` (no pooling): the long window's median, or the
@@ -152,9 +217,10 @@ class SpeedEstimates:
     def _own(self) -> dict[str, tuple[float, float]]:
         """``{device: (own estimate, standard error of its log)}`` of measured devices."""
         out = {}
-        for d, v in self._samples.items():
-            if not v:
+        for d, kept in self._samples.items():
+            if not kept:
                 continue
+            v = self.ratios(d)
             short = float(np.median(v[-self.window :]))
             long = float(np.median(v))
             steady = abs(short - long) <= self.change_tolerance * abs(long)
@@ -164,29 +230,100 @@ class SpeedEstimates:
         return out
 
     def slowdowns(self) -> dict[str, float]:
-        """``r̂_d``: measured over start-up time for the same work (2.0 = twice as slow as at
-        start-up) for every device whose kind has a measured device: its kind's pooled ratio,
-        or its own estimate (:meth:`own_slowdowns`) where that differs significantly from
-        the pooled one, or where the device was distinct at the last :meth:`close_step` and
-        its own estimate is still more than ``change_tolerance`` from the pooled one (class
-        docstring). Kept from :meth:`close_step` until the next measurement."""
+        """``r̂_d``: measured over start-up time for the same work, the fixed cost ``φ_k``
+        added to the latter (2.0 = twice as slow as at start-up) for every device whose kind
+        has a measured device: its kind's pooled ratio, or its own estimate
+        (:meth:`own_slowdowns`) where that differs significantly from the pooled one, or
+        where the device was distinct at the last :meth:`close_step` and its own estimate is
+        still more than ``change_tolerance`` from the pooled one (class docstring). Kept from
+        :meth:`close_step` until the next measurement."""
         if self._closed is not None:
             return dict(self._closed)
         return self._pooled()[0]
 
     def close_step(self) -> None:
-        """End of one step's measurements: the devices that keep their own estimate from now
-        on (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now (the
+        """End of one step's measurements: each kind's ``φ_k`` is refitted (class
+        docstring), then the devices that keep their own estimate from now on
+        (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now (the
         same slow-downs with the new set: a device enters it only with a gap above
         ``change_tolerance``, and leaves it only with a gap within it)."""
+        for kind in sorted(set(self.kinds.values())):
+            phi = self._fit_fixed(kind)
+            if phi is not None:
+                self.fixed_s[kind] = phi
         out, self.distinct = self._pooled()
         self._closed = out
 
-    def restore(self, samples: dict[str, list[float]], distinct: set[str]) -> None:
-        """Set the ratios per device (``samples``, at most ``long_window`` each, newest last)
-        and the devices out of their kind's pool (a saved state's)."""
-        self._samples = samples
+    def _fit_fixed(self, kind: str) -> float | None:
+        """The kind's new ``φ`` (class docstring), or None to keep its current one."""
+        rows = []  # per device: (log t, e, n) of its kept measurements
+        for d in self.ids:
+            if self.kinds[d] != kind or len(self._samples[d]) < self.window:
+                continue
+            v = self.ratios(d)
+            short = float(np.median(v[-self.window :]))
+            long = float(np.median(v))
+            steady = abs(short - long) <= self.change_tolerance * abs(long)
+            kept = np.asarray(self._samples[d] if steady else self._samples[d][-self.window :])
+            rows.append((np.log(kept[:, 0]), kept[:, 1], kept[:, 2]))
+        per_mb = [e / n for _, e, n in rows]
+        if not any(p.max() >= self.FIT_SPREAD * p.min() for p in per_mb):
+            return 0.0
+        scale = float(np.median(np.concatenate(per_mb)))
+
+        def centred(phi: np.ndarray) -> list[np.ndarray]:
+            """Per device, ``|log t - log(e + φ n) - m_d|`` at each ``φ`` of ``phi`` (shape
+            ``(G, N_d)``; ``m_d`` the median of the first term at that ``φ``)."""
+            out = []
+            for log_t, e, n in rows:
+                res = log_t[None, :] - np.log(e[None, :] + phi[:, None] * n[None, :])
+                out.append(np.abs(res - np.median(res, axis=1, keepdims=True)))
+            return out
+
+        def loss(phi: np.ndarray) -> np.ndarray:
+            """The fit's loss at each ``φ`` of ``phi`` (shape ``(G,)``)."""
+            return np.sum([c.sum(axis=1) for c in centred(phi)], axis=0)
+
+        grid = np.concatenate(([0.0], scale * np.logspace(-3.0, 1.5, 64)))
+        values = loss(grid)
+        j = int(np.argmin(values))
+        fine = np.linspace(grid[max(j - 1, 0)], grid[min(j + 1, len(grid) - 1)], 65)
+        fine_values = loss(fine)
+        k = int(np.argmin(fine_values))
+        best, best_loss = float(fine[k]), float(fine_values[k])
+        sigma = 1.4826 * float(
+            np.median(np.concatenate([c.ravel() for c in centred(np.array([best]))]))
+        )
+        tau = math.sqrt(math.pi / 2.0) * sigma
+        if float(loss(np.zeros(1))[0]) - best_loss <= 0.5 * self.FIT_CHI2 * tau:
+            return 0.0
+        # the interval's lower end: the least φ whose loss is within its bound of the best
+        bound = best_loss + 0.5 * self.INTERVAL_CHI2 * tau
+        points = np.concatenate((grid, fine))
+        inside = points[(points <= best) & (np.concatenate((values, fine_values)) <= bound)]
+        hi = float(inside.min()) if len(inside) else best
+        below = grid[grid < hi]
+        lo = float(below.max()) if len(below) else 0.0
+        for _ in range(12):  # bisection: loss(lo) > bound >= loss(hi)
+            mid = 0.5 * (lo + hi)
+            if float(loss(np.array([mid]))[0]) <= bound:
+                hi = mid
+            else:
+                lo = mid
+        return max(hi, 0.0)
+
+    def restore(
+        self,
+        samples: dict[str, list[tuple[float, float, float]]],
+        distinct: set[str],
+        fixed_s: dict[str, float] | None = None,
+    ) -> None:
+        """Set the measurements per device (``samples``: ``(time_s, expected_s,
+        micro-batches)`` each, at most ``long_window``, newest last), the devices out of their
+        kind's pool and the fixed cost per kind (a saved state's)."""
+        self._samples = {d: [tuple(map(float, x)) for x in v] for d, v in samples.items()}
         self.distinct = set(distinct)
+        self.fixed_s = dict(fixed_s or {})
         self._closed = None
 
     def _pooled(self) -> tuple[dict[str, float], set[str]]:
@@ -228,6 +365,7 @@ class SpeedEstimates:
         state.setdefault("z", 3.0)
         state.setdefault("distinct", set())
         state.setdefault("_closed", None)
+        state.setdefault("fixed_s", {})
         self.__dict__.update(state)
 
     def speeds_flops(self) -> dict[str, float]:
@@ -235,20 +373,34 @@ class SpeedEstimates:
         measurement)."""
         return {d: self.speed_flops[d] / r for d, r in self.slowdowns().items()}
 
-    def apply(self, state: ClusterState) -> ClusterState:
-        """``state`` with the measured slow-downs: speeds divided by ``r̂_d``, ``κ_d`` and
-        ``λ_d`` multiplied by it (devices with measurements)."""
+    def apply(self, state: ClusterState, profile: ProfileArrays | None = None) -> ClusterState:
+        """``state`` with the measured slow-downs and fixed costs (devices with
+        measurements): speeds divided by ``r̂_d``, ``κ_d`` replaced by ``(κ_d + φ_k) r̂_d`` and
+        ``λ_d`` multiplied by ``r̂_d``; a device whose kind has measured times in ``profile``
+        gets ``φ_k r̂_d`` as its ``measured_extra_s`` instead of the ``φ_k`` in ``κ`` (its
+        measured times, scaled by ``r̂_d`` through its speed, stand for ``κ`` and ``λ``)."""
         idx = state.index()
+        measured = np.zeros(state.num_devices, dtype=bool)
+        if profile is not None and profile.measured:
+            measured = profile_prefix(profile).kind_index(state) >= 0
         speed = state.speed_flops.astype(float).copy()
         kappa = state.kappa_s.astype(float).copy()
         lam = state.layer_overhead_s.astype(float).copy()
+        extra = np.asarray(state.measured_extra_s, dtype=float).copy()
         for d, r in self.slowdowns().items():
             if d in idx and r > 0 and math.isfinite(r):
                 i = idx[d]
+                phi = self.fixed_s.get(self.kinds[d], 0.0)
                 speed[i] = self.speed_flops[d] / r
-                kappa[i] = self.kappa_s[d] * r
                 lam[i] = self.layer_overhead_s[d] * r
-        return state.with_changes(speed_flops=speed, kappa_s=kappa, layer_overhead_s=lam)
+                if measured[i]:
+                    kappa[i] = self.kappa_s[d] * r
+                    extra[i] = phi * r
+                else:
+                    kappa[i] = (self.kappa_s[d] + phi) * r
+        return state.with_changes(
+            speed_flops=speed, kappa_s=kappa, layer_overhead_s=lam, measured_extra_s=extra
+        )
 
 
 def startup_stage_time_s(

@@ -230,8 +230,8 @@ class SearchContext:
         out = self.option_cache.get(key)
         if out is None:
             s = self.state
-            # a device with measured times: its kind and time scale (speed / nominal speed)
-            # stand for its speed, κ and λ (docs/model.md §3)
+            # a device with measured times: its kind, time scale (speed / nominal speed) and
+            # fixed extra per micro-batch stand for its speed, κ and λ (docs/model.md §3)
             kind = int(self.kind_index[d])
             scale = float(self.time_scale[d]) if kind >= 0 else 1.0
             if approx:
@@ -242,10 +242,12 @@ class SearchContext:
                     float(f"{s.layer_overhead_s[d]:.3g}"),
                     kind,
                     float(f"{scale:.3g}"),
+                    float(f"{s.measured_extra_s[d]:.3g}"),
                 )
             else:
                 out = (float(s.speed_flops[d]), float(s.kappa_s[d]), float(s.memory_bytes[d]),
-                       float(s.layer_overhead_s[d]), kind, scale)  # fmt: skip
+                       float(s.layer_overhead_s[d]), kind, scale,
+                       float(s.measured_extra_s[d]))  # fmt: skip
             self.option_cache[key] = out
         return out
 

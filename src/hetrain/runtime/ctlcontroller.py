@@ -208,7 +208,7 @@ class PlanController:
         """The base state with the measured speeds (computed once per change of the
         estimates: :meth:`observe` and :meth:`load_state_dict` renew it)."""
         if self._observed is None:
-            self._observed = self.estimates.apply(self.base_state)
+            self._observed = self.estimates.apply(self.base_state, self.profile)
         return self._observed
 
     def predictions(self) -> dict[str, float]:
@@ -311,6 +311,10 @@ class PlanController:
             horizon_steps=float(d.persistence_slots),
             structure_changed=bool(d.structure_changed),
             speeds_flops=dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True)),
+            kappa_s=dict(zip(state.ids, (float(k) for k in state.kappa_s), strict=True)),
+            measured_extra_s=dict(
+                zip(state.ids, (float(x) for x in state.measured_extra_s), strict=True)
+            ),
             shares_before=device_shares(self.current, self.base_state.ids),
             shares_after=device_shares(plan, self.base_state.ids),
         )
@@ -355,12 +359,13 @@ class PlanController:
 
     # ---- checkpoints ----
     STATE_FORMAT = "hetrain.controller"
-    STATE_VERSION = 1
+    STATE_VERSION = 2
 
     def state_dict(self) -> dict[str, Any]:
         """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
-        speed estimates (start-up speeds, ``κ``, ``λ``, both windows and the recent slow-down
-        ratios per device), the plans by id and the next id, the step counters, the learned
+        speed estimates (start-up speeds, ``κ``, ``λ``, both windows, the recent measurements
+        per device as ``[time_s, start-up expected_s, micro-batches]`` and the fixed cost per
+        kind), the plans by id and the next id, the step counters, the learned
         step overhead residuals, the steps at which searches joined and the policy's own
         ``state_dict`` (queues, candidate pool).
         Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
@@ -378,8 +383,9 @@ class PlanController:
                 "speed_flops": dict(est.speed_flops),
                 "kappa_s": {d: float(v) for d, v in est.kappa_s.items()},
                 "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
-                "samples": {d: list(v) for d, v in est._samples.items()},
+                "samples": {d: [list(x) for x in v] for d, v in est._samples.items()},
                 "distinct": sorted(est.distinct),
+                "fixed_s": {k: float(v) for k, v in sorted(est.fixed_s.items())},
             },
             "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
             "current_plan_id": int(self.current.plan_id or 0),
@@ -431,7 +437,16 @@ class PlanController:
             window, long_window = int(est["window"]), int(est["long_window"])
             if not 1 <= window <= long_window:
                 raise ValueError(f"windows {window}, {long_window}")
-            samples = {d: [float(v) for v in est["samples"][d]][-long_window:] for d in ids}
+            samples = {}
+            for d in ids:
+                rows = [tuple(float(x) for x in v) for v in est["samples"][d]][-long_window:]
+                if not all(len(r) == 3 and all(math.isfinite(x) and x > 0 for x in r)
+                           for r in rows):  # fmt: skip
+                    raise ValueError(f"samples of {d}: expected [time_s, expected_s, n] > 0")
+                samples[d] = rows
+            fixed = {str(k): float(v) for k, v in dict(est.get("fixed_s") or {}).items()}
+            if not all(math.isfinite(v) and v >= 0 for v in fixed.values()):
+                raise ValueError("fixed_s: expected finite numbers >= 0")
             distinct = {str(d) for d in est.get("distinct", ())} & set(ids)
             plans = {
                 int(k): plan_from_dict(v, f"controller state: plans.{k}")
@@ -451,7 +466,7 @@ class PlanController:
         self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
-        self.estimates.restore(samples, distinct)
+        self.estimates.restore(samples, distinct, fixed)
         self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans

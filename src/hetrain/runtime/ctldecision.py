@@ -87,6 +87,9 @@ class Decision:
         horizon_steps: steps over which the gain was required to pay the migration.
         structure_changed: groups/stages (or the set of active groups) changed.
         speeds_flops: the speed estimates (FLOP/s per device) that chose the plan.
+        kappa_s, measured_extra_s: the fixed costs per micro-batch (s per device) of the
+            same estimates (``ClusterState.kappa_s``, ``ClusterState.measured_extra_s``:
+            :meth:`hetrain.control.estimates.SpeedEstimates.apply`).
         shares_before, shares_after: ``{device: samples}`` (a pipeline's share under each of
             its devices).
     """
@@ -100,6 +103,8 @@ class Decision:
     horizon_steps: float
     structure_changed: bool
     speeds_flops: dict[str, float] = field(default_factory=dict)
+    kappa_s: dict[str, float] = field(default_factory=dict)
+    measured_extra_s: dict[str, float] = field(default_factory=dict)
     shares_before: dict[str, int] = field(default_factory=dict)
     shares_after: dict[str, int] = field(default_factory=dict)
 
@@ -126,6 +131,8 @@ class Decision:
             "horizon_steps": self.horizon_steps,
             "structure_changed": self.structure_changed,
             "speed_flops": self.speeds_flops,
+            "kappa_s": self.kappa_s,
+            "measured_extra_s": self.measured_extra_s,
             "shares_before": self.shares_before,
             "shares_after": self.shares_after,
         }
