@@ -277,3 +277,16 @@ def test_negative_max_restarts_and_mismatched_data_are_bad_input(tmp_path, capfd
             batch=8,
             run_dir=tmp_path / "run",
         )
+
+
+def test_schedule_option_is_the_schedule_of_a_given_plan(tmp_path):
+    """``--schedule gpipe`` with a ``--plan`` file that names no schedule (its default is
+    1f1b): the plan that runs, as the plan event records it, is GPipe's."""
+    plan = {"groups": [{"devices": ["w0", "w1"], "stages": [[0, 3], [3, 6]],
+                        "microbatch_size": 4, "batch": 32}]}  # fmt: skip
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert _train(tmp_path, "--plan", str(path), "--schedule", "gpipe", "--steps", "2") == 0
+    events = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    plans = [e["plan"] for e in events if e["event"] == "plan"]
+    assert plans and all(p["schedule"] == "gpipe" for p in plans)

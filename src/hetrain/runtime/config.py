@@ -253,7 +253,9 @@ class RunConfig:
         None, "micro-batch size of the plans chosen online (default: the example's, or 8)"
     )
     schedule: str | None = option(
-        None, "pipeline schedule 1f1b or gpipe (default: the controller's choice)"
+        None,
+        "pipeline schedule 1f1b or gpipe of every plan, a --plan file's too (default: the "
+        "plan file's, or the controller's choice)",
     )
     norm_block: int | None = option(
         None,

@@ -338,6 +338,10 @@ def build_job(
     if plan_obj is not None:
         plan_obj.validate_for(device_ids, num_layers, batch, plan_source)
         plan_obj = _idle_ranks_added(plan_obj, device_ids, plan_source)
+        if config.schedule is not None and plan_obj.schedule != config.schedule:
+            # --schedule names the schedule of every plan, a given one too (the plan file's
+            # default 1f1b otherwise stood in the plan events while the engine ran gpipe)
+            plan_obj = plan_obj.model_copy(update={"schedule": config.schedule})
     # re-plan online: by default without a fixed plan (and always only with more than one rank)
     adaptive = config.adaptive if config.adaptive is not None else plan_obj is None
     if config.microbatch_size is not None and plan_obj is not None and not adaptive:
