@@ -265,6 +265,21 @@ def _tiny_hf(name: str):
             attention_probs_dropout_prob=0.0,
         )
         model, inputs = tf.RobertaForMaskedLM(cfg), ids
+    elif name == "deberta-v2":  # relative-position table made once, through a p = 0 dropout
+        cfg = tf.DebertaV2Config(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            relative_attention=True,
+            position_buckets=8,
+            pos_att_type=["p2c", "c2p"],
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model, inputs = tf.DebertaV2ForMaskedLM(cfg), ids
     else:  # t5: the encoder output feeds every decoder block, block 0's position bias too
         cfg = tf.T5Config(
             vocab_size=64,
@@ -283,7 +298,7 @@ def _tiny_hf(name: str):
     return model.double(), inputs
 
 
-@pytest.mark.parametrize("name", ["llama-padded", "mixtral", "roberta", "t5"])
+@pytest.mark.parametrize("name", ["llama-padded", "mixtral", "roberta", "deberta-v2", "t5"])
 def test_stages_of_rotary_moe_and_encoder_decoder_models_equal_the_whole_model(name):
     torch.manual_seed(0)
     model, inputs = _tiny_hf(name)

@@ -558,8 +558,11 @@ class _Track(TorchFunctionMode):
         if run.depth == 0:
             self.key_outputs(func, args, kwargs, out, real=True, rebuild=rebuild)
         else:
+            # an op that returns one of its inputs itself (dropout with p = 0, an identity)
+            # made nothing: its result keeps the input's provenance
+            given = {id(a) for a in tensors}
             for t in leaves(out):
-                if run.key_of.get(id(t)) is None:
+                if run.key_of.get(id(t)) is None and id(t) not in given:
                     run.inner[id(t)] = (weakref.ref(t), run.block)
         return out
 
