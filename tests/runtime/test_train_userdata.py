@@ -219,6 +219,54 @@ def test_dropout_with_a_padding_collate_fn_is_the_same_under_every_plan(tmp_path
     assert min(abs(a - b) for a, b in zip(without[0], one[0], strict=True)) > 1e-3
 
 
+class TableBlock(Block):
+    """A block that also mixes its output with its own ``[WIDTH, WIDTH]`` table through
+    dropout (a tensor without a sample dimension, as DeBERTa-v2's relative positions), then
+    drops out the hidden states with the same module (a second draw site of one path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.eye(WIDTH) + 0.1 * torch.randn(WIDTH, WIDTH))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = super().forward(h, attention_mask) @ self.drop(self.table)
+        return self.drop(h)
+
+
+class TableLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TableBlock() for _ in range(BLOCKS)])
+
+
+def test_dropout_on_a_tensor_without_a_sample_dimension_is_the_same_under_every_plan(tmp_path):
+    """Dropout on a ``[WIDTH, WIDTH]`` table inside each block: its rows are no samples, so
+    it draws once per step (the same mask in every micro-batch, as one device's one forward):
+    the hybrid (micro-batches of 2 and 3 rows; 3 does not divide the table's 8 rows) and the
+    3-stage pipeline (2 rows, which do) equal ``--workers 1``."""
+    from hetrain.runtime.cut_chains import call_inputs
+    from hetrain.runtime.data import as_source
+    from hetrain.runtime.randomness import batch_free_draw_sites
+
+    data = token_dicts()
+    torch.manual_seed(0)
+    start = TableLM().state_dict()
+    x, _ = as_source(data, collate_fn=pad_collate).batch(np.arange(2))
+    model = TableLM()
+    sites = batch_free_draw_sites(model, x, call_inputs)
+    assert sites == {(f"blocks.{i}.drop", 0) for i in range(BLOCKS)}
+
+    def run(name: str, **kw):
+        model = TableLM()
+        model.load_state_dict(start)
+        return _hetrain(tmp_path, name, model, data, token_loss, collate_fn=pad_collate, **kw)
+
+    one = run("one", workers=1)
+    _assert_same(run("hybrid", plan=PLANS["hybrid"], workers=3), one)
+    _assert_same(run("pipeline-3", plan=PLANS["pipeline-3"], workers=3), one)
+
+
 def test_dict_samples_split_into_keyword_inputs_and_targets():
     """Dicts (targets under ``labels`` or the given ``target_key``) and ``(dict, target)``
     pairs collate into keyword inputs and targets, row ``i`` from sample ``i``; a missing key

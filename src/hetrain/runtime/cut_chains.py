@@ -50,6 +50,9 @@ class Chain:
     layer_names: list[str]
     tensors: dict[str, torch.Tensor]
     layer_tensors: list[list[str]]
+    #: draw sites without a sample dimension (:func:`hetrain.runtime.randomness.
+    #: batch_free_draw_sites`), found on the example inputs of the cut
+    batch_free_draws: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def num_layers(self) -> int:

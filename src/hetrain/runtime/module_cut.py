@@ -42,6 +42,7 @@ from hetrain.runtime.cut_track import (
     _Track,
     _Uncalled,
 )
+from hetrain.runtime.randomness import batch_free_draw_sites
 
 
 class ModuleCut(Chain):
@@ -91,6 +92,8 @@ class ModuleCut(Chain):
                 raise InputError(source, "layers", f"no module named {b!r}{hint}")
         self._index_tensors()
         self._meta_model = any(t.device.type == "meta" for t in self.tensors.values())
+        if not self._meta_model:
+            self.batch_free_draws = batch_free_draw_sites(module, example_inputs, call_inputs)
         self.blocks = [mods[b] for b in blocks]
         try:
             record_layers(self, list(blocks), example_inputs, default=default)

@@ -32,8 +32,10 @@ CPU and GPU give the same numbers. Backward reuses the forward's masks (autograd
 
 A micro-batch tensor's dim 0 is its sample dimension: either ``n`` rows (one per sample) or
 ``n * r`` rows flattened sample-major (``(B*T, H)``); anything else raises :class:`InputError`
-naming the module. Random ops that are not intercepted (``torch.rand*``, ``bernoulli``,
-``normal_``, ``multinomial``, dropout inside ``nn.MultiheadAttention``, ...) are recorded in
+naming the module. Draw sites found without a sample dimension when the model is cut
+(:func:`batch_free_draw_sites`) draw once per step for the whole tensor. Random ops that are
+not intercepted (``torch.rand*``, ``bernoulli``, ``normal_``, ``multinomial``, dropout inside
+``nn.MultiheadAttention``, ...) are recorded in
 :attr:`InvariantRandomness.problems`: by name when called at the top level of a forward, and in
 any case by a change of torch's global generator state during the forward (cheap; also done when
 the mode is off).
@@ -416,6 +418,10 @@ class InvariantRandomness:
                 if attrs:
                     self._candidates.append((module, attrs))
         self.problems: list[str] = []
+        # draw sites (module path, call number) whose tensors have no sample dimension
+        # (:func:`batch_free_draw_sites`): one draw per step, the same in every micro-batch
+        self.batch_free: frozenset[tuple[str, int]] = frozenset()
+        self._survey: dict[tuple[str, int], dict[int, int]] | None = None
         # state of the current forward
         self._stack: list[str] = []
         self._calls: dict[str, int] = {}
@@ -505,29 +511,102 @@ class InvariantRandomness:
 
     def next_key(self) -> tuple[int, str]:
         """Key of the next draw in the innermost module (advances its call counter)."""
+        key, path, _ = self._next_site()
+        return key, path
+
+    def _next_site(self) -> tuple[int, str, int]:
         path = self.current_path()
         call = self._calls.get(path, 0)
         self._calls[path] = call + 1
-        return draw_key(self.seed, self._step, path, call), path
+        return draw_key(self.seed, self._step, path, call), path, call
+
+    def _site_rows(self, shape: Sequence[int]) -> tuple[int, str, torch.Tensor | None]:
+        """``(key, path, rows)`` of the next draw site: the micro-batch's sample rows, or the
+        single row :data:`NO_SAMPLE` at a batch-free site; rows None while surveying (the
+        site's dim 0 is recorded instead)."""
+        assert self._rows is not None
+        key, path, call = self._next_site()
+        if self._survey is not None:
+            n = int(self._rows.numel())
+            self._survey.setdefault((path, call), {})[n] = int(shape[0]) if shape else -1
+            return key, path, None
+        if (path, call) in self.batch_free:
+            return key, path, NO_SAMPLE
+        return key, path, self._rows
 
     def uniform(self, shape: Sequence[int], device: torch.device) -> torch.Tensor:
         """Uniform ``[0, 1)`` float64 draws of ``shape`` for the next draw site."""
-        assert self._rows is not None
-        key, path = self.next_key()
+        key, path, rows = self._site_rows(shape)
+        if rows is None:
+            return torch.full(tuple(shape), 0.5, dtype=torch.float64, device=device)
         try:
-            return uniform_per_sample(key, self._rows, shape, device)
+            return uniform_per_sample(key, rows, shape, device)
         except InputError as exc:
             raise InputError("model", path or "<root>", exc.expected) from None
 
     def keep(self, shape: Sequence[int], p: float, device: torch.device) -> torch.Tensor:
         """The bool keep mask ``u >= p`` of ``shape`` for the next draw site (the same mask as
         ``uniform(shape, device) >= p``, see :func:`keep_per_sample`)."""
-        assert self._rows is not None
-        key, path = self.next_key()
+        key, path, rows = self._site_rows(shape)
+        if rows is None:
+            return torch.ones(tuple(shape), dtype=torch.bool, device=device)
         try:
-            return keep_per_sample(key, self._rows, shape, p, device)
+            return keep_per_sample(key, rows, shape, p, device)
         except InputError as exc:
             raise InputError("model", path or "<root>", exc.expected) from None
+
+
+NO_SAMPLE = torch.tensor([-1], dtype=torch.int64)
+"""The sample index of a batch-free draw site: the whole tensor is one "sample" whose key no
+sample of the data set has."""
+
+SURVEY_ROWS = (2, 4)
+"""Micro-batch sizes of :func:`batch_free_draw_sites` (copies of one sample; two rows so that
+BatchNorm in training mode has more than one value per channel)."""
+
+
+def batch_free_draw_sites(
+    model: nn.Module, example_inputs: Any, call: Callable[[nn.Module, Any], Any]
+) -> frozenset[tuple[str, int]]:
+    """The draw sites ``(module path, call number)`` of ``model``'s forward whose tensor has no
+    sample dimension (e.g. DeBERTa-v2's dropout on its relative-position table, ``[2 buckets,
+    hidden]``): ``call(model, x)`` runs on the first sample of ``example_inputs`` (a tensor or
+    a pytree of tensors with rows in dim 0) repeated ``n`` times for each ``n`` of
+    :data:`SURVEY_ROWS`, under :class:`InvariantRandomness` with the draws replaced by
+    constants; a site whose dim 0 is the same at every ``n`` has no sample dimension (one
+    with ``n · r`` rows has). Such a site then draws once per step for the whole tensor, the
+    same in every micro-batch, as one device's single forward per step draws once.
+
+    ``model`` is left exactly as it was (:func:`hetrain.runtime.startup.unchanged`). Empty when
+    no module draws in training mode, the inputs have no rows, or the forward fails (then
+    every site keeps per-sample draws).
+    """
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    from hetrain.runtime.startup import unchanged
+
+    rng = InvariantRandomness(model)
+    leaves = [t for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
+    if not rng.is_active() or not leaves or any(t.dim() == 0 or t.shape[0] < 1 for t in leaves):
+        return frozenset()
+    seen: dict[tuple[str, int], dict[int, int]] = {}
+    rng._survey = seen
+    try:
+        with unchanged(model), torch.no_grad():
+            for n in SURVEY_ROWS:
+                x = tree_map_only(
+                    torch.Tensor, lambda t, n=n: t[:1].expand(n, *t.shape[1:]).clone(),
+                    example_inputs,
+                )  # fmt: skip
+                with rng.forward(step=0, sample_index=torch.arange(n)):
+                    call(model, x)
+    except Exception:  # noqa: BLE001  (a model that cannot run here keeps per-sample draws)
+        return frozenset()
+    return frozenset(
+        site
+        for site, rows in seen.items()
+        if len(rows) == len(SURVEY_ROWS) and len(set(rows.values())) == 1 and rows[2] > 0
+    )
 
 
 def _dropout(
