@@ -253,6 +253,7 @@ class Worker(LayerState, StepSums):
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
         self._p2p_cache: dict[tuple[int, int], Any] = {}  # message descriptions (stages.P2P)
+        self._p2p_send_buffers: dict[int, list[Any]] = {}  # free host send buffers (stages.P2P)
         self._norm_sets = self._norm_owner_sets()
         everyone = tuple(range(self.world_size))
         # every trainable tensor has one active owner and no idle replica (no gradient
@@ -433,6 +434,7 @@ class Worker(LayerState, StepSums):
             self.emulation,
             self._channels,
             self._p2p_cache,
+            self._p2p_send_buffers,
         )
         grad_sync = GradientSync(
             layout=self.layout,

@@ -162,6 +162,10 @@ def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     return [a for a in tree_flatten(obj)[0] if isinstance(a, torch.Tensor)]
 
 
+SEND_POOL_BYTES = 64 * 2**20
+"""Most bytes of host send buffers a :class:`P2P` pool keeps between steps."""
+
+
 class P2P:
     """Messages between pipeline neighbours, with per-link bandwidth emulation.
 
@@ -184,6 +188,12 @@ class P2P:
     direction), so emulated transfers overlap with the sender's compute as docs/model.md §3
     assumes. Send times are compared across processes with ``time.time_ns`` (one machine, or
     synchronised clocks).
+
+    Send buffers (CPU): a packed message is written into a host buffer of its size taken from
+    :attr:`send_buffers` (``size -> free buffers``, kept across steps by the engine like
+    :attr:`cache`) or newly allocated; :meth:`wait_sends` puts the step's buffers back once
+    their sends completed (up to :data:`SEND_POOL_BYTES` in all), so a steady pipeline
+    allocates no send buffer per message.
     """
 
     def __init__(
@@ -195,6 +205,7 @@ class P2P:
         emulation: Emulation | None,
         channels: dict[tuple[int, int], Any] | None = None,
         cache: dict[tuple[int, int], Any] | None = None,
+        send_buffers: dict[int, list[np.ndarray]] | None = None,
     ) -> None:
         self.device = device
         self.devices = devices
@@ -203,6 +214,10 @@ class P2P:
         self.emulation = emulation
         self.channels = channels or {}
         self.cache: dict[tuple[int, int], Any] = {} if cache is None else cache
+        self.send_buffers: dict[int, list[np.ndarray]] = (
+            {} if send_buffers is None else send_buffers
+        )
+        self._in_flight: list[np.ndarray] = []  # this step's send buffers (CPU)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # src -> its next message
         self._link_free_ns: dict[int, int] = {}
@@ -242,9 +257,11 @@ class P2P:
     def _pack(self, tensors: list[torch.Tensor], flag: int, size: int | None = None):
         size = size if size is not None else _packed_size(tuple(_header(t) for t in tensors))
         if self.device.type == "cpu":
-            # through numpy: one allocation and one copy per tensor, no tensor slicing (each
-            # torch call here costs microseconds of dispatch, on every message)
-            out = np.empty(size, dtype=np.uint8)
+            # through numpy: one copy per tensor, no tensor slicing (each torch call here
+            # costs microseconds of dispatch, on every message), into a reused buffer
+            free = self.send_buffers.get(size)
+            out = free.pop() if free else np.empty(size, dtype=np.uint8)
+            self._in_flight.append(out)
             offset = 0
             for t in tensors:
                 raw = _host_bytes(t)
@@ -411,6 +428,12 @@ class P2P:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        pooled = sum(b.size for free in self.send_buffers.values() for b in free)
+        for out in self._in_flight:  # sent: free for the next messages of their size
+            if pooled + out.size <= SEND_POOL_BYTES:
+                self.send_buffers.setdefault(out.size, []).append(out)
+                pooled += out.size
+        self._in_flight.clear()
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
 
