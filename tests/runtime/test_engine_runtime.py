@@ -169,6 +169,36 @@ def test_bf16_autocast_sends_bf16_activations_and_tracks_float32(tmp_path):
         assert s[0]["loss"] == pytest.approx(loss.item(), rel=3e-2)
 
 
+def _under_caller_autocast(rank, world, caller_autocast):
+    plan = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 8, 32)]}
+    torch.manual_seed(0)
+    worker = Worker(
+        digits_cnn(channels=16, hidden=64),
+        plan_from_dict(plan),
+        f"w{rank}",
+        F.cross_entropy,
+        OptimizerSpec("sgd", lr=0.05),
+    )
+    x, y = _data(32)
+    out = []
+    for t in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=caller_autocast):
+            r = worker.step(x, y, t)
+        out.append((r.loss, r.bytes_received))
+    return out
+
+
+def test_forward_ignores_an_autocast_of_the_caller_without_bf16(tmp_path):
+    """Without ``autocast_bf16`` the forward runs with autocast off even inside the caller's
+    ``torch.autocast``: float32 activations (4 bytes each, bf16 would be 2) and the first
+    step's loss bit for bit as outside it (the backward runs in the caller's autocast, so
+    later steps may differ)."""
+    inside = run_ranks(_under_caller_autocast, 2, tmp_path / "in", args=(True,))
+    outside = run_ranks(_under_caller_autocast, 2, tmp_path / "out", args=(False,))
+    assert inside[1][0][0] == outside[1][0][0]
+    assert [received for _, received in inside[1]] == [4 * 8 * 64 * 4] * 2
+
+
 def test_gradient_traffic_is_proportional_to_the_parameters_a_rank_holds(tmp_path):
     # group 0 pipelines layers [0, 4) | [4, 6); group 1 holds everything on one rank
     plan = {

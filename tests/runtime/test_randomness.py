@@ -260,6 +260,25 @@ def test_uncovered_random_ops_are_named():
     assert "nn.MultiheadAttention" in InvariantRandomness(mha).static_problems()[0]
 
 
+def test_watch_checks_the_generator_as_an_inactive_forward_does():
+    """``watch`` (the engine's micro-batch context while the mode is off) notices a draw
+    from torch's global generator, records nothing for a forward that draws none, and
+    nothing for a forward that raises (as ``forward``)."""
+    x = torch.randn(3, 4)
+    quiet = nn.Sequential(nn.Linear(4, 4), _Uncovered())
+    rng = InvariantRandomness(quiet, seed=0)
+    with rng.watch():
+        quiet[0](x)
+    assert rng.problems == []
+    with pytest.raises(ZeroDivisionError), rng.watch():
+        quiet(x)
+        raise ZeroDivisionError
+    assert rng.problems == []
+    with rng.watch():
+        quiet(x)
+    assert len(rng.problems) == 1 and "does not intercept" in rng.problems[0]
+
+
 # ------------------------------------------------------------------------------ engine level
 STEPS = 3
 BATCH = 24

@@ -253,6 +253,7 @@ class Worker(LayerState, StepSums):
         self._groups.ensure(self._buckets)
         self._channels = self._groups.pipeline_channels(self.layout)
         self._p2p_cache: dict[tuple[int, int], Any] = {}  # message descriptions (stages.P2P)
+        self._p2p_send_buffers: dict[int, list[Any]] = {}  # free host send buffers (stages.P2P)
         self._norm_sets = self._norm_owner_sets()
         everyone = tuple(range(self.world_size))
         # every trainable tensor has one active owner and no idle replica (no gradient
@@ -303,7 +304,11 @@ class Worker(LayerState, StepSums):
         """Per micro-batch forward context: rows ``[offset + start, offset + end)`` of the
         global batch at iteration ``step`` (plan-invariant randomness, ghost BatchNorm)."""
 
-        def enter(start: int, end: int) -> contextlib.ExitStack:
+        plain_norm = self.norm.norm_block is None or not self.norm.has_batchnorm
+
+        def enter(start: int, end: int) -> Any:
+            if plain_norm and not self.randomness.is_active():
+                return self.randomness.watch()  # no draws to key, no ghost BatchNorm
             rows = torch.arange(offset + start, offset + end, dtype=torch.int64)
             stack = contextlib.ExitStack()
             stack.enter_context(self.randomness.forward(step=step, sample_index=rows))
@@ -405,6 +410,7 @@ class Worker(LayerState, StepSums):
             self.emulation,
             self._channels,
             self._p2p_cache,
+            self._p2p_send_buffers,
         )
         grad_sync = GradientSync(
             layout=self.layout,
@@ -503,7 +509,7 @@ class Worker(LayerState, StepSums):
         num_flags = len(self._grad_index)
         # which tensors got a gradient on any rank (in the late path this rank's own flags:
         # there every trainable tensor has a single owner, so they are exact)
-        self._drop_absent_grads(torch.tensor(values[_SUMS_HEAD : _SUMS_HEAD + num_flags]))
+        self._drop_absent_grads(values[_SUMS_HEAD : _SUMS_HEAD + num_flags])
         if late_sums is None:
             self._sum_mode = mode > 0
             if random_problems > 0:

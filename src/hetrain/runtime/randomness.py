@@ -369,6 +369,25 @@ def _rng_states() -> list[torch.Tensor]:
     return states
 
 
+class _GeneratorWatch:
+    """:meth:`InvariantRandomness.watch`: the generator states before the forward, compared
+    after it when it returns (not when it raises, as :meth:`InvariantRandomness.forward`)."""
+
+    __slots__ = ("_owner", "_before")
+
+    def __init__(self, owner: InvariantRandomness) -> None:
+        self._owner = owner
+        self._before: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self._before = _rng_states()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is None:
+            self._owner._check_states(self._before, [])
+        return False
+
+
 class InvariantRandomness:
     """Plan-invariant random draws for one model (see the module docstring).
 
@@ -483,6 +502,12 @@ class InvariantRandomness:
             self._stack = []
             self._rows = None
         self._check_states(before, seen)
+
+    def watch(self) -> _GeneratorWatch:
+        """Context for one micro-batch's forward while :meth:`is_active` is false: what
+        :meth:`forward` then does (the check of torch's global generator states, recorded in
+        :attr:`problems`), without its sample rows."""
+        return _GeneratorWatch(self)
 
     def _check_states(self, before: list[torch.Tensor], seen: list[str]) -> None:
         after = _rng_states()

@@ -22,6 +22,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -138,14 +139,31 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def _trailer(buf: torch.Tensor) -> tuple[int, int]:
-    """``(flag, send time ns)`` of a packed message (one device-to-host read on a GPU)."""
-    tail = buf[buf.numel() - TRAILER * 8 :]
-    if tail.device.type == "cpu":
-        flag, sent_ns = tail.numpy().view(np.int64).tolist()
+def _trailer(buf: torch.Tensor, host: np.ndarray | None = None) -> tuple[int, int]:
+    """``(flag, send time ns)`` of a packed message: read from ``host`` (``buf``'s bytes as
+    numpy, a CPU buffer) when given, else one device-to-host read of ``buf``'s tail."""
+    if host is not None:
+        flag, sent_ns = host[host.size - TRAILER * 8 :].view(np.int64).tolist()
     else:
-        flag, sent_ns = tail.view(torch.int64).tolist()
+        flag, sent_ns = buf[buf.numel() - TRAILER * 8 :].view(torch.int64).tolist()
     return int(flag), int(sent_ns)
+
+
+def _host_view(buf: torch.Tensor) -> np.ndarray | None:
+    """A CPU buffer's bytes as a numpy array (a view), None on another device."""
+    return buf.numpy() if buf.device.type == "cpu" else None
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a pytree, in ``tree_flatten`` order; a plain ``torch.Tensor`` (the
+    usual activation, gradient and input) is its own single leaf, without a pytree walk."""
+    if type(obj) is torch.Tensor:
+        return [obj]
+    return [a for a in tree_flatten(obj)[0] if isinstance(a, torch.Tensor)]
+
+
+SEND_POOL_BYTES = 64 * 2**20
+"""Most bytes of host send buffers a :class:`P2P` pool keeps between steps."""
 
 
 class P2P:
@@ -170,6 +188,12 @@ class P2P:
     direction), so emulated transfers overlap with the sender's compute as docs/model.md §3
     assumes. Send times are compared across processes with ``time.time_ns`` (one machine, or
     synchronised clocks).
+
+    Send buffers (CPU): a packed message is written into a host buffer of its size taken from
+    :attr:`send_buffers` (``size -> free buffers``, kept across steps by the engine like
+    :attr:`cache`) or newly allocated; :meth:`wait_sends` puts the step's buffers back once
+    their sends completed (up to :data:`SEND_POOL_BYTES` in all), so a steady pipeline
+    allocates no send buffer per message.
     """
 
     def __init__(
@@ -181,6 +205,7 @@ class P2P:
         emulation: Emulation | None,
         channels: dict[tuple[int, int], Any] | None = None,
         cache: dict[tuple[int, int], Any] | None = None,
+        send_buffers: dict[int, list[np.ndarray]] | None = None,
     ) -> None:
         self.device = device
         self.devices = devices
@@ -189,6 +214,10 @@ class P2P:
         self.emulation = emulation
         self.channels = channels or {}
         self.cache: dict[tuple[int, int], Any] = {} if cache is None else cache
+        self.send_buffers: dict[int, list[np.ndarray]] = (
+            {} if send_buffers is None else send_buffers
+        )
+        self._in_flight: list[np.ndarray] = []  # this step's send buffers (CPU)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # src -> its next message
         self._link_free_ns: dict[int, int] = {}
@@ -228,9 +257,11 @@ class P2P:
     def _pack(self, tensors: list[torch.Tensor], flag: int, size: int | None = None):
         size = size if size is not None else _packed_size(tuple(_header(t) for t in tensors))
         if self.device.type == "cpu":
-            # through numpy: one allocation and one copy per tensor, no tensor slicing (each
-            # torch call here costs microseconds of dispatch, on every message)
-            out = np.empty(size, dtype=np.uint8)
+            # through numpy: one copy per tensor, no tensor slicing (each torch call here
+            # costs microseconds of dispatch, on every message), into a reused buffer
+            free = self.send_buffers.get(size)
+            out = free.pop() if free else np.empty(size, dtype=np.uint8)
+            self._in_flight.append(out)
             offset = 0
             for t in tensors:
                 raw = _host_bytes(t)
@@ -256,13 +287,16 @@ class P2P:
         """Non-blocking send of a pytree of tensors (tensor, tuple, dict, ``ModelOutput``...;
         any dtype, ``ndim <= 8``); a gradient comes back for each tensor that requires grad."""
         t0 = time.perf_counter()
-        flat, spec = tree_flatten(obj)
-        plain = isinstance(obj, torch.Tensor)
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        mask = [isinstance(a, torch.Tensor) for a in flat]
         blob = b""
-        if not plain:
-            blob = encode_structure(spec, flat, mask)
+        if type(obj) is torch.Tensor:  # the usual message: no pytree walk
+            plain, tensors = True, [obj]
+        else:
+            flat, spec = tree_flatten(obj)
+            plain = isinstance(obj, torch.Tensor)
+            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+            if not plain:
+                mask = [isinstance(a, torch.Tensor) for a in flat]
+                blob = encode_structure(spec, flat, mask)
         headers = tuple(_header(t) for t in tensors)
         desc = (plain, blob, headers)
         key = (self.rank, dst)
@@ -298,7 +332,8 @@ class P2P:
             buf = posted[1]
         elif cached is not None:
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
-        trailer = _trailer(buf) if buf is not None else None
+        host = _host_view(buf) if buf is not None else None
+        trailer = _trailer(buf, host) if buf is not None else None
         if trailer is not None and trailer[0] != 0:  # the description changed
             buf = None
         if buf is None:
@@ -343,11 +378,12 @@ class P2P:
             cached = ((bool(plain), blob, headers), _packed_size(headers), struct)
             self.cache[key] = cached
             buf = self._recv(torch.empty(cached[1], dtype=torch.uint8, device=self.device), src)
-            trailer = _trailer(buf)
+            host = _host_view(buf)
+            trailer = _trailer(buf, host)
         (plain, _, headers), size, struct = cached
         tensors, flags = [], []
         offset = 0
-        host = buf.numpy() if buf.device.type == "cpu" else None
+        num_bytes = 0
         for h in headers:
             dtype, shape = _DTYPES[h[0]], h[3:]
             numel = 1
@@ -362,7 +398,7 @@ class P2P:
                 tensors.append(buf[offset : offset + nbytes].view(dtype).view(shape))
             flags.append(bool(h[2]))
             offset += _aligned(nbytes)
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            num_bytes += nbytes
         em = self.emulation
         if em is not None and em.limits_links():
             sent_ns = trailer[1]
@@ -392,11 +428,19 @@ class P2P:
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        pooled = sum(b.size for free in self.send_buffers.values() for b in free)
+        for out in self._in_flight:  # sent: free for the next messages of their size
+            if pooled + out.size <= SEND_POOL_BYTES:
+                self.send_buffers.setdefault(out.size, []).append(out)
+                pooled += out.size
+        self._in_flight.clear()
         self.timers.send_recv_time_s += time.perf_counter() - t0
 
 
 def _slice_rows(obj: Any, start: int, end: int) -> Any:
     """Rows ``[start, end)`` of every tensor of a pytree of model inputs."""
+    if type(obj) is torch.Tensor:
+        return obj[start:end]
     flat, spec = tree_flatten(obj)
     return tree_unflatten([a[start:end] if isinstance(a, torch.Tensor) else a for a in flat], spec)
 
@@ -407,6 +451,9 @@ def _float(t: torch.Tensor) -> bool:
 
 def _no_clock() -> float:
     return 0.0
+
+
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 def split_loss(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -472,6 +519,9 @@ def run_stage(
     # the thread's CPU clock only when the emulation uses it (a system call per read)
     thread_cpu = emulation is not None and emulation.compute_clock == "thread_cpu"
     cpu_clock = time.thread_time if thread_cpu else _no_clock
+    # the forward runs under ``torch.autocast`` with bf16, or with autocast disabled when the
+    # caller's code enabled it; with neither, entering a disabled autocast changes nothing
+    use_autocast = autocast_dtype is not None or torch.is_autocast_enabled(device.type)
     saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -493,8 +543,7 @@ def run_stage(
                 forwards_due -= 1
                 if forwards_due:
                     p2p.post_recv(prev_rank)
-                xs = [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
-                for t, flag in zip(xs, flags, strict=True):
+                for t, flag in zip(tensor_leaves(x), flags, strict=True):
                     if flag and _float(t):
                         t.requires_grad_(True)
                         grad_in.append(t)
@@ -510,11 +559,14 @@ def run_stage(
             _sync(device)
             t0, c0 = time.perf_counter(), cpu_clock()
             bookkeeping_s = bookkeeping_cpu_s = 0.0
-            with torch.autocast(
-                device_type=device.type,
-                dtype=autocast_dtype or torch.bfloat16,
-                enabled=autocast_dtype is not None,
-            ):
+            amp = _NO_AUTOCAST
+            if use_autocast:
+                amp = torch.autocast(
+                    device_type=device.type,
+                    dtype=autocast_dtype or torch.bfloat16,
+                    enabled=autocast_dtype is not None,
+                )
+            with amp:
                 if ctx is not None:
                     try:
                         y = stage_forward(x, mb_inputs)
@@ -546,8 +598,7 @@ def run_stage(
                 outs = [y]
             else:
                 p2p.send_tree(y, next_rank)
-                outs = [t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor)]
-                outs = [t for t in outs if t.requires_grad]
+                outs = [t for t in tensor_leaves(y) if t.requires_grad]
                 if outs:
                     gradients_due += 1
                     p2p.post_recv(next_rank)

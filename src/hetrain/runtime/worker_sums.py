@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hetrain.runtime.data_parallel import GradientSync
-from hetrain.runtime.step_result import _SUMS_HEAD
 from hetrain.runtime.worker_state import Unit
 
 
@@ -23,18 +22,20 @@ class StepSums:
         """``(T,)`` float64 over the trainable tensors (:attr:`_grad_index` order): 1 where a
         tensor held here got a gradient in this rank's backward (before the gradient sync
         fills zeros), else 0."""
-        flags = torch.zeros(len(self._grad_index), dtype=torch.float64)
+        flags = [0.0] * len(self._grad_index)
         for name in self._held:
             i = self._grad_index.get(name)
             if i is not None and self.chain.tensors[name].grad is not None:
                 flags[i] = 1.0
-        return flags.to(self.device)
+        return torch.tensor(flags, dtype=torch.float64, device=self.device)
 
-    def _drop_absent_grads(self, counts: torch.Tensor) -> None:
+    def _drop_absent_grads(self, counts: torch.Tensor | Sequence[float]) -> None:
         """Set ``.grad = None`` on held tensors that no rank gave a gradient this step
-        (``counts`` = :meth:`_local_grad_flags` summed over the ranks), so the optimizer skips
-        them as it does in one process (no weight decay, no momentum step)."""
-        absent = set(torch.nonzero(counts.cpu() == 0).flatten().tolist())
+        (``counts`` = :meth:`_local_grad_flags` summed over the ranks, a tensor or a list of
+        floats), so the optimizer skips them as it does in one process (no weight decay, no
+        momentum step)."""
+        values = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        absent = {i for i, v in enumerate(values) if v == 0}
         if not absent:
             return
         for name in self._held:
@@ -75,15 +76,12 @@ class StepSums:
         rank)]`` of this rank, float64: summed over the ranks it gives the step's totals."""
         random_problem = float(bool(self.randomness.problems) and not self._random_reported)
         row = self._report_row()
-        head = _SUMS_HEAD + got_grad.numel()
-        out = torch.zeros(head + self.world_size * len(row), dtype=torch.float64)
-        out[0], out[1], out[2] = float(loss), sqnorm, float(count)
-        out[3], out[4] = float(sum_mode), random_problem
-        out[_SUMS_HEAD:head] = got_grad.cpu()
+        values = [float(loss), sqnorm, float(count), float(sum_mode), random_problem]
+        values += got_grad.tolist()
         if row:
-            start = head + self.rank * len(row)
-            out[start : start + len(row)] = torch.tensor(row, dtype=torch.float64)
-        return out.to(self.device)
+            values += [0.0] * (self.rank * len(row)) + row
+            values += [0.0] * ((self.world_size - self.rank - 1) * len(row))
+        return torch.tensor(values, dtype=torch.float64, device=self.device)
 
     def _carried_sums(self) -> torch.Tensor:
         """The sums vector appended to the last gradient bucket (norm slot 0: local); it is
