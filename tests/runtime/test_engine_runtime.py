@@ -28,18 +28,19 @@ def _data(batch, seed=0):
     return torch.rand(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _measure(rank, world, plan, emulation, steps, autocast=False, cap_bytes=64 * 2**20):
+def _cnn_worker(rank: int, plan: dict, spec: OptimizerSpec, **kw) -> Worker:
+    """Rank ``rank``'s Worker of the digits CNN (16 channels, 64 hidden; seed 0) under
+    ``plan``, cross-entropy loss."""
     torch.manual_seed(0)
-    worker = Worker(
-        digits_cnn(channels=16, hidden=64),
-        plan_from_dict(plan),
-        f"w{rank}",
-        F.cross_entropy,
-        OptimizerSpec("sgd", lr=0.05),
-        emulation=emulation,
-        autocast_bf16=autocast,
-        bucket_cap_bytes=cap_bytes,
-    )
+    model = digits_cnn(channels=16, hidden=64)
+    return Worker(model, plan_from_dict(plan), f"w{rank}", F.cross_entropy, spec, **kw)
+
+
+def _measure(rank, world, plan, emulation, steps, autocast=False, cap_bytes=64 * 2**20):
+    worker = _cnn_worker(
+        rank, plan, OptimizerSpec("sgd", lr=0.05), emulation=emulation,
+        autocast_bf16=autocast, bucket_cap_bytes=cap_bytes,
+    )  # fmt: skip
     x, y = _data(plan_from_dict(plan).global_batch)
     return [gather_measurements(worker.step(x, y, t)) for t in range(steps)]
 
@@ -171,14 +172,7 @@ def test_bf16_autocast_sends_bf16_activations_and_tracks_float32(tmp_path):
 
 def _under_caller_autocast(rank, world, caller_autocast):
     plan = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 8, 32)]}
-    torch.manual_seed(0)
-    worker = Worker(
-        digits_cnn(channels=16, hidden=64),
-        plan_from_dict(plan),
-        f"w{rank}",
-        F.cross_entropy,
-        OptimizerSpec("sgd", lr=0.05),
-    )
+    worker = _cnn_worker(rank, plan, OptimizerSpec("sgd", lr=0.05))
     x, y = _data(32)
     out = []
     for t in range(2):
@@ -218,14 +212,8 @@ def test_gradient_traffic_is_proportional_to_the_parameters_a_rank_holds(tmp_pat
 def _migrate(rank, world, emulation):
     before = {"groups": [_group(["w0", "w1"], [[0, 4], [4, 6]], 4, 8)]}
     after = {"groups": [_group(["w0", "w1"], [[0, 2], [2, 6]], 4, 8)]}
-    torch.manual_seed(0)
-    worker = Worker(
-        digits_cnn(channels=16, hidden=64),
-        plan_from_dict(before),
-        f"w{rank}",
-        F.cross_entropy,
-        OptimizerSpec("sgd", lr=0.1, momentum=0.9),
-        emulation=emulation,
+    worker = _cnn_worker(
+        rank, before, OptimizerSpec("sgd", lr=0.1, momentum=0.9), emulation=emulation
     )
     x, y = _data(8)
     worker.step(x, y, 0)
