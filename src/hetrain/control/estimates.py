@@ -214,6 +214,13 @@ class SpeedEstimates:
         short window's when they differ by more than ``change_tolerance``."""
         return {d: est for d, (est, _) in self._own().items()}
 
+    def _medians(self, ratios: list[float]) -> tuple[float, float, bool]:
+        """``(short, long, steady)``: the medians of the last ``window`` and of all ``ratios``,
+        and whether they are within ``change_tolerance`` of each other (a steady device)."""
+        short = float(np.median(ratios[-self.window :]))
+        long = float(np.median(ratios))
+        return short, long, abs(short - long) <= self.change_tolerance * abs(long)
+
     def _own(self) -> dict[str, tuple[float, float]]:
         """``{device: (own estimate, standard error of its log)}`` of measured devices."""
         out = {}
@@ -221,9 +228,7 @@ class SpeedEstimates:
             if not kept:
                 continue
             v = self.ratios(d)
-            short = float(np.median(v[-self.window :]))
-            long = float(np.median(v))
-            steady = abs(short - long) <= self.change_tolerance * abs(long)
+            short, long, steady = self._medians(v)
             used = np.log(np.asarray(v if steady else v[-self.window :], dtype=float))
             mad = float(np.median(np.abs(used - np.median(used))))
             out[d] = (long if steady else short, 1.2533 * 1.4826 * mad / math.sqrt(len(used)))
@@ -260,10 +265,7 @@ class SpeedEstimates:
         for d in self.ids:
             if self.kinds[d] != kind or len(self._samples[d]) < self.window:
                 continue
-            v = self.ratios(d)
-            short = float(np.median(v[-self.window :]))
-            long = float(np.median(v))
-            steady = abs(short - long) <= self.change_tolerance * abs(long)
+            steady = self._medians(self.ratios(d))[2]
             kept = np.asarray(self._samples[d] if steady else self._samples[d][-self.window :])
             rows.append((np.log(kept[:, 0]), kept[:, 1], kept[:, 2]))
         per_mb = [e / n for _, e, n in rows]

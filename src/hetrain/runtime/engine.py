@@ -180,8 +180,9 @@ class Worker(LayerState, StepSums):
         self.chain = chain
         # --- plan-invariant randomness and BatchNorm (randomness.py, norm.py) ---
         self.exact = bool(exact)
-        self.randomness = InvariantRandomness(chain.module, seed=seed, exact=exact)
-        self.randomness.batch_free = chain.batch_free_draws
+        self.randomness = InvariantRandomness(
+            chain.module, seed=seed, exact=exact, batch_free=chain.batch_free_draws
+        )
         self.norm = NormBlocks(chain.module, norm_block)
         self._norm_layers = [
             i

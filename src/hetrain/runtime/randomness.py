@@ -403,6 +403,9 @@ class InvariantRandomness:
             ``*pdrop*`` > 0, as Hugging Face attention modules have), or ``exact``. Off, a
             forward costs only the generator-state check (which finds, but cannot name, an
             uncovered random op).
+        batch_free: draw sites ``(module path, call number)`` whose tensors have no sample
+            dimension (:func:`batch_free_draw_sites`): one draw per step for the whole
+            tensor, the same in every micro-batch.
     """
 
     def __init__(
@@ -412,6 +415,7 @@ class InvariantRandomness:
         seed: int = 0,
         exact: bool = False,
         active: bool | None = None,
+        batch_free: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
         root = model if isinstance(model, nn.Module) else nn.ModuleList(list(model))
         self.root = root
@@ -437,9 +441,7 @@ class InvariantRandomness:
                 if attrs:
                     self._candidates.append((module, attrs))
         self.problems: list[str] = []
-        # draw sites (module path, call number) whose tensors have no sample dimension
-        # (:func:`batch_free_draw_sites`): one draw per step, the same in every micro-batch
-        self.batch_free: frozenset[tuple[str, int]] = frozenset()
+        self.batch_free = frozenset(batch_free)
         self._survey: dict[tuple[str, int], dict[int, int]] | None = None
         # state of the current forward
         self._stack: list[str] = []
@@ -627,10 +629,11 @@ def batch_free_draw_sites(
                     call(model, x)
     except Exception:  # noqa: BLE001  (a model that cannot run here keeps per-sample draws)
         return frozenset()
+    # the same positive dim 0 at every survey size: no sample dimension
     return frozenset(
         site
         for site, rows in seen.items()
-        if len(rows) == len(SURVEY_ROWS) and len(set(rows.values())) == 1 and rows[2] > 0
+        if len(rows) == len(SURVEY_ROWS) and len(set(rows.values())) == 1 and min(rows.values()) > 0
     )
 
 

@@ -29,13 +29,11 @@ class StepSums:
                 flags[i] = 1.0
         return torch.tensor(flags, dtype=torch.float64, device=self.device)
 
-    def _drop_absent_grads(self, counts: torch.Tensor | Sequence[float]) -> None:
+    def _drop_absent_grads(self, counts: Sequence[float]) -> None:
         """Set ``.grad = None`` on held tensors that no rank gave a gradient this step
-        (``counts`` = :meth:`_local_grad_flags` summed over the ranks, a tensor or a list of
-        floats), so the optimizer skips them as it does in one process (no weight decay, no
-        momentum step)."""
-        values = counts.tolist() if isinstance(counts, torch.Tensor) else counts
-        absent = {i for i, v in enumerate(values) if v == 0}
+        (``counts`` = :meth:`_local_grad_flags` summed over the ranks, as floats), so the
+        optimizer skips them as it does in one process (no weight decay, no momentum step)."""
+        absent = {i for i, v in enumerate(counts) if v == 0}
         if not absent:
             return
         for name in self._held:
