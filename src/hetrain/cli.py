@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from hetrain._exit import exit_process
 from hetrain.errors import InputError, RunComplete
 
 app = typer.Typer(
@@ -553,8 +554,8 @@ def _option_message(exc: Exception, args: list[str]) -> str | None:
 
 
 def _exit(code: int, argv: list[str] | None) -> int:
-    if argv is None:
-        sys.exit(code)
+    if argv is None:  # the process's own command line: end the process
+        exit_process(code)
     return code
 
 

@@ -428,13 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 service.stop.set()
             time.sleep(0.1)
 
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch, name="hetrain-controller-watch", daemon=True).start()
     service.run()
     return 0
 
 
 if __name__ == "__main__":
     # run the importable module's copy (one PlanController/Decision class, not __main__'s)
+    from hetrain._exit import exit_process
     from hetrain.runtime.adapt import main as _main
 
-    sys.exit(_main())
+    exit_process(_main())
