@@ -33,7 +33,7 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.control import make_policy
 from hetrain.control.estimates import SpeedEstimates, startup_stage_time_s
-from hetrain.costmodel import TrainingConfig
+from hetrain.costmodel import TrainingConfig, lower_bound_s
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctldecision import (
@@ -225,7 +225,10 @@ class PlanController:
         return self.current, self.observed_state(), self.step_overhead_s()
 
     def predictions_of(self, inputs: tuple[Plan, ClusterState, float]) -> dict[str, float]:
-        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot. Each time is the plan's
+        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot, with ``lower_bound_s``:
+        ``T_LB + F`` on the same estimates (:func:`hetrain.costmodel.lower_bound_s`, perfect
+        balance without communication; every plan's predicted time is at least it). Each
+        time is the plan's
         time with ``F = 0`` plus ``F`` (:func:`hetrain.costmodel.evaluate_plan` adds
         ``step_overhead_s`` last to a plan with an active group: the same float); the plan in
         force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
@@ -241,6 +244,8 @@ class PlanController:
         bare = dataclasses.replace(self.config, step_overhead_s=0.0)
         return {
             "predicted_time_s": self._bare_time_s(plan, state) + overhead_s,
+            # T_LB + F: no plan's predicted time on these estimates is below it
+            "lower_bound_s": lower_bound_s(state, self.profile, self.config.batch) + overhead_s,
             "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, bare)
             + overhead_s,
             "step_overhead_s": float(overhead_s),
