@@ -370,7 +370,8 @@ class PlanController:
         """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
         speed estimates (start-up speeds, ``κ``, ``λ``, both windows, the recent measurements
         per device as ``[time_s, start-up expected_s, micro-batches]`` and the fixed cost per
-        kind), the plans by id and the next id, the step counters, the learned
+        kind, the kinds apart from the run's pool and each measurement's step index), the
+        plans by id and the next id, the step counters, the learned
         step overhead residuals, the steps at which searches joined and the policy's own
         ``state_dict`` (queues, candidate pool).
         Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
@@ -390,6 +391,8 @@ class PlanController:
                 "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
                 "samples": {d: [list(x) for x in v] for d, v in est._samples.items()},
                 "distinct": sorted(est.distinct),
+                "distinct_kinds": sorted(est.distinct_kinds),
+                "steps": {d: list(v) for d, v in est._steps.items()},
                 "fixed_s": {k: float(v) for k, v in sorted(est.fixed_s.items())},
             },
             "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
@@ -453,6 +456,8 @@ class PlanController:
             if not all(math.isfinite(v) and v >= 0 for v in fixed.values()):
                 raise ValueError("fixed_s: expected finite numbers >= 0")
             distinct = {str(d) for d in est.get("distinct", ())} & set(ids)
+            distinct_kinds = {str(k) for k in est.get("distinct_kinds", ())}
+            steps = {str(d): [int(t) for t in v] for d, v in dict(est.get("steps") or {}).items()}
             plans = {
                 int(k): plan_from_dict(v, f"controller state: plans.{k}")
                 for k, v in dict(data["plans"]).items()
@@ -471,7 +476,7 @@ class PlanController:
         self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
-        self.estimates.restore(samples, distinct, fixed)
+        self.estimates.restore(samples, distinct, fixed, distinct_kinds, steps)
         self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
