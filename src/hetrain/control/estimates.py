@@ -8,7 +8,7 @@ Imports numpy and the cluster state only (no torch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -368,30 +368,43 @@ class SpeedEstimates:
         own = self.own_slowdowns()
         if not own:
             return {}, set(), set()
-        by_step: dict[str, dict[int, float]] = {
-            d: dict(zip(self._steps[d], self.ratios(d), strict=True)) for d in own
-        }
+        # the kept ratios as a (device, step) matrix, NaN where a device was not measured
+        devices = list(own)
+        row = {d: i for i, d in enumerate(devices)}
+        columns = sorted(set().union(*(self._steps[d] for d in devices)))
+        col = {t: j for j, t in enumerate(columns)}
+        ratios = np.full((len(devices), len(columns)), np.nan)
+        for d in devices:
+            ratios[row[d], [col[t] for t in self._steps[d]]] = self.ratios(d)
         by_kind: dict[str, list[str]] = {}
         for d in own:
             by_kind.setdefault(self.kinds[d], []).append(d)
         tolerance = math.log1p(self.change_tolerance)
         least = self.window // 2 + 1
 
-        def relative(group: list[str], members: list[str]) -> np.ndarray:
-            """``x_t``, newest first, over the last ``long_window`` steps at which ``group``
-            (devices) and the other ``members`` were measured: log of the group's median
-            ratio at step ``t`` over the members' median ratio at ``t`` (the group's own
-            included; a load common to the run's ranks cancels)."""
-            steps = sorted(set().union(*(by_step[d] for d in group)))
-            x = []
-            for t in reversed(steps):
-                mine = [by_step[d][t] for d in group if t in by_step[d]]
-                pool = [by_step[d][t] for d in members if t in by_step[d]]
-                if len(pool) > len(mine):
-                    x.append(math.log(float(np.median(mine)) / float(np.median(pool))))
-                if len(x) == self.long_window:
-                    break
-            return np.asarray(x, dtype=float)
+        def step_medians(group: list[str]) -> tuple[np.ndarray, np.ndarray]:
+            """Per step, the median ratio of ``group``'s devices measured at it (NaN where
+            none was) and their number."""
+            sub = np.sort(ratios[[row[d] for d in group]], axis=0)  # NaN sorted last
+            count = np.sum(~np.isnan(sub), axis=0)
+            lo = np.maximum((count - 1) // 2, 0)[None, :]
+            hi = np.maximum(count // 2, 0)[None, :]
+            both = np.take_along_axis(sub, lo, 0)[0] + np.take_along_axis(sub, hi, 0)[0]
+            return np.where(count > 0, 0.5 * both, np.nan), count
+
+        def relative(group: list[str], pool: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+            """``x_t`` (shape ``(n,)``, newest first) over the last ``long_window`` steps at
+            which ``group`` (devices) and the pool's other devices were measured: log of the
+            group's median ratio at step ``t`` over the pool's at ``t`` (``pool``:
+            :func:`step_medians` of its devices, the group's own among them); a load common
+            to the run's ranks cancels."""
+            if len(group) == 1:
+                mine = ratios[row[group[0]]]
+                count = (~np.isnan(mine)).astype(int)
+            else:
+                mine, count = step_medians(group)
+            valid = (count > 0) & (pool[1] > count)
+            return np.log(mine[valid] / pool[0][valid])[::-1][: self.long_window]
 
         def scale(series: list[np.ndarray]) -> float:
             """The pooled noise of ``series`` (log): 1.4826 x the median absolute deviation
@@ -400,7 +413,7 @@ class SpeedEstimates:
             dev = [np.abs(x - np.median(x)) for x in series if len(x)]
             return 1.4826 * float(np.median(np.concatenate(dev))) if dev else math.inf
 
-        def apart(x: np.ndarray, sigma: float, kept: bool, gap: float) -> bool:
+        def apart(x: np.ndarray, sigma: float, kept: bool, gap: Callable[[], float]) -> bool:
             """Whether a group whose relative series is ``x`` (:func:`relative`) is apart
             from its pool, on the last ``window`` values: ``|median x|`` beyond
             ``change_tolerance`` and, unless it was apart (``kept``), beyond ``z`` standard
@@ -408,11 +421,11 @@ class SpeedEstimates:
             quartile nearer 0 beyond ``change_tolerance`` too (descheduled episodes slow a
             rank's steps on one side only: a run of them moves a window's median, not its
             lower quartile; a lasting slow-down moves both). With fewer than ``window // 2
-            + 1`` values (an idle device) only a ``kept`` group whose estimate is ``gap``
-            (log) from the pool's, beyond ``change_tolerance``."""
+            + 1`` values (an idle device) only a ``kept`` group whose estimate over the
+            pool's (``gap()``) is beyond ``change_tolerance``."""
             logs = x[: self.window]
             if len(logs) < least:
-                return kept and abs(gap) > tolerance
+                return kept and abs(math.log(gap())) > tolerance
             m = float(np.median(logs))
             if abs(m) <= tolerance:
                 return False
@@ -437,13 +450,18 @@ class SpeedEstimates:
                 if not members:
                     members = [d for ds in groups.values() for d in ds]
                 everyone = median_of(members)
-                series = {g: relative(ds, sorted(set(members) | set(ds)))
-                          for g, ds in groups.items()}  # fmt: skip
+                pool = step_medians(members)
+                inside = set(members)
+                series = {
+                    g: relative(ds, pool if set(ds) <= inside else step_medians(members + ds))
+                    for g, ds in groups.items()
+                }
                 sigma = scale(list(series.values()))
-                out = {
-                    g for g, ds in groups.items()
-                    if apart(series[g], sigma, g in kept, math.log(median_of(ds) / everyone))
-                }  # fmt: skip
+                out = set()
+                for g, ds in groups.items():
+                    gap = lambda ds=ds, e=everyone: median_of(ds) / e  # noqa: E731
+                    if apart(series[g], sigma, g in kept, gap):
+                        out.add(g)
             return out
 
         # per kind: its devices apart from its pool, then the kind's ratio (the median of
