@@ -86,3 +86,26 @@ def test_identical_ranks_keep_even_shares_and_equal_estimates():
         total += len(spreads) - 13
         within += sum(s <= 1.10 for s in spreads[13:])
     assert within >= 0.97 * total, within / total
+
+
+def test_saved_controller_state_gives_the_same_estimates():
+    """The estimates' pools (devices and kinds apart, each measurement's step) travel in
+    the controller's JSON state: a controller restored from it pools as the saved one did."""
+    import json
+
+    ctl, _, _ = _run(seed=3, steps=40)
+    rng = np.random.default_rng(0)
+    for t in range(40, 60):  # w2 3x slower at its share: it leaves the run's pool
+        compute = {}
+        for g in ctl.current.groups:
+            for d in g.devices:
+                factor = 3.0 if d == "w2" else 1.0
+                compute[d] = factor * (g.batch * PER_SAMPLE_S + KAPPA) * rng.lognormal(0, 0.05)
+        ctl.observe(t, int(ctl.current.plan_id), compute, max(compute.values()))
+    assert ctl.estimates.distinct_kinds == {"w2"}
+    state = json.loads(json.dumps(ctl.state_dict()))
+    fresh = PlanController(ctl.base_state, ctl.profile, ctl.config, ctl.current, 60)
+    fresh.load_state_dict(state)
+    assert fresh.estimates.slowdowns() == ctl.estimates.slowdowns()
+    assert fresh.estimates._steps == ctl.estimates._steps
+    assert fresh.estimates.distinct_kinds == ctl.estimates.distinct_kinds
