@@ -109,6 +109,13 @@ class SpeedEstimates:
     (left after 10 of the window's 13 steps). Fewer than ``window // 2 + 1`` such steps
     (an idle device): not apart, unless it was (hysteresis).
 
+    **Estimate of a group apart**: its pool's ratio times its slow-down relative to that
+    pool, ``exp(median x)`` over its last ``window`` steps beside the pool's devices (the
+    pool without it), or its own estimate without ``window // 2 + 1`` such steps: a load
+    common to the ranks, which moves its pool's ratio, moves it too, also while it is idle
+    (an idle slow rank's own estimate stayed where its last measurements left it while its
+    peers' moved 2x with the load: "5.4x slower" for a rank emulated 3x slower).
+
     **Hysteresis.** A device or kind found apart stays apart (keeps its own estimate) until
     its ``|median x|`` comes back within ``change_tolerance`` (while idle: its estimate
     within ``change_tolerance`` of its pool's); the significance test decides only whether
@@ -392,18 +399,20 @@ class SpeedEstimates:
             both = np.take_along_axis(sub, lo, 0)[0] + np.take_along_axis(sub, hi, 0)[0]
             return np.where(count > 0, 0.5 * both, np.nan), count
 
-        def relative(group: list[str], pool: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        def relative(
+            group: list[str], pool: tuple[np.ndarray, np.ndarray], inside: bool = True
+        ) -> np.ndarray:
             """``x_t`` (shape ``(n,)``, newest first) over the last ``long_window`` steps at
             which ``group`` (devices) and the pool's other devices were measured: log of the
             group's median ratio at step ``t`` over the pool's at ``t`` (``pool``:
-            :func:`step_medians` of its devices, the group's own among them); a load common
-            to the run's ranks cancels."""
+            :func:`step_medians` of its devices, the group's own among them when
+            ``inside``); a load common to the run's ranks cancels."""
             if len(group) == 1:
                 mine = ratios[row[group[0]]]
                 count = (~np.isnan(mine)).astype(int)
             else:
                 mine, count = step_medians(group)
-            valid = (count > 0) & (pool[1] > count)
+            valid = (count > 0) & (pool[1] > (count if inside else 0))
             return np.log(mine[valid] / pool[0][valid])[::-1][: self.long_window]
 
         def scale(series: list[np.ndarray]) -> float:
@@ -438,12 +447,17 @@ class SpeedEstimates:
         def median_of(devices: list[str]) -> float:
             return float(np.median([own[d] for d in devices]))
 
-        def split(groups: dict[str, list[str]], kept: set[str]) -> set[str]:
+        def split(
+            groups: dict[str, list[str]], kept: set[str]
+        ) -> tuple[set[str], dict[str, float]]:
             """The keys of ``groups`` (devices each) apart from the pool of all of them:
             first against the pool of those not ``kept`` apart at the last step, then
             against the pool of those not apart by that first pass (a slow group does not
             pull its peers' pool, and so their relative series, towards it: the median of
-            four with one 3x slow is the mean of two of them)."""
+            four with one 3x slow is the mean of two of them); and for each group apart
+            with ``window // 2 + 1`` steps measured beside that pool, its slow-down
+            relative to the pool: ``exp(median x)`` over its last ``window`` such steps, the
+            pool's devices alone in the pool."""
             out = set(kept) & set(groups)
             for _ in range(2):
                 members = [d for g, ds in groups.items() if g not in out for d in ds]
@@ -462,16 +476,24 @@ class SpeedEstimates:
                     gap = lambda ds=ds, e=everyone: median_of(ds) / e  # noqa: E731
                     if apart(series[g], sigma, g in kept, gap):
                         out.add(g)
-            return out
+            factor = {}
+            for g in out:
+                x = relative(groups[g], pool, inside=False)[: self.window]
+                if len(x) >= least:
+                    factor[g] = math.exp(float(np.median(x)))
+            return out, factor
 
         # per kind: its devices apart from its pool, then the kind's ratio (the median of
         # the others' own estimates)
         devices_apart: set[str] = set()
+        device_factor: dict[str, float] = {}
         kind_value: dict[str, float] = {}
         kind_members: dict[str, list[str]] = {}
         for k, peers in by_kind.items():
             if len(peers) > 1:
-                devices_apart |= split({d: [d] for d in peers}, self.distinct)
+                out_k, factor_k = split({d: [d] for d in peers}, self.distinct)
+                devices_apart |= out_k
+                device_factor.update(factor_k)
             rest = [d for d in peers if d not in devices_apart] or peers
             kind_members[k] = rest
             kind_value[k] = median_of(rest)
@@ -480,19 +502,24 @@ class SpeedEstimates:
         # estimates): ratios relative to each device's start-up calibration
         pooled = [d for k in kind_members for d in kind_members[k]]
         kinds_apart: set[str] = set()
+        kind_factor: dict[str, float] = {}
         if len(kind_members) > 1:
-            kinds_apart = split(kind_members, self.distinct_kinds)
+            kinds_apart, kind_factor = split(kind_members, self.distinct_kinds)
         rest = [d for d in pooled if self.kinds[d] not in kinds_apart] or pooled
         run_value = median_of(rest)
+        # a group apart: its pool's ratio times its slow-down relative to that pool at the
+        # same steps (a load common to the ranks, which moves its pool's ratio, moves it
+        # too, also while it is idle), or its own estimate without such steps
+        kind_out = {k: run_value for k in kind_members}
+        for k in kinds_apart:
+            kind_out[k] = run_value * kind_factor[k] if k in kind_factor else kind_value[k]
         out: dict[str, float] = {}
         for d in self.ids:
             k = self.kinds[d]
             if d in devices_apart:
-                out[d] = own[d]
-            elif k in kinds_apart:
-                out[d] = kind_value[k]
+                out[d] = kind_out[k] * device_factor[d] if d in device_factor else own[d]
             else:
-                out[d] = run_value  # a kind without measurements too: the run's ratio
+                out[d] = kind_out.get(k, run_value)  # a kind without measurements: the run's
         return out, devices_apart, kinds_apart
 
     def __setstate__(self, state: dict) -> None:
