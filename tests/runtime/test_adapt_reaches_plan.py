@@ -97,3 +97,10 @@ def test_runtime_with_its_search_thread_reaches_the_same_plan():
     shares = {d: 0 for d in DEVICES}
     shares.update({d: g.batch for g in ctl.current.groups for d in g.devices})
     assert 3 <= shares["w1"] <= 5, shares
+
+
+def test_logged_lower_bound_is_below_every_logged_prediction():
+    ctl, _ = _run(steps=40, slow_from=10, seed=5)
+    p = ctl.predictions()
+    assert 0 < p["lower_bound_s"] <= p["predicted_time_s"], p
+    assert p["lower_bound_s"] <= p["dp_even_time_s"], p

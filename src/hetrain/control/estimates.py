@@ -8,7 +8,7 @@ Imports numpy and the cluster state only (no torch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,29 +76,57 @@ class SpeedEstimates:
     kind) are the same hardware, so what their ratios differ by is, unless shown otherwise,
     contention noise (ranks sharing cores are descheduled at random; two equal ranks'
     7-step medians measured 2x apart on a loaded 2-core machine), and estimates that follow
-    it give identical ranks unequal shares. A device's estimate is its kind's pooled ratio,
-    the median over the kind's measured devices of their own estimates, unless its own
-    estimate differs from it *significantly*: by more than ``change_tolerance`` (relative)
-    and by more than ``z`` standard errors of the difference of the two medians in log space
-    (the standard error of a median of ``n`` samples is ``1.2533 · 1.4826 · MAD / √n``,
-    the normal-consistent MAD and the median's asymptotic efficiency, e.g. Wilcox,
-    *Introduction to Robust Estimation and Hypothesis Testing*, 4th ed., §3.3-3.4; the
-    pooled median's is the kind's median standard error over ``√k`` devices). A
-    device with no measurement (idle since start-up) takes its kind's pooled ratio: a
-    slow-down common to the kind (contention of the ranks timing together during training,
-    not during calibration) applies to it too, so an idle device does not look faster than
-    its busy peers by that common factor.
+    it give identical ranks unequal shares. A device's estimate is its kind's pooled ratio
+    (the median over the kind's measured devices, those apart left out, of their own
+    estimates) unless it is *significantly apart* from its kind.
 
-    **Hysteresis.** A device found distinct stays distinct (keeps its own estimate) until its
-    own estimate comes back within ``change_tolerance`` of the pooled one; the significance
-    test decides only whether it leaves the pool. A device given little work after it was
-    found slow (a share of one sample: its step is mostly scheduling noise, so the standard
-    error of its ratios is large) or none (idle: no new ratios) would otherwise fall back to
-    its kind's ratio, be given an equal share again, be found slow again, and so on
-    (``tests/control/test_estimates_pooled.py``). ``φ`` and the set of distinct devices are
-    updated by :meth:`close_step`, once per step after that step's :meth:`observe` calls, so
-    that :meth:`slowdowns` depends only on the measurements fed and not on how often it is
-    asked.
+    **Pooled per run.** Each device's ratio is relative to its own start-up calibration, so
+    a slow-down common to the run's ranks (their contention while training together, not
+    during calibration) moves every kind's ratio alike; a kind's estimate is the run's
+    pooled ratio (the median over the measured devices of the kinds not apart, those apart
+    from their kinds left out, of their own estimates) unless the kind is significantly
+    apart from the run's pool. Devices that each name their own kind (a cluster file
+    without ``kind``: ``w0``, ``w1``, ...) on identical hardware are pooled here; before,
+    each followed its own noise (1.3-2x apart on a loaded machine: the controller put the
+    whole batch on one rank of three identical ones). A device with no measurement takes
+    its kind's ratio, or the run's when its kind has none, so an idle device does not look
+    faster than its busy peers by the common factor.
+
+    **Significantly apart** (a device from its kind's pool, or a kind from the run's): on
+    the last ``window`` steps at which both were measured, ``x_t`` = log of the group's
+    median ratio at step ``t`` over the median ratio at ``t`` of the pool's devices (the
+    group's own included; those found apart by a first pass, or apart at the last step,
+    left out so that a slow device does not pull its peers' pool towards it), so that a
+    load common to the ranks cancels step by step (a window of one device against a longer
+    one of its peers compares two loads). The group is apart when ``|median x|`` exceeds
+    ``change_tolerance`` (relative) and ``z`` standard errors (``1.2533 σ / √n``, the
+    median's asymptotic efficiency, e.g. Wilcox, *Introduction to Robust Estimation and
+    Hypothesis Testing*, 4th ed., §3.3-3.4; ``σ`` = 1.4826 x the median absolute deviation
+    of all groups' ``x`` from their own medians, pooled: one window's own, of 13 values, is
+    itself ±30 % noise), and its quartile of ``x`` nearer 0 exceeds ``change_tolerance``
+    too: descheduled episodes slow a rank's steps on one side only, so a run of them moves
+    a window's median but not its lower quartile, while a lasting slow-down moves both
+    (left after 10 of the window's 13 steps). Fewer than ``window // 2 + 1`` such steps
+    (an idle device): not apart, unless it was (hysteresis).
+
+    **Estimate of a group apart**: its pool's ratio times its slow-down relative to that
+    pool, ``exp(median x)`` over its last ``window`` steps beside the pool's devices (the
+    pool without it), or its own estimate without ``window // 2 + 1`` such steps: a load
+    common to the ranks, which moves its pool's ratio, moves it too, also while it is idle
+    (an idle slow rank's own estimate stayed where its last measurements left it while its
+    peers' moved 2x with the load: "5.4x slower" for a rank emulated 3x slower).
+
+    **Hysteresis.** A device or kind found apart stays apart (keeps its own estimate) until
+    its ``|median x|`` comes back within ``change_tolerance`` (while idle: its estimate
+    within ``change_tolerance`` of its pool's); the significance test decides only whether
+    it leaves the pool. A device given little work after it was found slow (a share of one
+    sample: its step is mostly scheduling noise) or none (idle: no new ratios) would
+    otherwise fall back to its kind's ratio, be given an equal share again, be found slow
+    again, and so on (``tests/control/test_estimates_pooled.py``). ``φ`` and the sets of
+    devices and kinds apart are updated by :meth:`close_step`, once per step after that
+    step's :meth:`observe` calls (a device measured twice without it starts a new step),
+    so that :meth:`slowdowns` depends only on the measurements fed and not on how often it
+    is asked.
 
     Args:
         ids: device ids.
@@ -109,12 +137,12 @@ class SpeedEstimates:
         long_window: the long window (default ``3 * window``): its median is the estimate of
             a steady device; also the most measurements kept per device.
         change_tolerance: relative gap between the two medians above which the short one is
-            used; also the least relative gap from its kind's pooled ratio at which a device
-            keeps its own estimate.
+            used; also the least relative gap from its pool at which a device or kind keeps
+            its own estimate.
         kinds: the kind of each device, aligned with ``ids`` (default: every device its own
             kind, no pooling).
-        z: standard errors of the gap from the pooled ratio at which a device's own estimate
-            is significant (default 3).
+        z: standard errors of the gap from its pool at which a device's or kind's own
+            estimate is significant (default 3).
     """
 
     FIT_SPREAD = 1.5
@@ -165,8 +193,12 @@ class SpeedEstimates:
         self.change_tolerance = float(change_tolerance)
         # per device, (time_s, start-up expected_s, micro-batches) per iteration, newest last
         self._samples: dict[str, list[tuple[float, float, float]]] = {d: [] for d in self.ids}
+        # per device, the step index of each kept measurement (aligned with _samples)
+        self._steps: dict[str, list[int]] = {d: [] for d in self.ids}
+        self._step = 0  # index of the step being measured (close_step moves on)
         self.fixed_s: dict[str, float] = {}  # φ per kind (s per micro-batch; absent = 0)
         self.distinct: set[str] = set()  # devices out of their kind's pool (hysteresis)
+        self.distinct_kinds: set[str] = set()  # kinds out of the run's pool (hysteresis)
         self._closed: dict[str, float] | None = None  # slowdowns() at the last close_step
 
     def observe(
@@ -195,9 +227,14 @@ class SpeedEstimates:
         if not (expected_s > 0 and math.isfinite(expected_s)):
             return
         recent = self._samples[device]
+        steps = self._steps.setdefault(device, [])
+        if steps and steps[-1] >= self._step:  # a new step without close_step
+            self._step = steps[-1] + 1
         self._closed = None
         recent.append((float(time_s), float(expected_s), float(max(int(num_microbatches), 1))))
+        steps.append(self._step)
         del recent[: -self.long_window]
+        del steps[: -self.long_window]
 
     def fixed_overheads_s(self) -> dict[str, float]:
         """``φ_k`` of each device's kind (s per micro-batch at start-up speed, ``≥ 0``; 0
@@ -212,7 +249,12 @@ class SpeedEstimates:
     def own_slowdowns(self) -> dict[str, float]:
         """Each measured device's own ``r̂_d`` (no pooling): the long window's median, or the
         short window's when they differ by more than ``change_tolerance``."""
-        return {d: est for d, (est, _) in self._own().items()}
+        out = {}
+        for d, kept in self._samples.items():
+            if kept:
+                short, long, steady = self._medians(self.ratios(d))
+                out[d] = long if steady else short
+        return out
 
     def _medians(self, ratios: list[float]) -> tuple[float, float, bool]:
         """``(short, long, steady)``: the medians of the last ``window`` and of all ``ratios``,
@@ -221,43 +263,30 @@ class SpeedEstimates:
         long = float(np.median(ratios))
         return short, long, abs(short - long) <= self.change_tolerance * abs(long)
 
-    def _own(self) -> dict[str, tuple[float, float]]:
-        """``{device: (own estimate, standard error of its log)}`` of measured devices."""
-        out = {}
-        for d, kept in self._samples.items():
-            if not kept:
-                continue
-            v = self.ratios(d)
-            short, long, steady = self._medians(v)
-            used = np.log(np.asarray(v if steady else v[-self.window :], dtype=float))
-            mad = float(np.median(np.abs(used - np.median(used))))
-            out[d] = (long if steady else short, 1.2533 * 1.4826 * mad / math.sqrt(len(used)))
-        return out
-
     def slowdowns(self) -> dict[str, float]:
         """``r̂_d``: measured over start-up time for the same work, the fixed cost ``φ_k``
-        added to the latter (2.0 = twice as slow as at start-up) for every device whose kind
-        has a measured device: its kind's pooled ratio, or its own estimate
-        (:meth:`own_slowdowns`) where that differs significantly from the pooled one, or
-        where the device was distinct at the last :meth:`close_step` and its own estimate is
-        still more than ``change_tolerance`` from the pooled one (class docstring). Kept from
-        :meth:`close_step` until the next measurement."""
+        added to the latter (2.0 = twice as slow as at start-up), for every device once any
+        device has a measurement: its own estimate (:meth:`own_slowdowns`) where it is apart
+        from its kind, else its kind's pooled ratio where the kind is apart from the run,
+        else the run's pooled ratio (class docstring). Kept from :meth:`close_step` until
+        the next measurement."""
         if self._closed is not None:
             return dict(self._closed)
         return self._pooled()[0]
 
     def close_step(self) -> None:
         """End of one step's measurements: each kind's ``φ_k`` is refitted (class
-        docstring), then the devices that keep their own estimate from now on
-        (:attr:`distinct`) are those :meth:`slowdowns` gives their own estimate now (the
-        same slow-downs with the new set: a device enters it only with a gap above
-        ``change_tolerance``, and leaves it only with a gap within it)."""
+        docstring), then the devices apart from their kinds (:attr:`distinct`) and the kinds
+        apart from the run (:attr:`distinct_kinds`) are those :meth:`slowdowns` finds apart
+        now (class docstring, "Hysteresis")."""
         for kind in sorted(set(self.kinds.values())):
             phi = self._fit_fixed(kind)
             if phi is not None:
                 self.fixed_s[kind] = phi
-        out, self.distinct = self._pooled()
+        out, self.distinct, self.distinct_kinds = self._pooled()
         self._closed = out
+        if any(v and v[-1] >= self._step for v in self._steps.values()):
+            self._step += 1
 
     def _fit_fixed(self, kind: str) -> float | None:
         """The kind's new ``φ`` (class docstring), or None to keep its current one."""
@@ -319,46 +348,179 @@ class SpeedEstimates:
         samples: dict[str, list[tuple[float, float, float]]],
         distinct: set[str],
         fixed_s: dict[str, float] | None = None,
+        distinct_kinds: set[str] | None = None,
+        steps: dict[str, list[int]] | None = None,
     ) -> None:
         """Set the measurements per device (``samples``: ``(time_s, expected_s,
         micro-batches)`` each, at most ``long_window``, newest last), the devices out of their
-        kind's pool and the fixed cost per kind (a saved state's)."""
+        kind's pool, the fixed cost per kind, the kinds out of the run's pool and the step
+        index of each measurement (``steps``, aligned with ``samples``; default: each
+        device's measurements on the last consecutive steps)."""
         self._samples = {d: [tuple(map(float, x)) for x in v] for d, v in samples.items()}
+        steps = steps or {}
+        self._steps = {
+            d: [int(t) for t in steps[d]] if len(steps.get(d, ())) == len(v)
+            else list(range(-len(v), 0))
+            for d, v in self._samples.items()
+        }  # fmt: skip
+        self._step = max([v[-1] + 1 for v in self._steps.values() if v], default=0)
+        self.distinct_kinds = set(distinct_kinds or ())
         self.distinct = set(distinct)
         self.fixed_s = dict(fixed_s or {})
         self._closed = None
 
-    def _pooled(self) -> tuple[dict[str, float], set[str]]:
-        """``(slowdowns, devices given their own estimate)``."""
-        own = self._own()
+    def _pooled(self) -> tuple[dict[str, float], set[str], set[str]]:
+        """``(slowdowns, devices given their own estimate, kinds given their own pooled
+        ratio)`` (class docstring, "Pooled per kind" and "Pooled per run")."""
+        own = self.own_slowdowns()
+        if not own:
+            return {}, set(), set()
+        # the kept ratios as a (device, step) matrix, NaN where a device was not measured
+        devices = list(own)
+        row = {d: i for i, d in enumerate(devices)}
+        columns = sorted(set().union(*(self._steps[d] for d in devices)))
+        col = {t: j for j, t in enumerate(columns)}
+        ratios = np.full((len(devices), len(columns)), np.nan)
+        for d in devices:
+            ratios[row[d], [col[t] for t in self._steps[d]]] = self.ratios(d)
         by_kind: dict[str, list[str]] = {}
         for d in own:
             by_kind.setdefault(self.kinds[d], []).append(d)
-        out: dict[str, float] = {}
-        apart: set[str] = set()
         tolerance = math.log1p(self.change_tolerance)
-        for d in self.ids:
-            peers = by_kind.get(self.kinds[d])
-            if not peers:
-                continue
-            if len(peers) == 1 and d in own:
-                out[d] = own[d][0]
-                continue
-            pooled = float(np.median([own[p][0] for p in peers]))
-            if d not in own:
-                out[d] = pooled
-                continue
-            estimate, se = own[d]
-            se_pooled = float(np.median([own[p][1] for p in peers])) / math.sqrt(len(peers))
-            gap = abs(math.log(estimate / pooled))
-            if d in self.distinct:
-                distinct = gap > tolerance
+        least = self.window // 2 + 1
+
+        def step_medians(group: list[str]) -> tuple[np.ndarray, np.ndarray]:
+            """Per step, the median ratio of ``group``'s devices measured at it (NaN where
+            none was) and their number."""
+            sub = np.sort(ratios[[row[d] for d in group]], axis=0)  # NaN sorted last
+            count = np.sum(~np.isnan(sub), axis=0)
+            lo = np.maximum((count - 1) // 2, 0)[None, :]
+            hi = np.maximum(count // 2, 0)[None, :]
+            both = np.take_along_axis(sub, lo, 0)[0] + np.take_along_axis(sub, hi, 0)[0]
+            return np.where(count > 0, 0.5 * both, np.nan), count
+
+        def relative(
+            group: list[str], pool: tuple[np.ndarray, np.ndarray], inside: bool = True
+        ) -> np.ndarray:
+            """``x_t`` (shape ``(n,)``, newest first) over the last ``long_window`` steps at
+            which ``group`` (devices) and the pool's other devices were measured: log of the
+            group's median ratio at step ``t`` over the pool's at ``t`` (``pool``:
+            :func:`step_medians` of its devices, the group's own among them when
+            ``inside``); a load common to the run's ranks cancels."""
+            if len(group) == 1:
+                mine = ratios[row[group[0]]]
+                count = (~np.isnan(mine)).astype(int)
             else:
-                distinct = gap > tolerance and gap > self.z * math.hypot(se, se_pooled)
-            out[d] = estimate if distinct else pooled
-            if distinct:
-                apart.add(d)
-        return out, apart
+                mine, count = step_medians(group)
+            valid = (count > 0) & (pool[1] > (count if inside else 0))
+            return np.log(mine[valid] / pool[0][valid])[::-1][: self.long_window]
+
+        def scale(series: list[np.ndarray]) -> float:
+            """The pooled noise of ``series`` (log): 1.4826 x the median absolute deviation
+            of every value from its own series' median (one figure for the pool: a window's
+            own deviation, of 13 values, is itself ±30 % noise)."""
+            dev = [np.abs(x - np.median(x)) for x in series if len(x)]
+            return 1.4826 * float(np.median(np.concatenate(dev))) if dev else math.inf
+
+        def apart(x: np.ndarray, sigma: float, kept: bool, gap: Callable[[], float]) -> bool:
+            """Whether a group whose relative series is ``x`` (:func:`relative`) is apart
+            from its pool, on the last ``window`` values: ``|median x|`` beyond
+            ``change_tolerance`` and, unless it was apart (``kept``), beyond ``z`` standard
+            errors (``1.2533 σ / √n``, ``σ`` the pool's :func:`scale`) and with its
+            quartile nearer 0 beyond ``change_tolerance`` too (descheduled episodes slow a
+            rank's steps on one side only: a run of them moves a window's median, not its
+            lower quartile; a lasting slow-down moves both). With fewer than ``window // 2
+            + 1`` values (an idle device) only a ``kept`` group whose estimate over the
+            pool's (``gap()``) is beyond ``change_tolerance``."""
+            logs = x[: self.window]
+            if len(logs) < least:
+                return kept and abs(math.log(gap())) > tolerance
+            m = float(np.median(logs))
+            if abs(m) <= tolerance:
+                return False
+            if kept:
+                return True
+            near = float(np.quantile(logs, 0.25)) if m > 0 else -float(np.quantile(logs, 0.75))
+            se = 1.2533 * sigma / math.sqrt(len(logs))
+            return near > tolerance and abs(m) > self.z * se
+
+        def median_of(devices: list[str]) -> float:
+            return float(np.median([own[d] for d in devices]))
+
+        def split(
+            groups: dict[str, list[str]], kept: set[str]
+        ) -> tuple[set[str], dict[str, float]]:
+            """The keys of ``groups`` (devices each) apart from the pool of all of them:
+            first against the pool of those not ``kept`` apart at the last step, then
+            against the pool of those not apart by that first pass (a slow group does not
+            pull its peers' pool, and so their relative series, towards it: the median of
+            four with one 3x slow is the mean of two of them); and for each group apart
+            with ``window // 2 + 1`` steps measured beside that pool, its slow-down
+            relative to the pool: ``exp(median x)`` over its last ``window`` such steps, the
+            pool's devices alone in the pool."""
+            out = set(kept) & set(groups)
+            for _ in range(2):
+                members = [d for g, ds in groups.items() if g not in out for d in ds]
+                if not members:
+                    members = [d for ds in groups.values() for d in ds]
+                everyone = median_of(members)
+                pool = step_medians(members)
+                inside = set(members)
+                series = {
+                    g: relative(ds, pool if set(ds) <= inside else step_medians(members + ds))
+                    for g, ds in groups.items()
+                }
+                sigma = scale(list(series.values()))
+                out = set()
+                for g, ds in groups.items():
+                    gap = lambda ds=ds, e=everyone: median_of(ds) / e  # noqa: E731
+                    if apart(series[g], sigma, g in kept, gap):
+                        out.add(g)
+            factor = {}
+            for g in out:
+                x = relative(groups[g], pool, inside=False)[: self.window]
+                if len(x) >= least:
+                    factor[g] = math.exp(float(np.median(x)))
+            return out, factor
+
+        # per kind: its devices apart from its pool, then the kind's ratio (the median of
+        # the others' own estimates)
+        devices_apart: set[str] = set()
+        device_factor: dict[str, float] = {}
+        kind_value: dict[str, float] = {}
+        kind_members: dict[str, list[str]] = {}
+        for k, peers in by_kind.items():
+            if len(peers) > 1:
+                out_k, factor_k = split({d: [d] for d in peers}, self.distinct)
+                devices_apart |= out_k
+                device_factor.update(factor_k)
+            rest = [d for d in peers if d not in devices_apart] or peers
+            kind_members[k] = rest
+            kind_value[k] = median_of(rest)
+        # per run: kinds apart from the run's pool (the devices of every kind, those apart
+        # from their kinds left out), then the run's ratio (the median of the others' own
+        # estimates): ratios relative to each device's start-up calibration
+        pooled = [d for k in kind_members for d in kind_members[k]]
+        kinds_apart: set[str] = set()
+        kind_factor: dict[str, float] = {}
+        if len(kind_members) > 1:
+            kinds_apart, kind_factor = split(kind_members, self.distinct_kinds)
+        rest = [d for d in pooled if self.kinds[d] not in kinds_apart] or pooled
+        run_value = median_of(rest)
+        # a group apart: its pool's ratio times its slow-down relative to that pool at the
+        # same steps (a load common to the ranks, which moves its pool's ratio, moves it
+        # too, also while it is idle), or its own estimate without such steps
+        kind_out = {k: run_value for k in kind_members}
+        for k in kinds_apart:
+            kind_out[k] = run_value * kind_factor[k] if k in kind_factor else kind_value[k]
+        out: dict[str, float] = {}
+        for d in self.ids:
+            k = self.kinds[d]
+            if d in devices_apart:
+                out[d] = kind_out[k] * device_factor[d] if d in device_factor else own[d]
+            else:
+                out[d] = kind_out.get(k, run_value)  # a kind without measurements: the run's
+        return out, devices_apart, kinds_apart
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("long_window", state.get("window", 13))
@@ -366,6 +528,11 @@ class SpeedEstimates:
         state.setdefault("kinds", {d: d for d in state.get("ids", ())})
         state.setdefault("z", 3.0)
         state.setdefault("distinct", set())
+        state.setdefault("distinct_kinds", set())
+        state.setdefault(
+            "_steps", {d: list(range(-len(v), 0)) for d, v in state.get("_samples", {}).items()}
+        )
+        state.setdefault("_step", 0)
         state.setdefault("_closed", None)
         state.setdefault("fixed_s", {})
         self.__dict__.update(state)

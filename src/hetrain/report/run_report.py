@@ -67,7 +67,10 @@ def compare_with_dp_even(
     what the measured speeds allow: with per-sample speeds ``s_d`` (the controller's estimates
     at the last row) even data parallelism takes ``(B/D)/min_d s_d`` of compute and a perfect
     balance ``B/Σ_d s_d``, so the figure is capped at ``Σ_d s_d / (D · min_d s_d)``
-    (``speedup_bound``; 2.5 for one 3x-slow device of four) and ``dp_even_time_s`` with it.
+    (``speedup_bound``; 2.5 for one 3x-slow device of four) and ``dp_even_time_s`` with it;
+    where the rows carry ``lower_bound_s`` (``T_LB + F`` on the same estimates, which no
+    plan's prediction is below), also at the mean dp-even prediction over the mean of those,
+    the most the cost model on those estimates lets any plan gain.
     ``None`` without a slow-down or without controller rows after it.
     """
     start = slowdown_step(events)
@@ -87,6 +90,10 @@ def compare_with_dp_even(
     ratio = statistics.fmean(measured[int(r["step"])] for r in rows) / pred if pred > 0 else 1.0
     speedup = even * ratio / mean_measured if mean_measured > 0 else None
     bound = speedup_bound(rows[-1].get("speed_flops"))
+    lower = [float(r["lower_bound_s"]) for r in rows if r.get("lower_bound_s")]
+    if len(lower) == len(rows):  # the model's own bound on the same estimates, same rows
+        model_bound = even / statistics.fmean(lower)
+        bound = model_bound if bound is None else min(bound, model_bound)
     if speedup is not None and bound is not None and speedup > bound:
         speedup = bound
     return {

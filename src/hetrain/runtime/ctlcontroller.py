@@ -33,7 +33,7 @@ import numpy as np
 from hetrain.cluster import ClusterState
 from hetrain.control import make_policy
 from hetrain.control.estimates import SpeedEstimates, startup_stage_time_s
-from hetrain.costmodel import TrainingConfig
+from hetrain.costmodel import TrainingConfig, lower_bound_s
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctldecision import (
@@ -225,7 +225,10 @@ class PlanController:
         return self.current, self.observed_state(), self.step_overhead_s()
 
     def predictions_of(self, inputs: tuple[Plan, ClusterState, float]) -> dict[str, float]:
-        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot. Each time is the plan's
+        """:meth:`predictions` of a :meth:`prediction_inputs` snapshot, with ``lower_bound_s``:
+        ``T_LB + F`` on the same estimates (:func:`hetrain.costmodel.lower_bound_s`, perfect
+        balance without communication; every plan's predicted time is at least it). Each
+        time is the plan's
         time with ``F = 0`` plus ``F`` (:func:`hetrain.costmodel.evaluate_plan` adds
         ``step_overhead_s`` last to a plan with an active group: the same float); the plan in
         force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
@@ -241,6 +244,8 @@ class PlanController:
         bare = dataclasses.replace(self.config, step_overhead_s=0.0)
         return {
             "predicted_time_s": self._bare_time_s(plan, state) + overhead_s,
+            # T_LB + F: no plan's predicted time on these estimates is below it
+            "lower_bound_s": lower_bound_s(state, self.profile, self.config.batch) + overhead_s,
             "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, bare)
             + overhead_s,
             "step_overhead_s": float(overhead_s),
@@ -365,7 +370,8 @@ class PlanController:
         """What the controller learned, as plain JSON data (``json.dumps`` works on it): the
         speed estimates (start-up speeds, ``κ``, ``λ``, both windows, the recent measurements
         per device as ``[time_s, start-up expected_s, micro-batches]`` and the fixed cost per
-        kind), the plans by id and the next id, the step counters, the learned
+        kind, the kinds apart from the run's pool and each measurement's step index), the
+        plans by id and the next id, the step counters, the learned
         step overhead residuals, the steps at which searches joined and the policy's own
         ``state_dict`` (queues, candidate pool).
         Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
@@ -385,6 +391,8 @@ class PlanController:
                 "layer_overhead_s": {d: float(v) for d, v in est.layer_overhead_s.items()},
                 "samples": {d: [list(x) for x in v] for d, v in est._samples.items()},
                 "distinct": sorted(est.distinct),
+                "distinct_kinds": sorted(est.distinct_kinds),
+                "steps": {d: list(v) for d, v in est._steps.items()},
                 "fixed_s": {k: float(v) for k, v in sorted(est.fixed_s.items())},
             },
             "plans": {str(k): p.to_json_dict() for k, p in self.plans.items()},
@@ -448,6 +456,8 @@ class PlanController:
             if not all(math.isfinite(v) and v >= 0 for v in fixed.values()):
                 raise ValueError("fixed_s: expected finite numbers >= 0")
             distinct = {str(d) for d in est.get("distinct", ())} & set(ids)
+            distinct_kinds = {str(k) for k in est.get("distinct_kinds", ())}
+            steps = {str(d): [int(t) for t in v] for d, v in dict(est.get("steps") or {}).items()}
             plans = {
                 int(k): plan_from_dict(v, f"controller state: plans.{k}")
                 for k, v in dict(data["plans"]).items()
@@ -466,7 +476,7 @@ class PlanController:
         self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
-        self.estimates.restore(samples, distinct, fixed)
+        self.estimates.restore(samples, distinct, fixed, distinct_kinds, steps)
         self._observed = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
