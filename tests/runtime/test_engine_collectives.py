@@ -1,8 +1,9 @@
 """The engine's per-step collectives (docs/runtime.md "Per-step collectives"): a pure
 data-parallel step runs the bucketed gradient all-reduce and nothing else (the loss, the item
 count of a ``(sum, count)`` loss and the callers' report rows ride in it, the clipping norm is
-computed locally); a pipeline without clipping reports its sums a step late through a
-non-blocking all-reduce; both train exactly like one process (gloo, forked ranks, float64)."""
+computed locally); a pipeline without clipping reports its sums a step late through the
+process group's store (no collective); both train exactly like one process (gloo, forked
+ranks, float64)."""
 
 from __future__ import annotations
 
@@ -176,13 +177,12 @@ def test_pipeline_without_clipping_reports_a_step_late(tmp_path):
     out = run_ranks(_rank, world, tmp_path, args=(PIPE, "mean", None))
     _check_training(out, "mean", None)
     for late, _, _, reports, calls, _ in out:
-        # the first step tells every rank the loss kind (blocking); then the sums travel in a
-        # non-blocking all-reduce completed by the next step
+        # the first step tells every rank the loss kind (blocking); then the sums travel
+        # through the store, read at the end of the next step: no collective at all, the
+        # pipeline's messages only
         assert late == [False] + [True] * (STEPS - 1)
         for step_calls in calls[1:]:
-            assert [c for c in step_calls if c[0] not in ("isend", "irecv", "recv")] == [
-                ("all_reduce", world)
-            ]
+            assert [c for c in step_calls if c[0] not in ("isend", "irecv", "recv")] == []
         for t, rows in enumerate(reports):
             assert rows == [[r * 10.0 + t, 1.0] for r in range(world)]
 
