@@ -288,7 +288,41 @@ def _summary(side_runs: list[dict], timed: int) -> dict:
     }
     waits_ms = {k: round(1e3 * statistics.median(v), 2) for k, v in sorted(waits_by_label.items())}
     gap_ms = [round(1e3 * statistics.median(gaps[p]), 2) for p in sorted(gaps)]
-    return {"per_rank_ms": table, "slow_rank_waits_ms": waits_ms, "slow_rank_gaps_ms": gap_ms}
+    return {
+        "per_rank_ms": table,
+        "slow_rank_waits_ms": waits_ms,
+        "slow_rank_gaps_ms": gap_ms,
+        "running_in_slow_compute_ms": _overlap(side_runs, timed),
+    }
+
+
+def _overlap(side_runs: list[dict], timed: int) -> dict[int, float]:
+    """Per other rank: how long it runs (inside its timed steps and not waiting for a
+    message) while the slow rank computes (its measured compute windows, which the emulation
+    multiplies: on a shared host every other running rank can stretch them), ms per step
+    (mean over the runs)."""
+    out: dict[int, list[float]] = {}
+    for run in side_runs:
+        slow = run.get(bench.SLOW_RANK)
+        if slow is None:
+            continue
+        steps = _per_step(slow["events"], timed)
+        if not steps:
+            continue
+        t0, t1 = steps[0]["t0"], steps[-1]["t1"]
+        windows = [(a, b) for k, _, a, b, *_ in slow["events"] if k == "compute" and t0 <= a < t1]
+        for rank, d in run.items():
+            if rank == bench.SLOW_RANK:
+                continue
+            busy = [(s["t0"], s["t1"]) for s in _per_step(d["events"], timed)]
+            idle = [(a, b) for k, _, a, b, *_ in d["events"] if k in ("wait", "sleep")]
+            total = 0.0
+            for a, b in windows:
+                inside = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+                waiting = sum(max(0.0, min(b, y) - max(a, x)) for x, y in idle)
+                total += max(inside - waiting, 0.0)
+            out.setdefault(rank, []).append(total / len(steps))
+    return {r: round(1e3 * statistics.mean(v), 2) for r, v in sorted(out.items())}
 
 
 def _one_step_listing(run: dict, timed: int, index: int) -> list[str]:
@@ -354,6 +388,10 @@ def main() -> None:
         print(
             f"  rank {bench.SLOW_RANK} idle before each of its ops (op 0: the step boundary), "
             f"sum {sum(gaps):.2f}: {gaps}"
+        )
+        print(
+            "  other ranks running during the slow rank's compute windows (ms per step): "
+            f"{summ['running_in_slow_compute_ms']}"
         )
         if not args.no_listing and runs:
             print("\n".join(_one_step_listing(runs[0], timed, args.listing_step)))

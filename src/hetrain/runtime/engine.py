@@ -472,6 +472,12 @@ class Worker(LayerState, StepSums):
                 if k == len(group.ranks) - 1:
                     y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
                 s0, s1 = stage
+                if self._late is not None and k + 1 < len(group.ranks):
+                    # the previous step's sums are read while this stage waits for its first
+                    # gradient, not on the step's tail: every rank posts them before its first
+                    # forward of this step, and that gradient follows every rank's first
+                    # forward (the later stages' finished their previous step first)
+                    p2p.when_waiting_for(group.ranks[k + 1], self._late.prefetch)
                 try:
                     loss_part, count_part, sum_mode = run_stage(
                         stage_forward=lambda xin, mb: self.chain.stage_forward(s0, s1, xin, mb),

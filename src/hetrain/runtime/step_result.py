@@ -109,12 +109,19 @@ class _LateSums:
         self.num_flags = num_flags  # got-gradient flags between the head and the report rows
         self.random_problems = 0.0
         self.done = False
+        self.values: list[float] | None = None
+
+    def prefetch(self) -> None:
+        """Wait for the values now (kept for :meth:`resolve`, which then waits no more)."""
+        if self.values is None:
+            self.values = self.fetch()
 
     def resolve(self) -> None:
         if self.done:
             return
         self.done = True
-        values = self.fetch()
+        self.prefetch()
+        values = self.values
         result = self.result
         object.__setattr__(result, "_pending", None)
         result.loss = values[0]
