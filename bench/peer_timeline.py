@@ -99,26 +99,26 @@ def _instrument(out_dir: str) -> None:
     orig_recv = stages.P2P.recv_tree
 
     def recv_tree(self, src):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = orig_recv(self, src)
-        _record("wait", f"recv<{src}", t0, time.perf_counter())
+        _record("wait", f"recv<{src}", t0, time.perf_counter(), c0, time.thread_time())
         return out
 
     stages.P2P.recv_tree = recv_tree
     orig_send = stages.P2P.send_tree
 
     def send_tree(self, obj, dst):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         orig_send(self, obj, dst)
-        _record("post", f"send>{dst}", t0, time.perf_counter())
+        _record("post", f"send>{dst}", t0, time.perf_counter(), c0, time.thread_time())
 
     stages.P2P.send_tree = send_tree
     orig_wait_sends = stages.P2P.wait_sends
 
     def wait_sends(self):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         orig_wait_sends(self)
-        _record("wait", "sends", t0, time.perf_counter())
+        _record("wait", "sends", t0, time.perf_counter(), c0, time.thread_time())
 
     stages.P2P.wait_sends = wait_sends
     orig_step = Worker.step
@@ -137,10 +137,10 @@ def _instrument(out_dir: str) -> None:
     def batch_p2p(ops, desc=None):
         if not ops:
             return []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         works = orig_batch(ops, desc=desc)
         peers = ",".join(f"{'send>' if op.op is dist.isend else 'recv<'}{op.peer}" for op in ops)
-        _record("post", peers, t0, time.perf_counter())
+        _record("post", peers, t0, time.perf_counter(), c0, time.thread_time())
         for w in works:
             _LABELS[id(w)] = peers
         return works
@@ -151,10 +151,10 @@ def _instrument(out_dir: str) -> None:
     def wait_batch(works):
         if isinstance(works, dict):
             works = [w for ws in works.values() for w in ws]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         orig_wait(works)
         label = "+".join(sorted({_LABELS.pop(id(w), "?") for w in works}))
-        _record("wait", label, t0, time.perf_counter())
+        _record("wait", label, t0, time.perf_counter(), c0, time.thread_time())
 
     sched_mod._batch_p2p = batch_p2p
     sched_mod._wait_batch_p2p = wait_batch
@@ -263,6 +263,10 @@ def _summary(side_runs: list[dict], timed: int) -> dict:
                     agg.setdefault("tail_cpu", []).append(s["c1"] - kernels[-1][5])
                     agg.setdefault("kernel_cpu", []).append(sum(e[5] - e[4] for e in kernels))
                 agg.setdefault("step_cpu", []).append(s["c1"] - s["c0"])
+                # thread CPU inside the message calls (posting, waiting, packing, unpacking)
+                agg.setdefault("msg_cpu", []).append(
+                    sum(e[5] - e[4] for e in s["events"] if e[0] in ("post", "wait"))
+                )
                 for k, label, a, b, *_ in s["events"]:
                     if k in parts:
                         parts[k] += b - a
