@@ -1,8 +1,9 @@
 """The engine's per-step collectives (docs/runtime.md "Per-step collectives"): a pure
 data-parallel step runs the bucketed gradient all-reduce and nothing else (the loss, the item
 count of a ``(sum, count)`` loss and the callers' report rows ride in it, the clipping norm is
-computed locally); a pipeline without clipping reports its sums a step late through a
-non-blocking all-reduce; both train exactly like one process (gloo, forked ranks, float64)."""
+computed locally); a pipeline without clipping reports its sums a step late through the
+process group's store (no collective); both train exactly like one process (gloo, forked
+ranks, float64)."""
 
 from __future__ import annotations
 
@@ -176,13 +177,12 @@ def test_pipeline_without_clipping_reports_a_step_late(tmp_path):
     out = run_ranks(_rank, world, tmp_path, args=(PIPE, "mean", None))
     _check_training(out, "mean", None)
     for late, _, _, reports, calls, _ in out:
-        # the first step tells every rank the loss kind (blocking); then the sums travel in a
-        # non-blocking all-reduce completed by the next step
+        # the first step tells every rank the loss kind (blocking); then the sums travel
+        # through the store, read at the end of the next step: no collective at all, the
+        # pipeline's messages only
         assert late == [False] + [True] * (STEPS - 1)
         for step_calls in calls[1:]:
-            assert [c for c in step_calls if c[0] not in ("isend", "irecv", "recv")] == [
-                ("all_reduce", world)
-            ]
+            assert [c for c in step_calls if c[0] not in ("isend", "irecv", "recv")] == []
         for t, rows in enumerate(reports):
             assert rows == [[r * 10.0 + t, 1.0] for r in range(world)]
 
@@ -227,3 +227,51 @@ def test_pipeline_sends_one_message_per_activation_and_gradient(tmp_path, microb
                 posted,
                 blocking,
             )
+
+
+def _where_sums_are_read(rank, world):
+    """Per step: whether this rank read the previous step's late sums inside its stage's
+    schedule (``run_stage``) or after it."""
+    import hetrain.runtime.engine as engine
+    from hetrain.runtime.step_result import StoreSums
+
+    state = {"in_stage": False, "reads": []}
+    run_stage, fetch = engine.run_stage, StoreSums.fetch
+
+    def staged(**kwargs):
+        state["in_stage"] = True
+        try:
+            return run_stage(**kwargs)
+        finally:
+            state["in_stage"] = False
+
+    def read(self, step, length):
+        state["reads"].append(state["in_stage"])
+        return fetch(self, step, length)
+
+    engine.run_stage, StoreSums.fetch = staged, read
+    worker = Worker(
+        _model(), plan_from_dict(PIPE), f"w{rank}", F.cross_entropy, SPEC, dtype=torch.float64
+    )
+    x, y = _data()
+    reads = []
+    for t in range(STEPS):
+        state["reads"].clear()
+        rows = slice(t * BATCH, (t + 1) * BATCH)
+        worker.step(x[rows], y[rows], t)
+        reads.append(list(state["reads"]))
+    engine.run_stage, StoreSums.fetch = run_stage, fetch
+    return reads
+
+
+def test_pipeline_stages_read_late_sums_while_waiting_for_their_first_gradient(tmp_path):
+    """The previous step's sums are read once per step: inside the schedule (while the
+    stage waits for its first gradient, off the step's tail) on every stage that receives
+    gradients, at the step's end on the last stage."""
+    world = 3
+    out = run_ranks(_where_sums_are_read, world, tmp_path)
+    for rank, reads in enumerate(out):
+        # step 0 combines its sums blocking (the loss kind is not known yet); step 1's are
+        # the first late ones, read during step 2
+        assert reads[:2] == [[], []], (rank, reads)
+        assert reads[2:] == [[rank < world - 1]] * (STEPS - 2), (rank, reads)

@@ -202,3 +202,76 @@ def test_layout_buckets_and_transfers_invariants(old, new, cap):
         holders[t.layer].add(t.dst)
     for layer in range(6):
         assert set(b.owners[layer]) <= holders[layer]
+
+
+class _DictStore:
+    """A key-value store with ``set`` and a blocking-free ``multi_get`` (missing keys raise,
+    as a store times out), counting requests."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.requests = 0
+
+    def set(self, key: str, value: bytes) -> None:
+        self.requests += 1
+        self.values[key] = bytes(value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests += 1
+        return [self.values[k] for k in keys]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    world=st.integers(1, 6),
+    steps=st.integers(1, 8),
+    length=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_store_sums_sum_every_rank_in_rank_order_with_reused_keys(world, steps, length, seed):
+    """Every rank posts its vector of each step and reads the previous step's, as the engine
+    does: each read is the float64 sum over the ranks in rank order, of that step only (keys
+    are reused modulo STORE_SLOTS), one store request per post and per read."""
+    import numpy as np
+    import torch
+
+    from hetrain.runtime.step_result import STORE_SLOTS, StoreSums
+
+    rng = np.random.default_rng(seed)
+    store = _DictStore()
+    ranks = [StoreSums(store, "p", r, world, timeout_s=1.0) for r in range(world)]
+    vectors = rng.normal(size=(steps, world, length)) * 10.0 ** rng.integers(-3, 4, size=length)
+    fetches: list[list] = []
+    for t in range(steps):
+        fetches.append(
+            [
+                ranks[r].post(t, torch.tensor(vectors[t, r], dtype=torch.float64))
+                for r in range(world)
+            ]
+        )
+        if t >= 1:
+            for r in range(world):
+                expected = vectors[t - 1, 0].copy()
+                for k in range(1, world):
+                    expected = expected + vectors[t - 1, k]
+                assert fetches[t - 1][r]() == expected.tolist()
+    assert len(store.values) == min(steps, STORE_SLOTS) * world
+    assert store.requests == steps * world + (steps - 1) * world
+
+
+def test_store_sums_wait_for_a_stale_key_then_fail_with_one_line():
+    """A key that still holds an older step is waited for; past the timeout, one line names
+    the step."""
+    import torch
+
+    from hetrain.runtime.step_result import STORE_SLOTS, StoreSums
+
+    store = _DictStore()
+    a, b = (StoreSums(store, "p", r, 2, timeout_s=0.05) for r in range(2))
+    a.post(0, torch.ones(2, dtype=torch.float64))
+    b.post(0, torch.ones(2, dtype=torch.float64))
+    fetch = a.post(STORE_SLOTS, torch.ones(2, dtype=torch.float64))  # rank b still at step 0
+    with pytest.raises(RuntimeError, match=f"no value of step {STORE_SLOTS} from every rank"):
+        fetch()
+    b.post(STORE_SLOTS, torch.full((2,), 2.0, dtype=torch.float64))
+    assert fetch() == [3.0, 3.0]

@@ -16,6 +16,7 @@ results in :mod:`hetrain.runtime.step_result` (all importable from here).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import sys
 import time
@@ -50,6 +51,7 @@ from hetrain.runtime.step_result import (
     _SUMS_HEAD,
     MigrationResult,
     StepResult,
+    StoreSums,
     _LateSums,
     _rows,
     gather_measurements,
@@ -82,6 +84,26 @@ def check_exact_layers(layers: nn.Sequential | Chain) -> Chain:
         InputError: not a module or an empty chain.
     """
     return layers if isinstance(layers, Chain) else cut_module(layers)
+
+
+_WORKERS = itertools.count()
+"""Workers made in this process, in order: every rank makes its workers in the same order
+(the constructor is collective), so the n-th worker has the same store keys on every rank."""
+
+
+def _store_sums(rank: int, world: int) -> StoreSums | None:
+    """The late step sums' channel through the default process group's store (None when
+    torch gives no access to it: the sums then travel in a non-blocking all-reduce)."""
+    index = next(_WORKERS)
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        store = getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        store = None
+    if store is None:
+        return None
+    timeout_s = store.timeout.total_seconds() if hasattr(store, "timeout") else 1800.0
+    return StoreSums(store, f"hetrain/step-sums/{index}", rank, world, timeout_s)
 
 
 def _default_device() -> torch.device:
@@ -236,6 +258,8 @@ class Worker(LayerState, StepSums):
             self.optimizers[unit] = self._build_optimizer(unit)
         self._groups = GroupCache()
         self._late: _LateSums | None = None
+        self._store_sums = _store_sums(self.rank, self.world_size)
+        self._steps_run = 0  # Worker.step calls so far (the same count on every rank)
         self._report: Callable[[], Sequence[float]] | None = None
         self._step_sums: tuple[Any, Any, bool] | None = None
         self._sum_mode: bool | None = None  # the loss kind, once a step told every rank
@@ -448,6 +472,12 @@ class Worker(LayerState, StepSums):
                 if k == len(group.ranks) - 1:
                     y = tree_map_only(torch.Tensor, lambda t: t[rows].to(self.device), targets)
                 s0, s1 = stage
+                if self._late is not None and k + 1 < len(group.ranks):
+                    # the previous step's sums are read while this stage waits for its first
+                    # gradient, not on the step's tail: every rank posts them before its first
+                    # forward of this step, and that gradient follows every rank's first
+                    # forward (the later stages' finished their previous step first)
+                    p2p.when_waiting_for(group.ranks[k + 1], self._late.prefetch)
                 try:
                     loss_part, count_part, sum_mode = run_stage(
                         stage_forward=lambda xin, mb: self.chain.stage_forward(s0, s1, xin, mb),
@@ -570,7 +600,16 @@ class Worker(LayerState, StepSums):
             late=late_sums is not None,
         )
         if late_sums is not None:
-            work = dist.all_reduce(late_sums, async_op=True)
-            self._late = _LateSums(work, late_sums, result, self.world_size, num_flags)
+            if self._store_sums is not None:
+                fetch = self._store_sums.post(self._steps_run, late_sums)
+            else:
+                work = dist.all_reduce(late_sums, async_op=True)
+
+                def fetch(work=work, sums=late_sums) -> list[float]:
+                    work.wait()
+                    return sums.tolist()
+
+            self._late = _LateSums(fetch, result, self.world_size, num_flags)
             object.__setattr__(result, "_pending", self._late)
+        self._steps_run += 1
         return result

@@ -221,6 +221,13 @@ class P2P:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # src -> its next message
         self._link_free_ns: dict[int, int] = {}
+        self._idle: tuple[int, Callable[[], None]] | None = None
+
+    def when_waiting_for(self, src: int, work: Callable[[], None]) -> None:
+        """Run ``work`` once, right before the next :meth:`recv_tree` from ``src`` waits (a
+        point where this rank waits for its neighbour anyway: bookkeeping that need not be on
+        the step's critical path, e.g. reading the previous step's sums)."""
+        self._idle = (src, work)
 
     # -- raw messages
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
@@ -326,6 +333,9 @@ class P2P:
         key = (src, self.rank)
         cached = self.cache.get(key)
         buf = None
+        if self._idle is not None and self._idle[0] == src:
+            work, self._idle = self._idle[1], None
+            work()
         posted = self._posted.pop(src, None)
         if posted is not None:  # of the cached size: the description has not changed since
             posted[0].wait()

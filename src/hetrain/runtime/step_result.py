@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import copy
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -92,29 +95,93 @@ _SUMS_HEAD = 5  # loss sum, squared gradient norm, item count, (sum, count) flag
 
 
 class _LateSums:
-    """A step's sums in flight (a non-blocking world all-reduce); :meth:`resolve` waits and
-    fills the step's :class:`StepResult` (idempotent)."""
+    """A step's sums in flight; :meth:`resolve` waits for them (``fetch()``: the summed
+    vector as floats) and fills the step's :class:`StepResult` (idempotent)."""
 
     def __init__(
-        self, work: Any, sums: torch.Tensor, result: StepResult, world: int, num_flags: int
+        self,
+        fetch: Callable[[], list[float]],
+        result: StepResult,
+        world: int,
+        num_flags: int,
     ) -> None:
-        self.work, self.sums, self.result, self.world = work, sums, result, world
+        self.fetch, self.result, self.world = fetch, result, world
         self.num_flags = num_flags  # got-gradient flags between the head and the report rows
         self.random_problems = 0.0
         self.done = False
+        self.values: list[float] | None = None
+
+    def prefetch(self) -> None:
+        """Wait for the values now (kept for :meth:`resolve`, which then waits no more)."""
+        if self.values is None:
+            self.values = self.fetch()
 
     def resolve(self) -> None:
         if self.done:
             return
         self.done = True
-        self.work.wait()
-        values = self.sums.tolist()
+        self.prefetch()
+        values = self.values
         result = self.result
         object.__setattr__(result, "_pending", None)
         result.loss = values[0]
         result.grad_norm = math.sqrt(max(values[1], 0.0))
         result.report = _rows(values[_SUMS_HEAD + self.num_flags :], self.world)
         self.random_problems = values[4]
+
+
+STORE_SLOTS = 3
+"""Store keys per rank that :class:`StoreSums` cycles through (step modulo this)."""
+
+
+class StoreSums:
+    """Per-step sums of every rank through the process group's key-value store, without a
+    collective: :meth:`post` writes this rank's vector of step ``t`` under its own key (one
+    store request), :meth:`fetch` reads every rank's (one request) and sums them in rank order.
+
+    A value is ``float64[t, *vector]``; the keys ``{prefix}/{t mod STORE_SLOTS}/{rank}`` are
+    reused, so the store holds ``STORE_SLOTS x world`` keys at most. Reading step ``t`` while
+    a rank's key still holds an older step (only a rank that holds no stage can get that far
+    ahead) waits for it: every rank posts step ``t`` before it reads step ``t - 1`` finished,
+    so a key is never overwritten before every rank read it (``STORE_SLOTS >= 2``).
+
+    Raises (:meth:`fetch`):
+        RuntimeError: a rank's value of step ``t`` did not arrive within ``timeout_s``.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int, timeout_s: float) -> None:
+        self.store, self.prefix, self.rank, self.world = store, prefix, rank, world
+        self.timeout_s = timeout_s
+
+    def _keys(self, step: int) -> list[str]:
+        slot = step % STORE_SLOTS
+        return [f"{self.prefix}/{slot}/{r}" for r in range(self.world)]
+
+    def post(self, step: int, vector: torch.Tensor) -> Callable[[], list[float]]:
+        """Write this rank's ``vector`` (1-D float64) of ``step``; returns the ``fetch`` of
+        that step."""
+        value = np.concatenate(([float(step)], vector.detach().cpu().numpy()))
+        self.store.set(self._keys(step)[self.rank], value.astype(np.float64).tobytes())
+        return lambda: self.fetch(step, vector.numel())
+
+    def fetch(self, step: int, length: int) -> list[float]:
+        """Every rank's vector of ``step``, summed in rank order (float64)."""
+        keys = self._keys(step)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            rows = [np.frombuffer(v, dtype=np.float64) for v in self.store.multi_get(keys)]
+            if all(r.size == length + 1 and r[0] == step for r in rows):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"step sums: no value of step {step} from every rank within "
+                    f"{self.timeout_s:.0f} s"
+                )
+            time.sleep(0.001)
+        total = rows[0][1:].copy()
+        for r in rows[1:]:
+            total += r[1:]
+        return total.tolist()
 
 
 def _rows(flat: list[float], world: int) -> list[list[float]]:
