@@ -464,25 +464,41 @@ def compute_references(
             prev, prev_k, prev_key = plan, k, key
         return mig, money, energy, changes
 
-    def _active(plan: Plan) -> tuple:
-        return tuple((g.devices, tuple(g.stages)) for g in plan.groups if g.batch > 0)
+    active_ids: dict[tuple, int] = {}
+    active_of: dict[tuple[int, int], int] = {}
+    nic_ids: dict[bytes, int] = {}
+    nic_of: dict[int, int] = {}
+    pair_moves: dict[tuple[int, int, int], float] = {}
+
+    def active_id(i: int, k: int) -> int:
+        """An integer naming the active structure (devices and stages of the groups that run)
+        of candidate ``k`` in live slot ``i``: migration depends on nothing else of a plan."""
+        got = active_of.get((i, k))
+        if got is None:
+            plan = run_plan(i, k)
+            key = tuple((g.devices, tuple(g.stages)) for g in plan.groups if g.batch > 0)
+            got = active_of[(i, k)] = active_ids.setdefault(key, len(active_ids))
+        return got
 
     def move_s(i: int, a: int, b: int) -> float:
         """Migration seconds from candidate ``a`` of live slot ``i − 1`` to candidate ``b`` of
         slot ``i`` on slot ``i``'s observed state (what the choice may know; memoised by
         active structures and NICs)."""
-        old, new = run_plan(i - 1, a), run_plan(i, b)
-        ka, kb = _active(old), _active(new)
+        ka, kb = active_id(i - 1, a), active_id(i, b)
         if ka == kb:
             return 0.0
-        state = observed[live[i]]
-        key = (ka, kb, np.asarray(state.nic_bytes_per_s).tobytes())
-        seconds = move_memo.get(key)
+        nic = nic_of.get(i)
+        if nic is None:
+            raw = np.asarray(observed[live[i]].nic_bytes_per_s).tobytes()
+            nic = nic_of[i] = nic_ids.setdefault(raw, len(nic_ids))
+        seconds = pair_moves.get((ka, kb, nic))
         if seconds is None:
-            seconds = move_memo[key] = migration_time_s(old, new, state, profile, o)
+            state = observed[live[i]]
+            seconds = migration_time_s(run_plan(i - 1, a), run_plan(i, b), state, profile, o)
+            pair_moves[(ka, kb, nic)] = seconds
         return seconds
 
-    move_memo: dict[tuple, float] = {}
+    mig_memo: dict[tuple, np.ndarray] = {}
 
     def pick_planned(figs: np.ndarray, eta: Mapping[str, float]) -> np.ndarray:
         """The plan sequence minimising ``Σ_t [T + Σ_j η_j y_j](p_t) + t_mig(p_{t−1}, p_t)
@@ -520,10 +536,15 @@ def compute_references(
                 value = obj[i, fresh].copy()
                 back.append(np.full(len(fresh), -1, dtype=np.int64))
                 continue
+            new = set(fresh.tolist())
             carried = [int(k) for k in prev[np.argsort(value, kind="stable")]
-                       if np.isfinite(obj[i, k]) and k not in set(fresh.tolist())]  # fmt: skip
+                       if np.isfinite(obj[i, k]) and int(k) not in new]  # fmt: skip
             cur = np.array([*fresh.tolist(), *carried][:cap], dtype=np.int64)
-            mig = np.array([[move_s(i, int(a), int(b)) for b in cur] for a in prev])
+            key = (i, prev.tobytes(), cur.tobytes())
+            mig = mig_memo.get(key)
+            if mig is None:
+                mig = np.array([[move_s(i, int(a), int(b)) for b in cur] for a in prev])
+                mig_memo[key] = mig
             total = value[:, None] + mig * rate[i, cur][None, :]
             arg = np.argmin(total, axis=0)
             value = total[arg, np.arange(len(cur))] + obj[i, cur]
