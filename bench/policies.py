@@ -544,12 +544,12 @@ def run_family(
     search_latency: int | None = None,
     rows_out: Path | None = None,
 ) -> int:
-    """Run the family (``bench/family.py``), print per scenario (as each finishes, in index
-    order) and per half (A: even indices, B: odd) the median and worst ratio per policy;
+    """Run the family (``bench/family.py``), print per scenario (as each finishes) and per
+    half (A: even indices, B: odd) the median and worst ratio per policy;
     returns the failed targets. ``rows_out``: also append each scenario's row to this JSON-lines
     file as it finishes (``--summarize`` prints the halves of such a file)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from family import family_specs
 
@@ -571,13 +571,12 @@ def run_family(
     else:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            for row in pool.map(
-                run_family_scenario,
-                specs,
-                [decision_delay] * len(specs),
-                [search_latency] * len(specs),
-            ):
-                keep(row)
+            futures = [
+                pool.submit(run_family_scenario, s, decision_delay, search_latency) for s in specs
+            ]
+            for done in as_completed(futures):
+                keep(done.result())
+    rows.sort(key=lambda r: r["name"])
     failed = summarize_family(rows, decision_delay, search_latency)
     print(f"\nfamily: {len(rows)} scenarios, {slots} slots, {jobs} process(es): "
           f"{time.perf_counter() - started:.0f} s wall")  # fmt: skip
