@@ -318,3 +318,102 @@ class PersistenceEstimator:
                 k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in ref.items()
             }
         )
+
+
+class UptimeEstimator:
+    """How long a device stays up once up, learned online per device kind (slots).
+
+    Each :meth:`update` sees which devices are up for a step. Per kind ``k`` it counts the
+    device-slots up ``u_k`` and the up-to-down transitions ``e_k`` (a device that was up in the
+    previous update and is not now); the mean up-run of a device of kind ``k`` is
+    ``m_k = (u_k + prior_slots · prior_weight) / (e_k + prior_weight)`` (the censored
+    maximum-likelihood mean of a geometric run length with a prior of ``prior_weight`` runs of
+    ``prior_slots``; devices of a kind share one estimate because spot outages hit a kind's
+    instances alike). A device of kind ``k`` that is up stays up the next slot with probability
+    ``p_k = 1 − 1/m_k``; a set ``S`` of devices, taken as independent, with
+    ``p_S = Π_{d ∈ S} p_{k(d)}``. The expected number of slots that ``S`` still holds once a
+    decision applies ``delay`` slots after the next one is
+    ``Σ_{i ≥ delay+1} p_S^i = p_S^{delay+1} / (1 − p_S)`` (:meth:`set_benefit_slots`): the
+    longest a migration onto ``S`` can be paid back over.
+
+    Args:
+        prior_slots, prior_weight: the prior (default one run of 50 slots: a kind not yet
+            seen to go down does not hold back switches onto a few devices, and a kind pooled
+            over many device-slots soon outweighs it).
+
+    Raises:
+        ValueError: ``prior_slots`` < 1 or ``prior_weight`` <= 0.
+    """
+
+    def __init__(self, prior_slots: float = 50.0, prior_weight: float = 1.0) -> None:
+        if not (math.isfinite(prior_slots) and prior_slots >= 1):
+            raise ValueError(f"uptime prior_slots: expected >= 1, got {prior_slots!r}")
+        if not (math.isfinite(prior_weight) and prior_weight > 0):
+            raise ValueError(f"uptime prior_weight: expected > 0, got {prior_weight!r}")
+        self.prior_slots = float(prior_slots)
+        self.prior_weight = float(prior_weight)
+        self.up_slots: dict[str, float] = {}
+        self.downs: dict[str, float] = {}
+        self.last_step: int | None = None
+        self._last: np.ndarray | None = None
+
+    @staticmethod
+    def _kinds(state: ClusterState) -> tuple[str, ...]:
+        kinds = getattr(state, "kinds", None)
+        return tuple(kinds) if kinds is not None else tuple(state.ids)
+
+    def update(self, step: int, state: ClusterState) -> None:
+        """Account for the availability of ``step`` (``state.available``); calling twice for
+        the same step counts it once."""
+        if self.last_step is not None and step <= self.last_step:
+            return
+        self.last_step = int(step)
+        up = np.asarray(state.available, dtype=bool)
+        kinds = self._kinds(state)
+        went_down = (
+            self._last & ~up
+            if self._last is not None and len(self._last) == len(up)
+            else np.zeros_like(up)
+        )
+        for kind, is_up, down in zip(kinds, up, went_down, strict=True):
+            if is_up:
+                self.up_slots[kind] = self.up_slots.get(kind, 0.0) + 1.0
+            if down:
+                self.downs[kind] = self.downs.get(kind, 0.0) + 1.0
+        self._last = up.copy()
+
+    def mean_up_slots(self, kind: str) -> float:
+        """``m_k >= 1``: estimated mean number of slots a device of ``kind`` stays up."""
+        num = self.up_slots.get(kind, 0.0) + self.prior_slots * self.prior_weight
+        return max(num / (self.downs.get(kind, 0.0) + self.prior_weight), 1.0)
+
+    def set_benefit_slots(self, state: ClusterState, devices: list[int], delay_slots: int) -> float:
+        """``p_S^{delay+1} / (1 − p_S)`` for the device positions ``devices`` of ``state``
+        (``math.inf`` for an empty set)."""
+        kinds = self._kinds(state)
+        p = 1.0
+        for i in devices:
+            p *= 1.0 - 1.0 / self.mean_up_slots(kinds[i])
+        if p >= 1.0:
+            return math.inf
+        return p ** (int(delay_slots) + 1) / (1.0 - p)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (counts per kind, last step and availability)."""
+        return {
+            "prior_slots": self.prior_slots,
+            "prior_weight": self.prior_weight,
+            "up_slots": dict(self.up_slots),
+            "downs": dict(self.downs),
+            "last_step": self.last_step,
+            "last": None if self._last is None else [bool(x) for x in self._last],
+        }
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.prior_slots = float(data["prior_slots"])
+        self.prior_weight = float(data["prior_weight"])
+        self.up_slots = {k: float(x) for k, x in data["up_slots"].items()}
+        self.downs = {k: float(x) for k, x in data["downs"].items()}
+        self.last_step = None if data["last_step"] is None else int(data["last_step"])
+        self._last = None if data["last"] is None else np.asarray(data["last"], dtype=bool)

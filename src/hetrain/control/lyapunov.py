@@ -26,8 +26,10 @@ changes the structure lasts ``migration_s`` longer and is billed for it. Every d
 through one gate (:meth:`LyapunovController._gate`, docs/controller.md "Decisions that hold"):
 on the estimates that chose it, a change is applied only if its predicted iteration time is
 lower than the current plan's and that gain, summed over the expected persistence of the
-observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online), pays
-for its migration time; or, with budgets, if the same holds for the drift-plus-penalty
+observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online) and at
+most the expected time the new plan's devices stay up (:class:`~hetrain.control.decision
+.UptimeEstimator`, up-runs per device kind learned from the observed availability), pays for
+its migration time; or, with budgets, if the same holds for the drift-plus-penalty
 objective (then the decision is flagged ``budget_driven`` with the costs that drove it), over
 the slots that gain lasts while the queues move (``budget_payback``). With ``credit`` (default)
 the queues are signed, so money saved on a cheap plan is spent later on a fast one
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from hetrain.cluster import ClusterState
-from hetrain.control.decision import Decision, Estimates, PersistenceEstimator
+from hetrain.control.decision import Decision, Estimates, PersistenceEstimator, UptimeEstimator
 from hetrain.control.dual import bisect_multipliers
 from hetrain.control.incremental import (
     StructureArrays,
@@ -172,6 +174,9 @@ class LyapunovController:
         persistence_threshold: relative move of a measured speed, NIC (or price/power with
             budgets) that counts as a state change for the persistence estimate.
         persistence_prior_slots: prior mean persistence (slots, weight of one run).
+        uptime_prior_slots: prior mean up-run of a device (slots, weight of one run) of the
+            per-kind uptime estimate that caps the payback horizon of a switch by how long
+            the new plan's devices are expected to stay up; ``None``: no cap.
         credit: with budgets, signed virtual queues ``Q_j ← Q_j + y_j − ȳ_j`` (a saved budget
             is spent later; the planner weight is floored at 0); False: the model's
             ``max(·, 0)``.
@@ -214,6 +219,7 @@ class LyapunovController:
         search_devices_per_slot: float = 4.0,
         persistence_threshold: float = 0.1,
         persistence_prior_slots: float = 10.0,
+        uptime_prior_slots: float | None = 50.0,
         queue_warm_start: bool = True,
         dual_learning: bool = True,
         budget_payback: bool = True,
@@ -269,6 +275,7 @@ class LyapunovController:
         self.persistence = PersistenceEstimator(
             threshold=persistence_threshold, prior_slots=persistence_prior_slots
         )
+        self.uptime = None if uptime_prior_slots is None else UptimeEstimator(uptime_prior_slots)
         self.queue_warm_start = bool(queue_warm_start)
         self.dual_learning = bool(dual_learning)
         self.pool_size = 8
@@ -413,6 +420,8 @@ class LyapunovController:
         if not available.any():
             raise NoFeasiblePlanError("no device is available")
         self.persistence.update(step, observed, watch_prices=self.budgeted)
+        if self.uptime is not None:
+            self.uptime.update(step, observed)
         if self.reference_time_s is None:
             self.reference_time_s = lower_bound_s(observed, self.profile, self.config.batch)
         if self.budgeted and self.queue_warm_start and not self._warm_started:
@@ -512,6 +521,7 @@ class LyapunovController:
             "searches": self.searches,
             "switches": self.switches,
             "persistence": self.persistence.state_dict(),
+            "uptime": None if self.uptime is None else self.uptime.state_dict(),
             "refused_slots": self._refused_slots,
             "realized_gain": [self.predicted_gain_s, self.realized_gain_s, self._audited_slots],
             "audit": None
@@ -567,6 +577,8 @@ class LyapunovController:
         self.searches = int(data["searches"])
         self.switches = int(data["switches"])
         self.persistence.load_state_dict(data["persistence"])
+        if self.uptime is not None and data.get("uptime") is not None:
+            self.uptime.load_state_dict(data["uptime"])
         self._refused_slots = int(data.get("refused_slots", 0))
         pred, real, audited = data.get("realized_gain", [0.0, 0.0, 0])
         self.predicted_gain_s, self.realized_gain_s = float(pred), float(real)
@@ -637,15 +649,21 @@ class LyapunovController:
         self.realized_gain_s += t_old - t_new
         self._audited_slots += 1
 
-    def _payback_slots(self) -> float:
-        """The payback horizon ``H = max(m p^{delay+1}, a + 1)`` (slots): the expected
-        persistence of the observed state (:class:`PersistenceEstimator`), or, when larger, the
-        age ``a`` of a gain that was refused in each of the ``a`` slots before (a gain seen for
-        ``a`` slots is expected to last as many more: the rent-or-buy rule, which switches once
-        the gain forgone equals the migration time; Karlin et al., *Competitive snoopy
-        caching*, 1988). Capped by ``horizon_slots``."""
+    def _payback_slots(self, plan: Plan | None = None, state: ClusterState | None = None) -> float:
+        """The payback horizon ``H = min(ρ · max(m p^{delay+1}, a + 1), U(plan))`` (slots): the
+        expected persistence of the observed state (:class:`PersistenceEstimator`), or, when
+        larger, the age ``a`` of a gain that was refused in each of the ``a`` slots before (a
+        gain seen for ``a`` slots is expected to last as many more: the rent-or-buy rule, which
+        switches once the gain forgone equals the migration time; Karlin et al., *Competitive
+        snoopy caching*, 1988), times the realised share ``ρ``; with ``plan`` (and ``state``)
+        at most ``U``, the expected slots every device of ``plan``'s active groups stays up
+        once the decision runs (:meth:`UptimeEstimator.set_benefit_slots`: a gain on devices
+        that leave is lost, whatever its age). Capped by ``horizon_slots``."""
         h = self.persistence.benefit_slots(self.decision_delay_slots)
         h = max(h, self._refused_slots + 1.0) * self.realized_share()
+        if plan is not None and state is not None and self.uptime is not None:
+            used = [self._index[d] for g in plan.groups if g.batch > 0 for d in g.devices]
+            h = min(h, self.uptime.set_benefit_slots(state, used, self.decision_delay_slots))
         if self.horizon_slots is not None:
             h = min(h, self.horizon_slots)
         return h
@@ -744,7 +762,7 @@ class LyapunovController:
         weights: dict[str, float],
     ) -> Decision:
         """The single place where a plan change is accepted or refused (see :meth:`_rule`)."""
-        horizon = self._payback_slots()
+        horizon = self._payback_slots(proposal, observed)
         est = Estimates(
             state=observed,
             queue_weights=dict(weights),
@@ -1231,7 +1249,7 @@ class LyapunovController:
         t_mig = migration_time_s(old, new, state, self.profile, self.config.optimizer_state_factor)
         if t_mig <= 0:
             return 0.0
-        horizon = self._payback_slots()
+        horizon = self._payback_slots(new, state)
         if horizon <= 0:
             return math.inf
         return self._migration_rate(new, state, weights) * t_mig / horizon

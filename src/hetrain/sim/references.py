@@ -6,10 +6,34 @@
   jointly). By weak duality no policy whose mean spend meets the budgets has a lower mean
   iteration time (Boyd & Vandenberghe, *Convex Optimization*, 2004, §5.1.3). With no budget it
   is ``mean_t min_p T_t(p)``.
-* **stale** — each slot's plan is the one minimising ``T + Σ_j η_j y_j`` on the *previous*
-  slot's measured state (what a controller that does not predict knows), evaluated on the
-  slot's true state, no migration charged, with ``η`` bisected so that the mean true spend
-  meets the budgets (:func:`hetrain.control.dual.bisect_multipliers`).
+* **stale** — what stale information allows when plans must be moved: each slot's plan is
+  chosen on the *previous* slot's measured state (what a controller that does not predict
+  knows, with no decision delay), evaluated on the slot's true state, and each change of the
+  plan's active structure is charged like a policy's in :func:`hetrain.sim.simulator.simulate`
+  (the migration time of :func:`hetrain.control.migration.migration_time_s` on the slot's true
+  state added to the slot's time and billed to the new plan's devices). The plan sequence
+  minimises ``Σ_t [T + Σ_j η_j y_j](p_t) + t_mig(p_{t−1}, p_t)(1 + Σ_j η_j r_j(p_t))`` on the
+  stale figures by dynamic programming over each slot's ``top_candidates`` best candidates
+  and those of the slot before that still run:
+  every stale state is known in advance, so it never buys a plan it will leave soon and never
+  flips on noise. ``η`` is bisected so that the mean true spend (migration included) meets the
+  budgets (:func:`hetrain.control.dual.bisect_multipliers`). ``charge_migration=False`` gives
+  the former figure: the best candidate of each slot, no migration charged; with
+  ``charge_migration`` it is also returned as ``stale-no-migration``, and the myopic re-planner
+  (the best candidate each slot, kept within ``switch_margin``, migration charged) as
+  ``stale-myopic``.
+
+Why this choice (docs/controller.md, "References"): the hindsight reference is a *bound* —
+leaving out a cost that is never negative keeps it a valid lower bound, so it stays
+migration-free. The stale reference is the figure a controller is asked to match: one that
+re-plans for free on every outage cannot be matched by any policy that has to move layers (on
+clusters with spot outages the migration-free figure is out of reach by construction); and a
+myopic re-planner that pays migration is a straw man (on 1 Gbit/s links it buys a 13 s
+migration for a gain of 1 s a slot and flips between near-equal plans on measurement noise:
+greedy was 0.43 of it over ``family-00``'s first 20 slots). The dynamic programme over stale
+states is the best a controller with one-slot-old measurements can do with the same plans and
+the same migration cost, given perfect foresight of those measurements: a policy that matches
+it has lost nothing to its switching rule.
 
 ``min_p`` is taken over a pool of plan structures, each with shares re-solved for the slot's
 state (:func:`hetrain.control.incremental.rebalance_shares`): the planner's
@@ -19,14 +43,22 @@ ran); the stale reference uses only the structures found on measured states and 
 ones. The bound is therefore as tight as that search (the planner is exact only up to a few
 devices). Multipliers are named ``η`` (docs/model.md's ``λ`` is the per-layer overhead).
 
+Searches are the cost of the references (a reproducible planner search per state, eta and
+search slot: 0.1-3 s at 8-64 devices). ``search_cache`` (a dict shared between calls on the
+same timeline, profile and config) re-uses a search whose inputs (state, multipliers, warm
+start) are identical, e.g. the ``η = 0`` searches of two budget settings; ``hindsight=False``
+skips the true-state searches that only the hindsight reference uses. Neither changes any
+figure of the references it computes (tested).
+
 The measured states and time noise are drawn exactly as :func:`hetrain.sim.simulator.simulate`
 draws them for the same seed, so references and policies see the same slots.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -38,6 +70,7 @@ from hetrain.control.incremental import (
     rebalance_shares,
     structure_key,
 )
+from hetrain.control.migration import migration_time_s
 from hetrain.costmodel import TrainingConfig
 from hetrain.errors import NoFeasiblePlanError
 from hetrain.plan import Plan
@@ -55,11 +88,18 @@ class ReferenceResult:
     Attributes:
         name: ``hindsight`` or ``stale``.
         mean_iteration_time_s: mean over slots of the chosen plans' time (true state, time
-            noise included, no migration).
-        mean_cost: ``{"money", "energy"}`` mean per iteration of those plans.
+            noise included; migration included for ``stale`` unless ``charge_migration`` was
+            False, never for ``hindsight``).
+        mean_cost: ``{"money", "energy"}`` mean per iteration of those plans (migration
+            billed likewise).
         eta: the multipliers ``η_j`` (seconds per unit of resource j).
         bound_s: hindsight only: the dual bound ``g(η)`` (seconds); None for ``stale``.
         slots: slots with at least one available device (the means' denominator).
+        mean_migration_time_s: mean over those slots of the migration time charged (seconds).
+        plan_changes: slots whose structure differs from the previous live slot's.
+        per_slot_time_s: ``stale``: each live slot's time without migration, shape ``(S,)``.
+        per_slot_migration_s: ``stale``: each live slot's migration time, shape ``(S,)``.
+        per_slot_plan: ``stale``: each live slot's plan as it runs (shares as chosen).
     """
 
     name: str
@@ -68,8 +108,26 @@ class ReferenceResult:
     eta: dict[str, float]
     bound_s: float | None = None
     slots: int = 0
+    mean_migration_time_s: float = 0.0
+    plan_changes: int = 0
     per_slot_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     per_slot_plan: list[Plan | None] = field(default_factory=list, repr=False)
+    per_slot_migration_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+
+
+def state_key(state: ClusterState) -> str:
+    """A digest of every field of ``state`` (arrays by dtype, shape and bytes): equal keys mean
+    equal states, so a deterministic search on them returns the same plan."""
+    h = hashlib.sha1()
+    for f in fields(state):
+        value = getattr(state, f.name)
+        if isinstance(value, np.ndarray):
+            arr = np.ascontiguousarray(value)
+            h.update(f"{f.name}:{arr.dtype.str}:{arr.shape}:".encode())
+            h.update(arr.tobytes())
+        else:
+            h.update(f"{f.name}={value!r};".encode())
+    return h.hexdigest()
 
 
 def slot_states(
@@ -172,9 +230,17 @@ def compute_references(
     search_every: int = 5,
     search_time_budget_s: float | None = None,
     eta_grid: tuple[float, ...] = (0.3, 1.0, 3.0),
+    hindsight: bool = True,
+    charge_migration: bool = True,
+    search_cache: dict | None = None,
+    search_known_availability: bool = True,
+    switch_margin: float = 0.01,
+    top_candidates: int = 8,
 ) -> dict[str, ReferenceResult]:
     """The ``hindsight`` bound and the ``stale`` reference (module docstring) at ``budgets``
-    (and, with budgets, the stale reference without them as ``stale-unbudgeted``).
+    (and, with budgets, the stale reference without them as ``stale-unbudgeted``); with
+    ``charge_migration`` also the migration-free stale figures as ``stale-no-migration`` (and
+    ``stale-unbudgeted-no-migration``).
 
     Args:
         timeline, profile, config: the trace, model and training configuration (docs/model.md §3
@@ -192,6 +258,23 @@ def compute_references(
             load and search exactly as the controller may.
         eta_grid: with budgets, multipliers searched besides 0, in units of
             ``T_ref / ȳ_j`` (``T_ref``: the first slot's fastest plan time).
+        hindsight: False: skip the hindsight reference and its true-state searches (but the
+            first one, which sets ``T_ref``); the stale figures are unchanged.
+        charge_migration: charge the stale reference's structure changes their migration
+            (module docstring); False: the migration-free figure.
+        switch_margin: with ``charge_migration``, the stale reference keeps its running
+            structure (shares re-solved) while the best candidate's objective on the observed
+            state is less than this fraction below it (the controller's default hysteresis
+            against measurement noise; 0: the best candidate every slot).
+        top_candidates: with ``charge_migration``, the stale reference's plan sequence is
+            chosen among each slot's this many best candidates (module docstring).
+        search_cache: a dict shared by calls on the same timeline, profile and config: a
+            search with identical inputs (state, multipliers, warm start) is looked up, not
+            re-run (only searches without ``search_time_budget_s``, which are deterministic).
+        search_known_availability: False: a slot that is searched only because availability
+            changed (not a multiple of ``search_every``) is skipped when its set of available
+            devices was already searched at that multiplier (outages that flap between a few
+            sets); True: searched every time.
 
     Raises:
         NoFeasiblePlanError: no slot has a plan.
@@ -216,12 +299,48 @@ def compute_references(
             stale_pool.add(plan)
     t_ref = None
     warm: dict[tuple, Plan | None] = {}
+    seen: set[tuple] = set()
     every = max(int(search_every), 1)
+    cacheable = search_cache is not None and search_time_budget_s is None
+
+    def search(state: ClusterState, eta: dict[str, float], warm_start: Plan | None) -> Plan:
+        key = None
+        if cacheable:
+            key = (
+                "best_plan", state_key(state), tuple(sorted(eta.items())),
+                None if warm_start is None else warm_start.model_dump_json(),
+                id(profile), repr(config),
+            )  # fmt: skip
+            if key in search_cache:
+                hit = search_cache[key]
+                if isinstance(hit, NoFeasiblePlanError):
+                    raise hit
+                return hit
+        try:
+            found = best_plan(
+                state,
+                profile,
+                config,
+                queues=eta or None,
+                warm_start=warm_start,
+                time_budget_s=search_time_budget_s,
+                reproducible=search_time_budget_s is None,
+            )
+        except NoFeasiblePlanError as exc:
+            if key is not None:
+                search_cache[key] = exc
+            raise
+        if key is not None:
+            search_cache[key] = found
+        return found
+
     for t in range(slots):
         moved = t > 0 and not np.array_equal(actual[t].available, actual[t - 1].available)
         if t % every and not moved:
             continue
         for which, state in (("true", actual[t]), ("measured", observed[t])):
+            if which == "true" and not hindsight and t_ref is not None:
+                continue
             if not np.asarray(state.available).any():
                 continue
             etas: list[dict[str, float]] = [{}]
@@ -229,16 +348,12 @@ def compute_references(
                 etas += [{j: u * t_ref / b for j, b in budgets.items()} for u in eta_grid]
             for eta in etas:
                 key = (which, *sorted(eta.items()))
+                sig = (key, np.asarray(state.available, dtype=bool).tobytes())
+                if t % every and not search_known_availability and sig in seen:
+                    continue
+                seen.add(sig)
                 try:
-                    found = best_plan(
-                        state,
-                        profile,
-                        config,
-                        queues=eta or None,
-                        warm_start=warm.get(key),
-                        time_budget_s=search_time_budget_s,
-                        reproducible=search_time_budget_s is None,
-                    )
+                    found = search(state, eta, warm.get(key))
                 except NoFeasiblePlanError:
                     continue
                 warm[key] = found
@@ -250,13 +365,14 @@ def compute_references(
     if not pool.plans:
         raise NoFeasiblePlanError("no slot of the trace has a feasible plan")
     live = [t for t in range(slots) if np.asarray(actual[t].available).any()]
-    true_f = np.array([np.stack(pool.figures(actual[t])) for t in live])  # (S, 3, K)
+    scale = eps[live][:, None]
+    if hindsight:
+        true_f = np.array([np.stack(pool.figures(actual[t])) for t in live])  # (S, 3, K)
+        true_f *= scale[:, :, None]
     # chosen on the measured state, judged on the true one
     stale_f = np.array([np.stack(stale_pool.figures(observed[t])) for t in live])
     judged = np.array([np.stack(stale_pool.figures(observed[t], actual[t])) for t in live])
-    scale = eps[live][:, None]
-    for f in (true_f, judged):
-        f *= scale[:, :, None]
+    judged *= scale[:, :, None]
     spend_rows = {"money": 1, "energy": 2}
 
     def pick(figs: np.ndarray, eta: Mapping[str, float]) -> np.ndarray:
@@ -266,6 +382,31 @@ def compute_references(
         obj = np.where(np.isfinite(obj), obj, np.inf)
         return np.argmin(obj, axis=1)
 
+    def pick_held(figs: np.ndarray, eta: Mapping[str, float]) -> np.ndarray:
+        """:func:`pick` with the hysteresis of a policy that pays migration: the running
+        structure (its better share variant) is kept while the best candidate's objective is
+        not below ``(1 − switch_margin)`` times its own."""
+        best = pick(figs, eta)
+        if not charge_migration or switch_margin <= 0:
+            return best
+        obj = figs[:, 0, :].copy()
+        for j, x in eta.items():
+            obj = obj + x * figs[:, spend_rows[j], :]
+        obj = np.where(np.isfinite(obj), obj, np.inf)
+        choice = best.copy()
+        cur = -1
+        for i in range(len(best)):
+            b = int(best[i])
+            if cur >= 0:
+                even = 2 * (cur // 2)
+                keep = even if obj[i, even] <= obj[i, even + 1] else even + 1
+                if np.isfinite(obj[i, keep]) and obj[i, b] >= obj[i, keep] * (1 - switch_margin):
+                    b = keep
+            choice[i] = b
+            if np.isfinite(obj[i, b]):
+                cur = b
+        return choice
+
     def means(figs: np.ndarray, choice: np.ndarray) -> tuple[float, dict[str, float]]:
         rows = np.arange(len(choice))
         chosen = figs[rows, :, choice]
@@ -273,6 +414,169 @@ def compute_references(
             "money": float(np.mean(chosen[:, 1])),
             "energy": float(np.mean(chosen[:, 2])),
         }
+
+    o = float(config.optimizer_state_factor)
+    run_plans: dict[tuple[int, int], Plan] = {}
+    run_arrays: dict[tuple, StructureArrays] = {}
+    moves: dict[tuple[int, int, int], float] = {}
+
+    def run_plan(i: int, k: int) -> Plan:
+        """The plan candidate ``k`` of the stale pool runs in live slot ``i`` (shares
+        re-solved on the observed state for even ``k``, as found for odd ``k``)."""
+        plan = run_plans.get((i, k))
+        if plan is None:
+            plan = stale_pool.plans[k // 2]
+            if k % 2 == 0:
+                plan = rebalance_shares(
+                    plan, observed[live[i]], stale_pool.arrays[k // 2], config.batch, o,
+                    config.norm_block,
+                )  # fmt: skip
+            run_plans[(i, k)] = plan
+        return plan
+
+    def migrations(choice: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Per live slot: migration time, its money and energy (billed to the new plan's
+        devices on the true state, as the simulator bills it), and the structure changes."""
+        mig, money, energy = (np.zeros(len(choice)) for _ in range(3))
+        changes = 0
+        if not charge_migration:
+            return mig, money, energy, changes
+        prev, prev_k, prev_key = None, -1, None
+        for i, k in enumerate(int(x) for x in choice):
+            if not np.isfinite(judged[i, 0, k]):
+                continue
+            plan = run_plan(i, k)
+            key = structure_key(plan)
+            if prev is not None and key != prev_key:
+                changes += 1
+                state = actual[live[i]]
+                seconds = moves.get((i, prev_k, k))
+                if seconds is None:
+                    seconds = migration_time_s(prev, plan, state, profile, o)
+                    moves[(i, prev_k, k)] = seconds
+                arrays = run_arrays.get(key)
+                if arrays is None:
+                    arrays = run_arrays[key] = StructureArrays.build(plan, stale_pool.ids, profile)
+                used = arrays.stage_device
+                mig[i] = seconds
+                money[i] = seconds * float(np.sum(state.price_per_s[used]))
+                energy[i] = seconds * float(np.sum(state.power_w[used]))
+            prev, prev_k, prev_key = plan, k, key
+        return mig, money, energy, changes
+
+    active_ids: dict[tuple, int] = {}
+    active_of: dict[tuple[int, int], int] = {}
+    nic_ids: dict[bytes, int] = {}
+    nic_of: dict[int, int] = {}
+    pair_moves: dict[tuple[int, int, int], float] = {}
+
+    def active_id(i: int, k: int) -> int:
+        """An integer naming the active structure (devices and stages of the groups that run)
+        of candidate ``k`` in live slot ``i``: migration depends on nothing else of a plan."""
+        got = active_of.get((i, k))
+        if got is None:
+            plan = run_plan(i, k)
+            key = tuple((g.devices, tuple(g.stages)) for g in plan.groups if g.batch > 0)
+            got = active_of[(i, k)] = active_ids.setdefault(key, len(active_ids))
+        return got
+
+    def move_s(i: int, a: int, b: int) -> float:
+        """Migration seconds from candidate ``a`` of live slot ``i − 1`` to candidate ``b`` of
+        slot ``i`` on slot ``i``'s observed state (what the choice may know; memoised by
+        active structures and NICs)."""
+        ka, kb = active_id(i - 1, a), active_id(i, b)
+        if ka == kb:
+            return 0.0
+        nic = nic_of.get(i)
+        if nic is None:
+            raw = np.asarray(observed[live[i]].nic_bytes_per_s).tobytes()
+            nic = nic_of[i] = nic_ids.setdefault(raw, len(nic_ids))
+        seconds = pair_moves.get((ka, kb, nic))
+        if seconds is None:
+            state = observed[live[i]]
+            seconds = migration_time_s(run_plan(i - 1, a), run_plan(i, b), state, profile, o)
+            pair_moves[(ka, kb, nic)] = seconds
+        return seconds
+
+    mig_memo: dict[tuple, np.ndarray] = {}
+
+    def pick_planned(figs: np.ndarray, eta: Mapping[str, float]) -> np.ndarray:
+        """The plan sequence minimising ``Σ_t [T + Σ_j η_j y_j](p_t) + t_mig(p_{t−1}, p_t)
+        (1 + Σ_j η_j r_j(p_t))`` over the stale figures (``r_j``: the plan's spend rate per
+        second), by dynamic programming: the stale states of every slot known in advance,
+        migration weighed exactly. Each slot's candidates are its ``top_candidates`` best by
+        that slot's objective plus those of the slot before that still run (so that keeping
+        the running plan is always an option), at most ``3 · top_candidates``, the carried
+        ones by their path value."""
+        obj = figs[:, 0, :].copy()
+        rate = np.ones_like(obj)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for j, x in eta.items():
+                obj = obj + x * figs[:, spend_rows[j], :]
+                rate = rate + x * figs[:, spend_rows[j], :] / figs[:, 0, :]
+        obj = np.where(np.isfinite(obj), obj, np.inf)
+        n = len(obj)
+        width = min(int(top_candidates), obj.shape[1])
+        cap = 3 * width
+
+        def best_of(i: int) -> np.ndarray:
+            top = np.argsort(obj[i], kind="stable")[:width]
+            finite = top[np.isfinite(obj[i, top])]
+            return finite if len(finite) else top[:1]
+
+        cands: list[np.ndarray] = [best_of(0)]
+        value = obj[0, cands[0]].copy()
+        back: list[np.ndarray] = [np.full(len(cands[0]), -1, dtype=np.int64)]
+        for i in range(1, n):
+            prev = cands[-1]
+            fresh = best_of(i)
+            if not np.isfinite(obj[i, fresh[0]]) or not np.isfinite(value).any():
+                # a slot with no plan (or none before): the path restarts here
+                cands.append(fresh)
+                value = obj[i, fresh].copy()
+                back.append(np.full(len(fresh), -1, dtype=np.int64))
+                continue
+            new = set(fresh.tolist())
+            carried = [int(k) for k in prev[np.argsort(value, kind="stable")]
+                       if np.isfinite(obj[i, k]) and int(k) not in new]  # fmt: skip
+            cur = np.array([*fresh.tolist(), *carried][:cap], dtype=np.int64)
+            key = (i, prev.tobytes(), cur.tobytes())
+            mig = mig_memo.get(key)
+            if mig is None:
+                mig = np.array([[move_s(i, int(a), int(b)) for b in cur] for a in prev])
+                mig_memo[key] = mig
+            total = value[:, None] + mig * rate[i, cur][None, :]
+            arg = np.argmin(total, axis=0)
+            value = total[arg, np.arange(len(cur))] + obj[i, cur]
+            cands.append(cur)
+            back.append(arg)
+        choice = np.zeros(n, dtype=np.int64)
+        pos = int(np.argmin(value))
+        for i in range(n - 1, -1, -1):
+            choice[i] = cands[i][pos]
+            pos = int(back[i][pos]) if back[i][pos] >= 0 else 0
+        return choice
+
+    def run_means(choice: np.ndarray) -> tuple[float, dict[str, float]]:
+        """:func:`means` of the judged figures plus the migrations of that plan sequence."""
+        t, cost = means(judged, choice)
+        if not charge_migration:
+            return t, cost
+        mig, money, energy, _ = migrations(choice)
+        return t + float(np.mean(mig)), {
+            "money": cost["money"] + float(np.mean(money)),
+            "energy": cost["energy"] + float(np.mean(energy)),
+        }
+
+    def stale_result(name: str, eta: Mapping[str, float], choice: np.ndarray) -> ReferenceResult:
+        t, cost = run_means(choice)
+        mig, _, _, changes = migrations(choice)
+        per_slot = judged[np.arange(len(choice)), 0, choice]
+        chosen = [run_plan(i, int(k)) for i, k in enumerate(choice)]
+        return ReferenceResult(
+            name, t, cost, dict(eta), None, len(live), float(np.mean(mig)) if len(mig) else 0.0,
+            changes, per_slot, chosen, mig,
+        )  # fmt: skip
 
     def dual_value(eta: Mapping[str, float]) -> float:
         obj = true_f[:, 0, :].copy()
@@ -283,26 +587,42 @@ def compute_references(
     t_scale = t_ref or 1.0
     scales = {j: t_scale / b for j, b in budgets.items()}
     out: dict[str, ReferenceResult] = {}
-    # hindsight
-    eta_h = bisect_multipliers(
-        lambda e: means(true_f, pick(true_f, e))[1], budgets, scales, iterations=30
-    )
-    bound = max(
-        dual_value({j: x * f for j, x in eta_h.items()}) for f in (0.0, 0.5, 0.8, 1.0, 1.25, 2.0)
-    )
-    t_h, c_h = means(true_f, pick(true_f, eta_h))
-    out["hindsight"] = ReferenceResult("hindsight", t_h, c_h, eta_h, bound, len(live))
-    # stale: chosen on the measured state, judged on the true one
+    if hindsight:
+        eta_h = bisect_multipliers(
+            lambda e: means(true_f, pick(true_f, e))[1], budgets, scales, iterations=30
+        )
+        bound = max(
+            dual_value({j: x * f for j, x in eta_h.items()})
+            for f in (0.0, 0.5, 0.8, 1.0, 1.25, 2.0)
+        )
+        t_h, c_h = means(true_f, pick(true_f, eta_h))
+        out["hindsight"] = ReferenceResult("hindsight", t_h, c_h, eta_h, bound, len(live))
+    # stale: chosen on the measured states, judged on the true ones, migrations charged
+    choose = pick_planned if charge_migration else pick
     eta_s = bisect_multipliers(
-        lambda e: means(judged, pick(stale_f, e))[1], budgets, scales, iterations=30
+        lambda e: run_means(choose(stale_f, e))[1], budgets, scales, iterations=30
     )
-    choice = pick(stale_f, eta_s)
-    t_s, c_s = means(judged, choice)
-    per_slot = judged[np.arange(len(choice)), 0, choice]
-    chosen = [stale_pool.plans[int(k) // 2] for k in choice]
-    out["stale"] = ReferenceResult("stale", t_s, c_s, eta_s, None, len(live), per_slot, chosen)
+    out["stale"] = stale_result("stale", eta_s, choose(stale_f, eta_s))
     if budgets:
-        choice0 = pick(stale_f, {})
-        t0, c0 = means(judged, choice0)
-        out["stale-unbudgeted"] = ReferenceResult("stale-unbudgeted", t0, c0, {}, None, len(live))
+        out["stale-unbudgeted"] = stale_result("stale-unbudgeted", {}, choose(stale_f, {}))
+    if charge_migration:
+        # the myopic re-planner (the best candidate each slot, 1 % hysteresis), for comparison
+        eta_m = bisect_multipliers(
+            lambda e: run_means(pick_held(stale_f, e))[1], budgets, scales, iterations=30
+        )
+        out["stale-myopic"] = stale_result("stale-myopic", eta_m, pick_held(stale_f, eta_m))
+        if budgets:
+            out["stale-myopic-unbudgeted"] = stale_result(
+                "stale-myopic-unbudgeted", {}, pick_held(stale_f, {})
+            )
+    if charge_migration:
+        # the former, migration-free figure, for comparison
+        eta_f = bisect_multipliers(
+            lambda e: means(judged, pick(stale_f, e))[1], budgets, scales, iterations=30
+        )
+        for name, eta in (("stale-no-migration", eta_f), ("stale-unbudgeted-no-migration", {})):
+            if name == "stale-unbudgeted-no-migration" and not budgets:
+                continue
+            t_f, c_f = means(judged, pick(stale_f, eta))
+            out[name] = ReferenceResult(name, t_f, c_f, dict(eta), None, len(live))
     return out
