@@ -8,30 +8,15 @@ cluster file without ``kind``, as the elastic test's), so no kind pools them."""
 from __future__ import annotations
 
 import numpy as np
+from adapt_inputs import KAPPA, PER_SAMPLE_S, SPEED, blocks_profile
 
 from hetrain.costmodel import TrainingConfig
-from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctlcontroller import PlanController
 from hetrain.runtime.ctldecision import even_dp_plan
 from hetrain.runtime.worker_main import local_cluster_state
 
 DEVICES = ["w0", "w1", "w2"]
 BATCH = 24
-SPEED = 1e10  # FLOP/s at start-up
-KAPPA = 2e-3  # s per micro-batch (start-up calibration)
-PER_SAMPLE_S = 1e-3  # the whole model, one sample, at start-up
-
-
-def _profile() -> ProfileArrays:
-    f = np.full(8, PER_SAMPLE_S * SPEED / 3 / 8)
-    return ProfileArrays(
-        names=tuple(f"block{i}" for i in range(8)),
-        fwd_flops=f,
-        bwd_flops=2 * f,
-        activation_bytes=np.full(8, 256.0),
-        activation_memory_bytes=np.full(8, 256.0),
-        param_bytes=np.full(8, 4e4),
-    )
 
 
 def _run(seed: int, steps: int = 80):
@@ -39,7 +24,7 @@ def _run(seed: int, steps: int = 80):
     log-normal noise per rank and stragglers (a rank 2-5x slower for 1-2 steps, about one
     step in twenty); returns the controller, the decisions' shares and the identical
     ranks' largest over smallest speed estimate per step."""
-    profile = _profile()
+    profile = blocks_profile()
     config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
     base = local_cluster_state(DEVICES, [SPEED] * 3).with_changes(kappa_s=np.full(3, KAPPA))
     assert base.kinds == tuple(DEVICES)

@@ -8,31 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from adapt_inputs import KAPPA, SPEED, blocks_profile
 
 from hetrain.costmodel import TrainingConfig
 from hetrain.planner import best_plan
-from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctlcontroller import PlanController
 from hetrain.runtime.ctldecision import even_dp_plan, predict_iteration_time_s
 from hetrain.runtime.worker_main import local_cluster_state
 
 DEVICES = ["w0", "w1", "w2", "w3"]
 BATCH = 64
-SPEED = 1e10  # FLOP/s of a fast rank
-KAPPA = 2e-3  # s per micro-batch (start-up calibration)
-PER_SAMPLE_S = 1e-3  # the whole model, one sample, fast rank
-
-
-def _profile() -> ProfileArrays:
-    f = np.full(8, PER_SAMPLE_S * SPEED / 3 / 8)  # fwd f, bwd 2f: 1 ms a sample in all
-    return ProfileArrays(
-        names=tuple(f"block{i}" for i in range(8)),
-        fwd_flops=f,
-        bwd_flops=2 * f,
-        activation_bytes=np.full(8, 256.0),
-        activation_memory_bytes=np.full(8, 256.0),
-        param_bytes=np.full(8, 4e4),
-    )
 
 
 def _true_state(slow: float):
@@ -44,7 +29,7 @@ def _true_state(slow: float):
 
 
 def _run(steps: int, slow_from: int, seed: int, async_search: bool = False):
-    profile = _profile()
+    profile = blocks_profile()
     config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
     base = _true_state(1.0)  # start-up calibration: four identical ranks
     plan = even_dp_plan(DEVICES, 8, BATCH, 1)

@@ -9,31 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from adapt_inputs import KAPPA, SPEED, blocks_profile
 
 from hetrain.costmodel import TrainingConfig
 from hetrain.planner import best_plan
-from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctlcontroller import PlanController, startup_decision
 from hetrain.runtime.ctldecision import even_dp_plan, predict_iteration_time_s
 from hetrain.runtime.emulation import local_cluster_state
 
 DEVICES = ["w0", "w1", "w2", "w3"]
 BATCH = 64
-SPEED = 1e10  # FLOP/s of a fast rank
-KAPPA = 2e-3  # s per micro-batch and stage
-PER_SAMPLE_S = 1e-3  # the whole model, one sample, fast rank
-
-
-def _profile(param_bytes: float) -> ProfileArrays:
-    f = np.full(8, PER_SAMPLE_S * SPEED / 3 / 8)
-    return ProfileArrays(
-        names=tuple(f"block{i}" for i in range(8)),
-        fwd_flops=f,
-        bwd_flops=2 * f,
-        activation_bytes=np.full(8, 256.0),
-        activation_memory_bytes=np.full(8, 256.0),
-        param_bytes=np.full(8, param_bytes),
-    )
 
 
 def _state(factor: dict[str, float], error: dict[str, float] | None = None):
@@ -64,7 +49,7 @@ def _compute_s(plan, profile, factor, rng) -> dict[str, float]:
 )
 def test_the_run_is_on_the_planners_plan_from_its_first_step(slow, factor, param_bytes):
     rng = np.random.default_rng(int(factor * 10) + DEVICES.index(slow))
-    profile = _profile(param_bytes)
+    profile = blocks_profile(param_bytes)
     config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
     true_factor = {d: factor if d == slow else 1.0 for d in DEVICES}
     truth = _state(true_factor)
@@ -99,7 +84,7 @@ def test_the_rounds_controller_starts_from_the_start_up_decision_without_searchi
     from hetrain.runtime.ctlcontroller import round_controller
     from hetrain.runtime.ctlwire import decode_init, encode_init
 
-    profile = _profile(4e4)
+    profile = blocks_profile(4e4)
     config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
     factor = {d: 3.0 if d == "w1" else 1.0 for d in DEVICES}
     calibrated = _state(factor)
@@ -142,7 +127,7 @@ def test_the_start_up_plan_names_every_rank(slow, factor, param_bytes):
     device the decision leaves out, by shares or by a new structure (the pipelined model's
     planner plan is one 3-stage pipeline without the slow device), gets an idle group; the
     plan still validates against the model and the batch."""
-    profile = _profile(param_bytes)
+    profile = blocks_profile(param_bytes)
     config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
     calibrated = _state({d: factor if d == slow else 1.0 for d in DEVICES})
     first, _ = startup_decision(calibrated, profile, config, even_dp_plan(DEVICES, 8, BATCH, 1), 40)
