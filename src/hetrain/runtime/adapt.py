@@ -54,7 +54,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hetrain.runtime.ctlcontroller import PlanController, round_controller  # noqa: F401
+from hetrain.runtime.ctlcontroller import (  # noqa: F401
+    PlanController,
+    round_controller,
+    shutdown_search_executor,
+)
 from hetrain.runtime.ctldecision import Decision, even_dp_plan  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlstore import PREFIX, ControllerLink, _store  # noqa: F401  (re-exported)
 from hetrain.runtime.ctlwire import (
@@ -161,6 +165,7 @@ class ControllerService:
             self.store.set(PREFIX + "error", traceback.format_exc())
             raise
         finally:
+            shutdown_search_executor()
             if self._log is not None:
                 self._log.close()
 
@@ -392,21 +397,32 @@ def spawn_controller_process(timeout_s: float = 60.0, host: str = "127.0.0.1"):
     """Start the controller as a separate process (``python -m hetrain.runtime.adapt``) hosting
     its store on a free port of ``host`` (loopback unless ranks on other nodes must reach it);
     returns ``(process, endpoint)``. Used under ``torchrun``, where no launcher process of
-    ours exists."""
+    ours exists. The listening socket is bound here and handed to the process (``--fd``), so
+    the ranks' store clients connect at once, while the process is still importing, instead of
+    being refused and retrying with back-off."""
     import socket
     import subprocess
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        port = int(s.getsockname()[1])
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = int(sock.getsockname()[1])
+    fd = sock.fileno()
+    os.set_inheritable(fd, True)
     # one BLAS/OpenMP thread: the controller's numpy shares the host's cores with the ranks
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port), "--host", host],
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hetrain.runtime.adapt", "--port", str(port), "--host", host,
+             "--fd", str(fd)],
+            stdin=subprocess.DEVNULL,
+            env=env,
+            pass_fds=(fd,),
+        )  # fmt: skip
+    finally:
+        sock.close()  # the child holds its own copy
     return proc, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -415,8 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetrain.runtime.adapt")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--fd", type=int, default=None, help="an inherited listening socket")
     args = parser.parse_args(argv)
-    store = _store(args.host, args.port, master=True)
+    store = _store(args.host, args.port, master=True, listen_fd=args.fd)
     service = ControllerService(store)
 
     parent = os.getppid()

@@ -64,6 +64,16 @@ def _search_executor():
     return _SEARCH_EXECUTOR
 
 
+def shutdown_search_executor() -> None:
+    """End the policy thread of :func:`_search_executor` (a search in progress finishes,
+    queued ones are dropped; the next use starts a new thread). Called when the controller
+    service stops, so that the process's exit does not wait for an idle thread."""
+    global _SEARCH_EXECUTOR
+    if _SEARCH_EXECUTOR is not None:
+        _SEARCH_EXECUTOR.shutdown(wait=False, cancel_futures=True)
+        _SEARCH_EXECUTOR = None
+
+
 class PlanController:
     """The controller of a training run in its process: it feeds the measured step times to
     the one speed estimator (:class:`hetrain.control.estimates.SpeedEstimates`) and asks the

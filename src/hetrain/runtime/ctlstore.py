@@ -58,10 +58,14 @@ class _ForkSafeStore:
         return call
 
 
-def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
+def _store(
+    host: str, port: int, *, master: bool, timeout_s: float = 300.0, listen_fd: int | None = None
+):
     """A ``TCPStore`` client, or (``master``) the server listening on ``host`` only: torch's
     own server listens on every interface whatever ``host`` says, so the listening socket is
-    bound here (``127.0.0.1`` for a local run) and handed over (``master_listen_fd``)."""
+    bound here (``127.0.0.1`` for a local run) and handed over (``master_listen_fd``);
+    ``listen_fd``: a socket already bound to ``host:port`` and listening (inherited from the
+    process that chose the port), used instead of binding one."""
     import datetime
     import socket
 
@@ -70,11 +74,14 @@ def _store(host: str, port: int, *, master: bool, timeout_s: float = 300.0):
     timeout = datetime.timedelta(seconds=timeout_s)
     if not master:  # connecting may wait for the server: a fork must not wait for it
         return _ForkSafeStore(dist.TCPStore(host, port, is_master=False, timeout=timeout))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    if listen_fd is not None:
+        sock = socket.socket(fileno=listen_fd)
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
     port = int(sock.getsockname()[1])
     with _FORK_LOCK:
         return _ForkSafeStore(
