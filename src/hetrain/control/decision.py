@@ -357,11 +357,6 @@ class UptimeEstimator:
         self.last_step: int | None = None
         self._last: np.ndarray | None = None
 
-    @staticmethod
-    def _kinds(state: ClusterState) -> tuple[str, ...]:
-        kinds = getattr(state, "kinds", None)
-        return tuple(kinds) if kinds is not None else tuple(state.ids)
-
     def update(self, step: int, state: ClusterState) -> None:
         """Account for the availability of ``step`` (``state.available``); calling twice for
         the same step counts it once."""
@@ -369,7 +364,7 @@ class UptimeEstimator:
             return
         self.last_step = int(step)
         up = np.asarray(state.available, dtype=bool)
-        kinds = self._kinds(state)
+        kinds = state.kinds
         went_down = (
             self._last & ~up
             if self._last is not None and len(self._last) == len(up)
@@ -390,7 +385,7 @@ class UptimeEstimator:
     def set_benefit_slots(self, state: ClusterState, devices: list[int], delay_slots: int) -> float:
         """``p_S^{delay+1} / (1 − p_S)`` for the device positions ``devices`` of ``state``
         (``math.inf`` for an empty set)."""
-        kinds = self._kinds(state)
+        kinds = state.kinds
         p = 1.0
         for i in devices:
             p *= 1.0 - 1.0 / self.mean_up_slots(kinds[i])
