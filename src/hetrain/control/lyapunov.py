@@ -129,6 +129,29 @@ class _Figures:
     fits: bool
 
 
+class _StateMemo:
+    """What the controller computed on one observed state, per plan: the cost model's
+    evaluations (:func:`hetrain.costmodel.evaluate_plan`), the vectorised ones
+    (:func:`~hetrain.control.incremental.evaluate_fast`) and the share re-solves
+    (:func:`~hetrain.control.incremental.rebalance_shares`). Each is a pure function of the
+    plan and the state (a ``ClusterState`` is not changed once made) and the controller's fixed
+    profile and configuration, so one decision's proposal, pool, gate and audit, and a caller's
+    predictions on the same state, compute each at most once; a state reused while nothing was
+    measured to move (the runtime's :meth:`~hetrain.runtime.ctlcontroller.PlanController
+    .observed_state`) costs no evaluation at all. Keys: the plan's ``(schedule, groups)``
+    (what the evaluations read); for a re-solve its structure
+    (:func:`~hetrain.control.incremental.structure_key`), schedule and ``revive`` (the new
+    groups, which do not depend on the old shares)."""
+
+    __slots__ = ("state", "evaluations", "fast", "rebalanced")
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.evaluations: dict[tuple, PlanEvaluation] = {}
+        self.fast: dict[tuple, Any] = {}
+        self.rebalanced: dict[tuple, tuple[tuple | None, float]] = {}
+
+
 class LyapunovController:
     """Drift-plus-penalty controller (docs/model.md §4) with incremental re-planning and a single
     gate
@@ -295,6 +318,10 @@ class LyapunovController:
         self._choice_weights: dict[str, float] = {}
         self._last_search_slot = -(10**9)
         self._arrays_cache: dict[tuple, StructureArrays] = {}
+        # figures per plan on the newest observed state (_StateMemo); False: computed anew at
+        # every use (the same values: tests compare both)
+        self.memoize = True
+        self._memo: _StateMemo | None = None
         self._ids: tuple[str, ...] = ()
         self._index: dict[str, int] = {}
         self._last_plan_id = -1
@@ -557,6 +584,7 @@ class LyapunovController:
         self._ids = tuple(data["ids"])
         self._index = {d: i for i, d in enumerate(self._ids)}
         self._arrays_cache.clear()
+        self._memo = None
         self._pool = []
         for raw in data["pool"]:
             plan = Plan.model_validate(raw)
@@ -594,16 +622,55 @@ class LyapunovController:
             }
         )
 
+    # ------------------------------------------------------------------ figures per state
+    def _memo_of(self, state: ClusterState) -> _StateMemo | None:
+        """The memo of ``state`` (a new one when ``state`` is another object than the last
+        one's); None when :attr:`memoize` is off."""
+        if not self.memoize:
+            return None
+        memo = self._memo
+        if memo is None or memo.state is not state:
+            memo = self._memo = _StateMemo(state)
+        return memo
+
+    def evaluation(self, plan: Plan, state: ClusterState) -> PlanEvaluation:
+        """:func:`hetrain.costmodel.evaluate_plan` of ``plan`` on ``state`` with this
+        controller's profile and configuration, computed once per state and plan
+        (:class:`_StateMemo`; the result is shared: read it, do not change it).
+
+        Raises:
+            ValueError: as :func:`~hetrain.costmodel.evaluate_plan` (nothing is kept then)."""
+        memo = self._memo_of(state)
+        if memo is None:
+            return evaluate_plan(plan, state, self.profile, self.config)
+        key = (plan.schedule, plan.groups)
+        ev = memo.evaluations.get(key)
+        if ev is None:
+            ev = memo.evaluations[key] = evaluate_plan(plan, state, self.profile, self.config)
+        return ev
+
+    def _evaluate_fast(self, plan: Plan, state: ClusterState) -> Any:
+        """:func:`~hetrain.control.incremental.evaluate_fast` of ``plan`` on ``state``, once
+        per state and plan (:class:`_StateMemo`)."""
+        memo = self._memo_of(state)
+        key = (plan.schedule, plan.groups)
+        ev = None if memo is None else memo.fast.get(key)
+        if ev is None:
+            ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
+            if memo is not None:
+                memo.fast[key] = ev
+        return ev
+
     # ------------------------------------------------------------------ the gate
     def _predict(self, plan: Plan, state: ClusterState) -> _Figures:
         """docs/model.md §3 figures of ``plan`` on ``state`` with the configured cost model
         (:func:`hetrain.costmodel.evaluate_plan`; the vectorised equivalent above
         ``incremental_above`` devices)."""
         if int(np.sum(state.available)) > self.incremental_above:
-            ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
+            ev = self._evaluate_fast(plan, state)
             t, cost, fits = ev.iteration_time_s, dict(ev.cost), ev.fits
         else:
-            full = evaluate_plan(plan, state, self.profile, self.config)
+            full = self.evaluation(plan, state)
             t, cost, fits = full.iteration_time_s, dict(full.cost), full.fits
         if not fits:
             t = math.inf
@@ -1097,7 +1164,29 @@ class LyapunovController:
     ) -> tuple[Plan, float]:
         """Same structure, shares re-solved for ``state``; also the predicted ``max_g T_g``.
         With ``single_stage_one_microbatch`` and ``revive`` the plan's idle single-stage groups
-        may take work again (a structure change, which the gate judges as one)."""
+        may take work again (a structure change, which the gate judges as one). Computed once
+        per state and structure (:class:`_StateMemo`): ``plan`` itself when no assignment
+        fits, else a new plan (``plan`` with the re-solved groups, its figures cleared)."""
+        memo = self._memo_of(state)
+        # the shares and μ a re-solve gives depend on the structure (devices, stages, μ, which
+        # groups run), not on the shares it had (rebalance_shares); its other fields are copied
+        key = (structure_key(plan), plan.schedule, bool(revive))
+        hit = None if memo is None else memo.rebalanced.get(key)
+        if hit is not None:
+            groups, t_max = hit
+            if groups is None:  # no assignment fits: rebalance_shares returns the plan itself
+                return plan, t_max
+            cleared = {"iteration_time_s": None, "lower_bound_s": None, "cost": None}
+            return plan.model_copy(update={"groups": groups, **cleared}), t_max
+        new, t_max = self._rebalance_once(plan, state, revive=revive)
+        if memo is not None:
+            memo.rebalanced[key] = (None if new is plan else new.groups, t_max)
+        return new, t_max
+
+    def _rebalance_once(
+        self, plan: Plan, state: ClusterState, *, revive: bool
+    ) -> tuple[Plan, float]:
+        """:meth:`_rebalance` computed."""
         arrays = self._arrays(plan)
         new = rebalance_shares(
             plan,
@@ -1226,7 +1315,7 @@ class LyapunovController:
         del self._pool[self.pool_size :]
 
     def _objective(self, plan: Plan, state: ClusterState, weights: dict[str, float]) -> float:
-        ev = evaluate_fast(plan, self._arrays(plan), state, self.config.optimizer_state_factor)
+        ev = self._evaluate_fast(plan, state)
         if not ev.fits:
             return math.inf
         if self.budgeted and math.isfinite(ev.iteration_time_s):

@@ -149,7 +149,13 @@ class PlanController:
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
+        self._last_observed: ClusterState | None = None  # the last one made (reused if equal)
+        # observed_state() returns the last state object while the estimates did not move, so
+        # that the policy's figures on it (LyapunovController.evaluation) are not recomputed;
+        # False: a new object every time (the same values: tests compare both)
+        self.reuse_unchanged_state = True
         self._bare_cache: tuple[Plan, ClusterState, float] | None = None  # _bare_time_s's last
+        self._even_plan: Plan | None = None
 
     # ---- measurements ----
     def observe(
@@ -215,10 +221,17 @@ class PlanController:
         return max(0.0, float(np.median(recent))) if recent else 0.0
 
     def observed_state(self) -> ClusterState:
-        """The base state with the measured speeds (computed once per change of the
-        estimates: :meth:`observe` and :meth:`load_state_dict` renew it)."""
+        """The base state with the measured speeds (computed after each :meth:`observe` and
+        :meth:`load_state_dict`). When every field equals, bit for bit, that of the state
+        made before, that same object is returned (with :attr:`reuse_unchanged_state`): the
+        policy then finds its figures of the plans on it already computed (a step whose
+        measurements moved no estimate costs no cost-model evaluation)."""
         if self._observed is None:
-            self._observed = self.estimates.apply(self.base_state, self.profile)
+            state = self.estimates.apply(self.base_state, self.profile)
+            last = self._last_observed
+            if self.reuse_unchanged_state and last is not None and _same_state(last, state):
+                state = last
+            self._observed = self._last_observed = state
         return self._observed
 
     def predictions(self) -> dict[str, float]:
@@ -244,20 +257,19 @@ class PlanController:
         force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
         plan and state while no decision intervenes): two cost-model evaluations per step."""
         plan, state, overhead_s = inputs
-        even = even_dp_plan(
-            self.base_state.ids,
-            self.profile.num_layers,
-            self.config.batch,
-            1,
-            norm_block=self.config.norm_block,
-        )
-        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        if self._even_plan is None:
+            self._even_plan = even_dp_plan(
+                self.base_state.ids,
+                self.profile.num_layers,
+                self.config.batch,
+                1,
+                norm_block=self.config.norm_block,
+            )
         return {
             "predicted_time_s": self._bare_time_s(plan, state) + overhead_s,
             # T_LB + F: no plan's predicted time on these estimates is below it
             "lower_bound_s": lower_bound_s(state, self.profile, self.config.batch) + overhead_s,
-            "dp_even_time_s": predict_iteration_time_s(even, state, self.profile, bare)
-            + overhead_s,
+            "dp_even_time_s": self._bare_evaluation_s(self._even_plan, state) + overhead_s,
             "step_overhead_s": float(overhead_s),
         }
 
@@ -267,10 +279,21 @@ class PlanController:
         cached = self._bare_cache
         if cached is not None and cached[0] is plan and cached[1] is state:
             return cached[2]
-        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
-        value = predict_iteration_time_s(plan, state, self.profile, bare)
+        value = self._bare_evaluation_s(plan, state)
         self._bare_cache = (plan, state, value)
         return value
+
+    def _bare_evaluation_s(self, plan: Plan, state: ClusterState) -> float:
+        """``T`` (s) of ``plan`` on ``state`` with ``F = 0``
+        (:func:`~hetrain.runtime.ctldecision.predict_iteration_time_s`); the policy's
+        evaluation on the same state when the policy evaluates with that configuration (the
+        plan in force was evaluated by the decision on these estimates:
+        :meth:`hetrain.control.lyapunov.LyapunovController.evaluation`)."""
+        bare = dataclasses.replace(self.config, step_overhead_s=0.0)
+        evaluation = getattr(self.policy, "evaluation", None)
+        if evaluation is not None and getattr(self.policy, "config", None) == bare:
+            return float(evaluation(plan, state).iteration_time_s)
+        return predict_iteration_time_s(plan, state, self.profile, bare)
 
     # ---- decisions ----
     def decide(self, step: int) -> Decision | None:
@@ -497,6 +520,20 @@ class PlanController:
         self.searches_applied = searches
         # the plan in force is the round's (the ranks kept theirs): the policy answers from it
         self._policy_plan = self.current
+
+
+def _same_state(a: ClusterState, b: ClusterState) -> bool:
+    """Whether two cluster states hold the same values, bit for bit (arrays: dtype, shape and
+    bytes; ``-0.0`` and ``0.0`` differ, a NaN equals the same NaN)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            x, y = np.asarray(x), np.asarray(y)
+            if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def startup_decision(
