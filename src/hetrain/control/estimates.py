@@ -28,7 +28,8 @@ def _median(values: Sequence[float] | np.ndarray) -> float:
         IndexError: ``values`` is empty.
     """
     s = sorted(values.tolist() if isinstance(values, np.ndarray) else values)
-    if any(v != v for v in s):
+    total = sum(s)
+    if total != total:  # a NaN among them (or inf and -inf): numpy's own answer
         return float(np.median(np.asarray(s, dtype=float)))
     n = len(s)
     h = n // 2

@@ -156,6 +156,8 @@ class PlanController:
         self.reuse_unchanged_state = True
         self._bare_cache: tuple[Plan, ClusterState, float] | None = None  # _bare_time_s's last
         self._even_plan: Plan | None = None
+        # startup_stage_time_s per (device, start, end, batch, μ): base state and profile fixed
+        self._startup_times_s: dict[tuple, float | None] = {}
 
     # ---- measurements ----
     def observe(
@@ -191,8 +193,12 @@ class PlanController:
                 units = self.profile.layer_units(start, end)
                 # a device with measured layer times: r = time / those times (not the FLOP model's)
                 mu = group.microbatch_size
-                expected = startup_stage_time_s(self.base_state, self.profile, d, start, end,
-                                                group.batch, mu)  # fmt: skip
+                key = (d, start, end, group.batch, mu)
+                expected = self._startup_times_s.get(key)
+                if key not in self._startup_times_s:  # the same for every step of a plan
+                    expected = startup_stage_time_s(self.base_state, self.profile, d, start, end,
+                                                    group.batch, mu)  # fmt: skip
+                    self._startup_times_s[key] = expected
                 self.estimates.observe(
                     d, work, t, group.num_microbatches, units, expected_s=expected
                 )
