@@ -77,8 +77,9 @@ CONTROLLER_NICE = 10
 """Nice steps the controller's search thread runs below the thread that starts it (a CFS weight
 of 110 against a rank's 1024): a planner search (0.1-3 s of CPU at 4-16 devices) takes the
 cores' idle time (pipeline bubbles, a slow device's emulated sleep, waits in collectives)
-instead of a rank's share. The service's own thread (the per-step cheap decision, about 10 ms
-of CPU per step at 4 devices) keeps its priority: at nice 10 on the loaded 2-core machine its
+instead of a rank's share. The service's own thread (the per-step cheap decision and the
+log's predictions, about 3-7 ms of CPU per step at 4 devices; docs/controller.md "The
+controller's CPU") keeps its priority: at nice 10 on the loaded 2-core machine its
 decisions reached the ranks 4-18 steps after their measurements against 3-9 at normal priority
 (``hetrain train --example digits --workers 4 --steps 100``, two runs each; docs/controller.md)."""
 
