@@ -111,15 +111,20 @@ def test_decisions_with_the_memo_equal_those_computed_anew(seed):
     anew = _drive(sc, 70, memo=False)
     for a, b in zip(with_memo, anew, strict=True):
         assert a == b, f"step {a['step']}"
-    # the population decides something: the slow ranks move work in most streams
-    if seed == 0:
-        made = [
-            r["step"]
-            for s in range(8)
-            for r in _drive(_scenario(s), 40, memo=True)
-            if r["decision"] is not None
-        ]
-        assert len(made) >= 4
+    _DECIDED[seed] = sum(r["decision"] is not None for r in with_memo)
+
+
+_DECIDED: dict[int, int] = {}
+
+
+def test_the_generated_streams_change_plans():
+    """The comparison above is not vacuous: the slow ranks move work in most streams."""
+    for seed in range(8):
+        if seed not in _DECIDED:  # run alone: drive the stream here
+            _DECIDED[seed] = sum(
+                r["decision"] is not None for r in _drive(_scenario(seed), 70, memo=True)
+            )
+    assert sum(n > 0 for n in _DECIDED.values()) >= 5, _DECIDED
 
 
 class _Counter:
