@@ -204,3 +204,45 @@ def test_one_microbatch_rebalance_is_optimal_on_the_cost_model(speed_factors, ka
     )
     active = new.model_copy(update={"groups": tuple(g for g in new.groups if g.batch > 0)})
     assert makespan(active) == pytest.approx(best, rel=1e-9)
+
+
+def _solve_both(monkeypatch, *args):
+    """``solve_shares`` with the capacities summed in the Python loop and in numpy."""
+    from hetrain.control import shares as shares_module
+
+    monkeypatch.setattr(shares_module, "SCALAR_GROUPS", 0)
+    numpy_sums = solve_shares(*args)
+    monkeypatch.setattr(shares_module, "SCALAR_GROUPS", 10**6)
+    loop_sums = solve_shares(*args)
+    return numpy_sums, loop_sums
+
+
+@settings(max_examples=300, deadline=None)
+@given(_instances(max_groups=8, max_batch=200))
+def test_the_python_capacity_sum_gives_numpys_shares(instance):
+    """The bisection's capacity sums in a Python loop (up to ``SCALAR_GROUPS`` groups) give
+    the same shares as numpy's, on the grid instances (ties, flat groups, memory caps)."""
+    with pytest.MonkeyPatch.context() as mp:
+        a, b = _solve_both(mp, *instance)
+    assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 16),
+    st.integers(1, 5000),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([1e-12, 1e-6, 1e-3, 1.0, 1e6]),
+)
+def test_the_python_capacity_sum_gives_numpys_shares_on_random_times(g_count, batch, seed, unit):
+    """The same on continuous times of any scale (the runtime's measured fills and
+    bottlenecks: milliseconds; near-ties in the bisection), with idle and capped groups."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.1, 3.0, g_count) * unit
+    m = rng.uniform(0.0, 1.0, g_count) * unit * rng.choice([1.0, 1.0, 1e-300], g_count)
+    a[rng.random(g_count) < 0.1] = np.inf  # idle groups
+    mu = rng.integers(1, 9, g_count)
+    n_max = rng.choice([0.0, 1.0, 3.0, 40.0, np.inf, 1e12], g_count)
+    with pytest.MonkeyPatch.context() as mp, np.errstate(over="ignore", invalid="ignore"):
+        x, y = _solve_both(mp, a, m, mu, n_max, batch)  # (1/M of a subnormal M overflows)
+    assert (x is None and y is None) or np.array_equal(x, y)
