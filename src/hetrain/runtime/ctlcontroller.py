@@ -261,7 +261,10 @@ class PlanController:
         time with ``F = 0`` plus ``F`` (:func:`hetrain.costmodel.evaluate_plan` adds
         ``step_overhead_s`` last to a plan with an active group: the same float); the plan in
         force's is kept for the next step's residual (:meth:`_observe_step_residual`, the same
-        plan and state while no decision intervenes): two cost-model evaluations per step."""
+        plan and state while no decision intervenes). Evaluations come from the policy's memo
+        of the state (:meth:`_bare_evaluation_s`): the plan in force's is the decision's own,
+        so the log adds one cost-model evaluation per step (dp-even's), none on a reused
+        state."""
         plan, state, overhead_s = inputs
         if self._even_plan is None:
             self._even_plan = even_dp_plan(
