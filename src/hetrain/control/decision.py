@@ -267,7 +267,10 @@ class PersistenceEstimator:
         self._ref: dict[str, np.ndarray] | None = None
         self.device_slots = 0
         self.window_slots = int(window_slots)
-        self.device_events: list[list[tuple[int, str, float]]] = []
+        self.device_count = 0
+        # (step, device, watched value or "available", |Δx|) of every event in the window
+        self.device_events: list[tuple[int, int, str, float]] = []
+        self._event_arrays: tuple[np.ndarray, ...] | None = None
         self._device_ref: dict[str, np.ndarray] | None = None
 
     def update(self, step: int, state: ClusterState, watch_prices: bool = False) -> bool:
@@ -310,63 +313,66 @@ class PersistenceEstimator:
         """Per-device events (class docstring, "Devices")."""
         ref = self._device_ref
         n = len(snap["speed"])
+        self._event_arrays = None
         if ref is None or len(ref["speed"]) != n or set(ref) != set(snap):
             self._device_ref = {k: v.copy() for k, v in snap.items()}
             self.device_slots = 1
-            self.device_events = [[] for _ in range(n)]
+            self.device_count = n
+            self.device_events = []
             return
         self.device_slots += 1
+        step = self.device_slots
+        if step % self.window_slots == 0:  # drop events older than the window
+            self.device_events = [e for e in self.device_events if e[0] > step - self.window_slots]
         up = snap["available"]
         came_or_went = up != ref["available"]
         both = up & ref["available"]
         moved = came_or_went.copy()
-        moves = {}
+        for d in np.flatnonzero(came_or_went):
+            self.device_events.append((step, int(d), "available", 0.0))
         for key, new in snap.items():
             if key == "available":
                 continue
             delta = np.abs(new - ref[key])
-            scale = np.abs(ref[key])
-            over = both & (delta > self.threshold * scale)
+            over = both & (delta > self.threshold * np.abs(ref[key]))
             moved |= over
-            moves[key] = np.where(over, delta, 0.0)
-        step = self.device_slots
-        if step % self.window_slots == 0:  # drop events older than the window
-            self.device_events = [
-                [e for e in events if e[0] > step - self.window_slots]
-                for events in self.device_events
-            ]
-        for d in np.flatnonzero(moved):
-            if came_or_went[d]:
-                self.device_events[d].append((step, "available", 0.0))
-            else:
-                for key, delta in moves.items():
-                    if delta[d] > 0:
-                        self.device_events[d].append((step, key, float(delta[d])))
+            for d in np.flatnonzero(over):
+                self.device_events.append((step, int(d), key, float(delta[d])))
         for key, new in snap.items():
             ref[key][moved] = new[moved]
 
     def set_changes(self, devices: Sequence[int]) -> float:
-        """``c_S``: the changes of the set ``devices`` (positions in the observed state) so
-        far (class docstring, "Devices")."""
+        """``c_S``: the changes of the set ``devices`` (positions in the observed state) in the
+        window (class docstring, "Devices")."""
         ref = self._device_ref
-        if ref is None:
+        if ref is None or not self.device_events:
             return 0.0
-        idx = list(devices)
-        since = self.device_slots - self.window_slots
-        total = {
-            key: self.threshold * float(np.sum(np.abs(values[idx])))
-            for key, values in ref.items()
-            if key != "available"
-        }
-        per_step: dict[int, float] = {}  # the set's move at each step with an event
-        for d in idx:
-            for step, key, delta in self.device_events[d]:
-                if step <= since:
-                    continue
-                whole = key == "available" or total.get(key, 0.0) <= 0
-                part = 1.0 if whole else delta / total[key]
-                per_step[step] = per_step.get(step, 0.0) + part
-        return float(sum(min(x, 1.0) for x in per_step.values()))
+        if self._event_arrays is None:
+            steps, devs, keys, deltas = zip(*self.device_events, strict=True)
+            self._event_arrays = (
+                np.asarray(steps, dtype=np.int64),
+                np.asarray(devs, dtype=np.int64),
+                np.asarray(keys),
+                np.asarray(deltas, dtype=float),
+            )
+        steps, devs, keys, deltas = self._event_arrays
+        idx = np.asarray(list(devices), dtype=np.int64)
+        member = np.zeros(self.device_count, dtype=bool)
+        member[idx] = True
+        sel = member[devs] & (steps > self.device_slots - self.window_slots)
+        if not sel.any():
+            return 0.0
+        steps, keys, deltas = steps[sel], keys[sel], deltas[sel]
+        part = np.ones(len(steps))
+        for key, values in ref.items():
+            if key == "available":
+                continue
+            total = self.threshold * float(np.sum(np.abs(values[idx])))
+            mine = keys == key
+            if total > 0 and mine.any():
+                part[mine] = deltas[mine] / total
+        _, where = np.unique(steps, return_inverse=True)
+        return float(np.sum(np.minimum(np.bincount(where, weights=part), 1.0)))
 
     def mean_run_slots(self, devices: Sequence[int] | None = None) -> float:
         """Estimated mean number of slots a state lasts, ``m >= 1``: the cluster's, or with
@@ -381,7 +387,7 @@ class PersistenceEstimator:
             return math.inf
         seen = min(self.device_slots, self.window_slots)
         exposure = seen + self.prior_weight * self.prior_slots
-        rate = self.set_changes(idx) + self.prior_weight * len(idx) / len(self.device_events)
+        rate = self.set_changes(idx) + self.prior_weight * len(idx) / self.device_count
         if rate <= 0:
             return math.inf
         return max(exposure / rate, 1.0)
@@ -409,7 +415,8 @@ class PersistenceEstimator:
             else {k: v.tolist() for k, v in self._ref.items()},
             "window_slots": self.window_slots,
             "device_slots": self.device_slots,
-            "device_events": [[list(e) for e in events] for events in self.device_events],
+            "device_count": self.device_count,
+            "device_events": [list(e) for e in self.device_events],
             "device_reference": None
             if self._device_ref is None
             else {k: v.tolist() for k, v in self._device_ref.items()},
@@ -434,10 +441,12 @@ class PersistenceEstimator:
         self._ref = arrays(data.get("reference"))
         self.window_slots = int(data.get("window_slots", self.window_slots))
         self.device_slots = int(data.get("device_slots", 0))
+        self.device_count = int(data.get("device_count", 0))
         self.device_events = [
-            [(int(step), str(key), float(delta)) for step, key, delta in events]
-            for events in data.get("device_events", [])
+            (int(step), int(d), str(key), float(delta))
+            for step, d, key, delta in data.get("device_events", [])
         ]
+        self._event_arrays = None
         self._device_ref = arrays(data.get("device_reference"))
 
 
