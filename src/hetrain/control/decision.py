@@ -14,6 +14,7 @@ Pure python and numpy (never torch).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,32 +200,58 @@ class Decision:
 
 
 class PersistenceEstimator:
-    """How long an observed cluster state lasts, learned online (slots).
+    """How long an observed cluster state lasts, learned online (slots): for the whole cluster
+    and for any set of devices.
 
-    A *state change* is a step where, relative to the state at the start of the current run,
-    the set of available devices changed or the available devices' speeds or NIC bandwidths
-    (and, when ``watch_prices``, prices or powers) moved by more than ``threshold`` in aggregate
-    (``Σ_d |x_d − x_d^ref| > threshold · Σ_d x_d^ref``: one straggler among a thousand devices
-    is not a new state, one of two devices halving its speed is).
-    Runs between changes are modelled as geometric with mean ``m`` estimated by
+    **Cluster.** A *state change* is a step where, relative to the state at the start of the
+    current run, the set of available devices changed or the available devices' speeds or NIC
+    bandwidths (and, when ``watch_prices``, prices or powers) moved by more than ``threshold``
+    in aggregate (``Σ_d |x_d − x_d^ref| > threshold · Σ_d x_d^ref``: one straggler among a
+    thousand devices is not a new state, one of two devices halving its speed is). Runs
+    between changes are modelled as geometric with mean ``m`` estimated by
     ``m = (slots + prior_slots · prior_weight) / (changes + prior_weight)`` (the maximum
     likelihood estimate of a geometric mean with censored last run, plus a prior of
-    ``prior_weight`` runs of ``prior_slots``). The expected number of slots that the state seen
-    at decision time still holds once a decision applies ``delay`` slots later is
-    ``Σ_{i ≥ delay+1} p^i = m p^{delay+1}`` with ``p = 1 − 1/m`` (:meth:`benefit_slots`).
+    ``prior_weight`` runs of ``prior_slots``).
+
+    **Devices.** Device ``d`` has an *event* at a step where it came or went, or one of its
+    watched values ``x`` moved by more than ``threshold`` relative to its value at the start of
+    its current run (the move ``|Δx|`` is kept). A set ``S`` of devices changes state at the
+    aggregate rule above restricted to ``S``: a step with events of members counts as
+    ``min(1, Σ_e |Δx_e| / (threshold · Σ_{d ∈ S} x_d))`` changes of ``S`` (1 where a member
+    came or went; ``x`` per watched value), so a member halving its speed is a change of a pair
+    and a twentieth of one for a set of a thousand. With ``c_S`` such changes in ``n`` steps,
+    runs of ``S`` are geometric with mean
+    ``m_S = (n + prior_weight · prior_slots) / (c_S + prior_weight · |S| / D)`` (the prior
+    spreads the cluster's prior runs evenly over its ``D`` devices). A plan change gains only
+    while the devices of the two plans keep their states, so the payback horizon of a switch is
+    that set's (:meth:`benefit_slots` with ``devices``): availability flapping or stragglers
+    elsewhere in the cluster do not shorten it.
+
+    The expected number of slots that a state seen at decision time still holds once a decision
+    applies ``delay`` slots later is ``Σ_{i ≥ delay+1} p^i = m p^{delay+1}`` with
+    ``p = 1 − 1/m`` (:meth:`benefit_slots`).
 
     Args:
         threshold: relative move that counts as a change (default 0.1: above measurement
             noise of a few percent).
         prior_slots, prior_weight: the prior (default one run of 10 slots).
+        window_slots: the set estimates count the last this many steps (``n`` and ``c_S``),
+            which bounds the events kept (and the checkpointed state) on a long run.
 
     Raises:
-        ValueError: ``threshold`` not > 0, ``prior_slots`` < 1 or ``prior_weight`` < 0.
+        ValueError: ``threshold`` not > 0, ``prior_slots`` < 1, ``prior_weight`` < 0 or
+            ``window_slots`` < 1.
     """
 
     def __init__(
-        self, threshold: float = 0.1, prior_slots: float = 10.0, prior_weight: float = 1.0
+        self,
+        threshold: float = 0.1,
+        prior_slots: float = 10.0,
+        prior_weight: float = 1.0,
+        window_slots: int = 1000,
     ) -> None:
+        if int(window_slots) < 1:
+            raise ValueError(f"persistence window_slots: expected >= 1, got {window_slots!r}")
         if not (math.isfinite(threshold) and threshold > 0):
             raise ValueError(f"persistence threshold: expected a number > 0, got {threshold!r}")
         if not (math.isfinite(prior_slots) and prior_slots >= 1):
@@ -238,10 +265,17 @@ class PersistenceEstimator:
         self.changes = 0
         self.last_step: int | None = None
         self._ref: dict[str, np.ndarray] | None = None
+        self.device_slots = 0
+        self.window_slots = int(window_slots)
+        self.device_count = 0
+        # (step, device, watched value or "available", |Δx|) of every event in the window
+        self.device_events: list[tuple[int, int, str, float]] = []
+        self._event_arrays: tuple[np.ndarray, ...] | None = None
+        self._device_ref: dict[str, np.ndarray] | None = None
 
     def update(self, step: int, state: ClusterState, watch_prices: bool = False) -> bool:
-        """Account for the state observed before ``step``; returns whether it is a change.
-        Calling twice for the same step counts it once."""
+        """Account for the state observed before ``step``; returns whether the cluster's state
+        changed. Calling twice for the same step counts it once."""
         snap = {
             "available": np.asarray(state.available, dtype=bool).copy(),
             "speed": np.asarray(state.speed_flops, dtype=float).copy(),
@@ -253,6 +287,7 @@ class PersistenceEstimator:
         if self.last_step is not None and step <= self.last_step:
             return False
         self.last_step = int(step)
+        self._update_devices(snap)
         if self._ref is None or len(self._ref["speed"]) != len(snap["speed"]):
             self._ref = snap
             self.slots += 1
@@ -274,22 +309,100 @@ class PersistenceEstimator:
             self._ref = snap
         return changed
 
-    def mean_run_slots(self) -> float:
-        """Estimated mean number of slots a state lasts, ``m >= 1``."""
-        num = self.slots + self.prior_slots * self.prior_weight
-        den = self.changes + self.prior_weight
-        return max(num / den, 1.0) if den > 0 else math.inf
+    def _update_devices(self, snap: dict[str, np.ndarray]) -> None:
+        """Per-device events (class docstring, "Devices")."""
+        ref = self._device_ref
+        n = len(snap["speed"])
+        self._event_arrays = None
+        if ref is None or len(ref["speed"]) != n or set(ref) != set(snap):
+            self._device_ref = {k: v.copy() for k, v in snap.items()}
+            self.device_slots = 1
+            self.device_count = n
+            self.device_events = []
+            return
+        self.device_slots += 1
+        step = self.device_slots
+        if step % self.window_slots == 0:  # drop events older than the window
+            self.device_events = [e for e in self.device_events if e[0] > step - self.window_slots]
+        up = snap["available"]
+        came_or_went = up != ref["available"]
+        both = up & ref["available"]
+        moved = came_or_went.copy()
+        for d in np.flatnonzero(came_or_went):
+            self.device_events.append((step, int(d), "available", 0.0))
+        for key, new in snap.items():
+            if key == "available":
+                continue
+            delta = np.abs(new - ref[key])
+            over = both & (delta > self.threshold * np.abs(ref[key]))
+            moved |= over
+            for d in np.flatnonzero(over):
+                self.device_events.append((step, int(d), key, float(delta[d])))
+        for key, new in snap.items():
+            ref[key][moved] = new[moved]
 
-    def benefit_slots(self, delay_slots: int = 0) -> float:
+    def set_changes(self, devices: Sequence[int]) -> float:
+        """``c_S``: the changes of the set ``devices`` (positions in the observed state) in the
+        window (class docstring, "Devices")."""
+        ref = self._device_ref
+        if ref is None or not self.device_events:
+            return 0.0
+        if self._event_arrays is None:
+            steps, devs, keys, deltas = zip(*self.device_events, strict=True)
+            self._event_arrays = (
+                np.asarray(steps, dtype=np.int64),
+                np.asarray(devs, dtype=np.int64),
+                np.asarray(keys),
+                np.asarray(deltas, dtype=float),
+            )
+        steps, devs, keys, deltas = self._event_arrays
+        idx = np.asarray(list(devices), dtype=np.int64)
+        member = np.zeros(self.device_count, dtype=bool)
+        member[idx] = True
+        sel = member[devs] & (steps > self.device_slots - self.window_slots)
+        if not sel.any():
+            return 0.0
+        steps, keys, deltas = steps[sel], keys[sel], deltas[sel]
+        part = np.ones(len(steps))
+        for key, values in ref.items():
+            if key == "available":
+                continue
+            total = self.threshold * float(np.sum(np.abs(values[idx])))
+            mine = keys == key
+            if total > 0 and mine.any():
+                part[mine] = deltas[mine] / total
+        _, where = np.unique(steps, return_inverse=True)
+        return float(np.sum(np.minimum(np.bincount(where, weights=part), 1.0)))
+
+    def mean_run_slots(self, devices: Sequence[int] | None = None) -> float:
+        """Estimated mean number of slots a state lasts, ``m >= 1``: the cluster's, or with
+        ``devices`` (positions in the observed state) that set's ``m_S`` (``math.inf`` for an
+        empty set)."""
+        if devices is None or self._device_ref is None:
+            num = self.slots + self.prior_slots * self.prior_weight
+            den = self.changes + self.prior_weight
+            return max(num / den, 1.0) if den > 0 else math.inf
+        idx = sorted({int(d) for d in devices})
+        if not idx:
+            return math.inf
+        seen = min(self.device_slots, self.window_slots)
+        exposure = seen + self.prior_weight * self.prior_slots
+        rate = self.set_changes(idx) + self.prior_weight * len(idx) / self.device_count
+        if rate <= 0:
+            return math.inf
+        return max(exposure / rate, 1.0)
+
+    def benefit_slots(self, delay_slots: int = 0, devices: Sequence[int] | None = None) -> float:
         """Expected slots the state seen at decision time still holds once a decision applies
-        ``delay_slots`` slots after the next one: ``m p^{delay+1}``, ``p = 1 − 1/m``."""
-        m = self.mean_run_slots()
+        ``delay_slots`` slots after the next one: ``m p^{delay+1}``, ``p = 1 − 1/m``, with
+        ``m`` the cluster's or the set ``devices``' (:meth:`mean_run_slots`)."""
+        m = self.mean_run_slots(devices)
         if math.isinf(m):
             return math.inf
         return m * (1.0 - 1.0 / m) ** (int(delay_slots) + 1)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state (counts, last step and the reference snapshot)."""
+        """JSON-able state (counts, last step and the reference snapshots)."""
         return {
             "threshold": self.threshold,
             "prior_slots": self.prior_slots,
@@ -300,24 +413,41 @@ class PersistenceEstimator:
             "reference": None
             if self._ref is None
             else {k: v.tolist() for k, v in self._ref.items()},
+            "window_slots": self.window_slots,
+            "device_slots": self.device_slots,
+            "device_count": self.device_count,
+            "device_events": [list(e) for e in self.device_events],
+            "device_reference": None
+            if self._device_ref is None
+            else {k: v.tolist() for k, v in self._device_ref.items()},
         }
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
+
+        def arrays(blob: dict | None) -> dict[str, np.ndarray] | None:
+            if blob is None:
+                return None
+            return {
+                k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in blob.items()
+            }
+
         self.threshold = float(data["threshold"])
         self.prior_slots = float(data["prior_slots"])
         self.prior_weight = float(data["prior_weight"])
         self.slots = int(data["slots"])
         self.changes = int(data["changes"])
         self.last_step = None if data["last_step"] is None else int(data["last_step"])
-        ref = data.get("reference")
-        self._ref = (
-            None
-            if ref is None
-            else {
-                k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in ref.items()
-            }
-        )
+        self._ref = arrays(data.get("reference"))
+        self.window_slots = int(data.get("window_slots", self.window_slots))
+        self.device_slots = int(data.get("device_slots", 0))
+        self.device_count = int(data.get("device_count", 0))
+        self.device_events = [
+            (int(step), int(d), str(key), float(delta))
+            for step, d, key, delta in data.get("device_events", [])
+        ]
+        self._event_arrays = None
+        self._device_ref = arrays(data.get("device_reference"))
 
 
 class UptimeEstimator:

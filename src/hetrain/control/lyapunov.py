@@ -187,7 +187,9 @@ class LyapunovController:
             ``None`` (default): no wall-clock limit up to ``exact_search_devices`` available
             devices, so that decisions are reproducible from the same measurements (a budget
             makes the search depend on the machine's load), and 1 s above.
-        exact_search_devices: see ``search_time_budget_s`` (default 16).
+        exact_search_devices: see ``search_time_budget_s`` (default 128, the size up to which
+            searches are not rationed: a search at 64 devices takes seconds, in the runtime's
+            search thread or inline in a simulation).
         incremental_above: with more available devices than this, searches are rationed (one
             per ``D / search_devices_per_slot`` slots) and, between searches, a lost device is
             replaced by an interchangeable spare (else its group is dropped) and unused devices
@@ -237,7 +239,7 @@ class LyapunovController:
         queue_tolerance: float = 0.05,
         replan_every: int = 50,
         search_time_budget_s: float | None = None,
-        exact_search_devices: int = 16,
+        exact_search_devices: int = 128,
         incremental_above: int = 128,
         search_devices_per_slot: float = 4.0,
         persistence_threshold: float = 0.1,
@@ -718,15 +720,30 @@ class LyapunovController:
 
     def _payback_slots(self, plan: Plan | None = None, state: ClusterState | None = None) -> float:
         """The payback horizon ``H = min(ρ · max(m p^{delay+1}, a + 1), U(plan))`` (slots): the
-        expected persistence of the observed state (:class:`PersistenceEstimator`), or, when
-        larger, the age ``a`` of a gain that was refused in each of the ``a`` slots before (a
-        gain seen for ``a`` slots is expected to last as many more: the rent-or-buy rule, which
-        switches once the gain forgone equals the migration time; Karlin et al., *Competitive
-        snoopy caching*, 1988), times the realised share ``ρ``; with ``plan`` (and ``state``)
-        at most ``U``, the expected slots every device of ``plan``'s active groups stays up
-        once the decision runs (:meth:`UptimeEstimator.set_benefit_slots`: a gain on devices
-        that leave is lost, whatever its age). Capped by ``horizon_slots``."""
-        h = self.persistence.benefit_slots(self.decision_delay_slots)
+        expected persistence of the observed state of the devices the change involves, those
+        of the current plan's and ``plan``'s active groups
+        (:meth:`PersistenceEstimator.benefit_slots`; the whole cluster's without ``plan``), or,
+        when larger, the age ``a`` of a gain that was refused in each of the ``a`` slots before
+        (a gain seen for ``a`` slots is expected to last as many more: the rent-or-buy rule,
+        which switches once the gain forgone equals the migration time; Karlin et al.,
+        *Competitive snoopy caching*, 1988), times the realised share ``ρ``; with ``plan`` (and
+        ``state``) at most ``U``, the expected slots every device of ``plan``'s active groups
+        stays up once the decision runs (:meth:`UptimeEstimator.set_benefit_slots`: a gain on
+        devices that leave is lost, whatever its age). Capped by ``horizon_slots``."""
+        involved = None
+        if plan is not None:
+            plans = [plan] if self._current is None else [plan, self._current]
+            involved = sorted(
+                {
+                    self._index[d]
+                    for p in plans
+                    for g in p.groups
+                    if g.batch > 0
+                    for d in g.devices
+                    if d in self._index
+                }
+            )
+        h = self.persistence.benefit_slots(self.decision_delay_slots, involved)
         h = max(h, self._refused_slots + 1.0) * self.realized_share()
         if plan is not None and state is not None and self.uptime is not None:
             used = [self._index[d] for g in plan.groups if g.batch > 0 for d in g.devices]
