@@ -16,7 +16,7 @@ budget; then the targets of issue 4 with pass/fail; then the run time of a 1024-
 Family mode (issue 19)::
 
     PYTHONPATH=src python bench/policies.py --family [--count 40] [--family-slots 300]
-        [--jobs 2] [--decision-delay 1] [--search-latency L]
+        [--jobs 2] [--decision-delay 1] [--search-latency L] [--index I ...] [--greedy-only]
 
 runs the seeded scenario family of ``bench/family.py`` (real traces, 8-64 devices, several
 models and batches) instead: per scenario greedy against the stale-information reference
@@ -28,7 +28,9 @@ ones; tune on one, report both) and over all the median and worst ratio per poli
 worst running mean spend from slot 200, with the targets (median <= 1.03, worst <= 1.10,
 spend <= 1.01) PASS/FAIL; the last line is JSON. At most 2 processes. ``--rows-out PATH``
 appends each scenario's row (JSON) as it finishes; ``--summarize PATH`` prints the summary of
-such a file without running anything (for a run cut short).
+such a file without running anything (for a run cut short). ``--index I`` (repeatable) runs
+only those scenarios; ``--greedy-only`` runs greedy alone against the stale reference whose
+pool holds greedy's plans (no budgeted runs: a fraction of the time).
 
 Scenario file keys: ``name``, ``description``, ``model`` (profile path relative to the
 repository), ``batch``, ``slots``, ``seed``, ``cluster`` (``kinds: {KIND: count}`` plus
@@ -459,11 +461,17 @@ def _feasible_budgets(spec_budget: dict, greedy, timeline, profile, config, slot
 
 
 def run_family_scenario(
-    spec: dict, decision_delay: int = 1, search_latency: int | None = None
+    spec: dict,
+    decision_delay: int = 1,
+    search_latency: int | None = None,
+    greedy_only: bool = False,
 ) -> dict:
     """One family scenario (``bench/family.py``): greedy against the stale-information
     reference without budget, lyapunov (``V = CHOSEN_V``) at the money budget and at the
-    money and energy budgets against the stale reference at the same budgets; plain floats."""
+    money and energy budgets against the stale reference at the same budgets; plain floats.
+    ``greedy_only``: greedy alone, against the stale reference whose plan pool holds greedy's
+    plans only (the full mode's pool also holds lyapunov's, so its greedy figure may differ
+    slightly)."""
     started = time.perf_counter()
     slots, seed = int(spec["slots"]), int(spec["seed"])
     cluster_kw = dict(spec["cluster"])
@@ -487,6 +495,20 @@ def run_family_scenario(
                       keep_plans=True, **sim_kw)  # fmt: skip
     out = {"name": spec["name"], "devices": len(cluster.ids), "model": spec["model"],
            "batch": config.batch}  # fmt: skip
+    if greedy_only:
+        refs = compute_references(timeline, profile, config, extra_plans=list(greedy.plans),
+                                  **ref_kw)  # fmt: skip
+        tg = greedy.summary()["mean_iteration_time_s"]
+        out["greedy"] = {
+            "ratio": tg / refs["stale"].mean_iteration_time_s if tg is not None else math.inf,
+            "ratio_no_migration": tg / refs["stale-no-migration"].mean_iteration_time_s
+            if tg is not None
+            else math.inf,
+            "reference_migration_time_s": refs["stale"].mean_migration_time_s,
+            "mean_migration_time_s": greedy.summary().get("mean_migration_time_s", 0.0),
+        }
+        out["wall_time_s"] = time.perf_counter() - started
+        return out
     for label, block in (("money", spec["budget"]), ("money+energy", spec["budget_with_energy"])):
         budgets = _feasible_budgets(block, greedy, timeline, profile, config, slots)
         pol = make_policy("lyapunov", profile, config, v=CHOSEN_V, budgets=budgets)
@@ -542,7 +564,7 @@ FAMILY_POLICIES = ("greedy", "lyapunov@money", "lyapunov@money+energy")
 
 def _scenario_line(r: dict) -> str:
     return (f"{r['name']}: {r['devices']} devices, {Path(r['model']).stem}, B={r['batch']}: "
-            + ", ".join(f"{p} {r[p]['ratio']:.4f}" for p in FAMILY_POLICIES)
+            + ", ".join(f"{p} {r[p]['ratio']:.4f}" for p in FAMILY_POLICIES if p in r)
             + f" ({r['wall_time_s']:.0f} s)")  # fmt: skip
 
 
@@ -554,17 +576,22 @@ def run_family(
     seed: int = 0,
     search_latency: int | None = None,
     rows_out: Path | None = None,
+    indices: list[int] | None = None,
+    greedy_only: bool = False,
 ) -> int:
     """Run the family (``bench/family.py``), print per scenario (as each finishes) and per
     half (A: even indices, B: odd) the median and worst ratio per policy;
     returns the failed targets. ``rows_out``: also append each scenario's row to this JSON-lines
-    file as it finishes (``--summarize`` prints the halves of such a file)."""
+    file as it finishes (``--summarize`` prints the halves of such a file). ``indices``: only
+    these scenarios of the ``count``; ``greedy_only``: :func:`run_family_scenario`'s."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from family import family_specs
 
     specs = family_specs(count, seed=seed, slots=slots)
+    if indices:
+        specs = [specs[i] for i in indices]
     started = time.perf_counter()
     jobs = max(1, min(int(jobs), 2))
     rows = []
@@ -578,12 +605,13 @@ def run_family(
 
     if jobs == 1:
         for s in specs:
-            keep(run_family_scenario(s, decision_delay, search_latency))
+            keep(run_family_scenario(s, decision_delay, search_latency, greedy_only))
     else:
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futures = [
-                pool.submit(run_family_scenario, s, decision_delay, search_latency) for s in specs
+                pool.submit(run_family_scenario, s, decision_delay, search_latency, greedy_only)
+                for s in specs
             ]
             for done in as_completed(futures):
                 keep(done.result())
@@ -598,7 +626,7 @@ def run_family(
 def summarize_family(rows: list[dict], decision_delay: int, search_latency: int | None) -> int:
     """Print per half (A: even scenario indices, B: odd, by the index in the name) and over
     all the median and worst ratio per policy with the targets; returns the failed targets."""
-    policies = FAMILY_POLICIES
+    policies = [p for p in FAMILY_POLICIES if all(p in r for r in rows)]
     index = {r["name"]: int(r["name"].rsplit("-", 1)[-1]) for r in rows}
     half_a = [r for r in rows if index[r["name"]] % 2 == 0]
     half_b = [r for r in rows if index[r["name"]] % 2 == 1]
@@ -632,6 +660,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", action="store_true", help="run the scenario family instead")
     ap.add_argument("--count", type=int, default=40, help="family: number of scenarios")
     ap.add_argument("--family-slots", type=int, default=300, help="family: slots each")
+    ap.add_argument(
+        "--index",
+        type=int,
+        action="append",
+        help="family: run only this scenario index (repeatable)",
+    )
+    ap.add_argument(
+        "--greedy-only",
+        action="store_true",
+        help="family: greedy alone against the stale reference (no budgeted runs)",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="family: processes (at most 2)")
     ap.add_argument("--decision-delay", type=int, default=1, help="family: decision delay")
     ap.add_argument(
@@ -668,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
             args.decision_delay,
             search_latency=args.search_latency,
             rows_out=args.rows_out,
+            indices=args.index,
+            greedy_only=args.greedy_only,
         )
         print(f"\ntargets failed: {failed}")
         return 0
