@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gate_inputs import two_layer_profile
 
 from hetrain.calibration import ClusterEstimator
 from hetrain.cluster import cluster_from_dict
@@ -35,21 +36,7 @@ TWO = cluster_from_dict(
         ],
     }
 )
-TWO_PROFILE = profile_from_dict(
-    {
-        "name": "two-layer",
-        "layers": [
-            {
-                "name": f"l{i}",
-                "fwd_flops": 1e10,
-                "activation_bytes": 1e8,
-                "activation_memory_bytes": 1e6,
-                "param_bytes": 6.25e7,
-            }
-            for i in range(2)
-        ],
-    }
-).arrays()
+TWO_PROFILE = two_layer_profile()
 TWO_CONFIG = TrainingConfig(batch=8)
 
 

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from gate_inputs import two_layer_profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from hetrain.cluster import cluster_from_dict
 from hetrain.control import make_policy
 from hetrain.control.decision import PersistenceEstimator
 from hetrain.costmodel import TrainingConfig
-from hetrain.profile import profile_from_dict
 from hetrain.sim.simulator import simulate
 from hetrain.trace import Trace, TraceRow
 
@@ -109,21 +109,7 @@ def test_churn_outside_a_set_leaves_its_persistence_alone():
     assert est.mean_run_slots([0, 1, 2, 3]) == pytest.approx((200 + 10) / (4 / 16))
 
 
-TWO_LAYERS = profile_from_dict(
-    {
-        "name": "two-layer",
-        "layers": [
-            {
-                "name": f"l{i}",
-                "fwd_flops": 1e10,
-                "activation_bytes": 1e8,
-                "activation_memory_bytes": 1e6,
-                "param_bytes": 6.25e7,
-            }
-            for i in range(2)
-        ],
-    }
-).arrays()
+TWO_LAYERS = two_layer_profile()
 
 
 @pytest.mark.parametrize("seed", range(8))

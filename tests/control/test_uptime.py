@@ -8,13 +8,13 @@ import math
 
 import numpy as np
 import pytest
+from gate_inputs import two_layer_profile
 
 from hetrain.cluster import cluster_from_dict
 from hetrain.control import make_policy
 from hetrain.control.decision import UptimeEstimator
 from hetrain.costmodel import TrainingConfig
 from hetrain.plan import GroupPlan, Plan
-from hetrain.profile import profile_from_dict
 from hetrain.trace import Trace, TraceRow
 
 # one stable slow device and two fast ones (2x) that take turns: each is up 3 slots, then down
@@ -30,21 +30,7 @@ CLUSTER = cluster_from_dict(
         ],
     }
 )
-PROFILE = profile_from_dict(
-    {
-        "name": "two-layer",
-        "layers": [
-            {
-                "name": f"l{i}",
-                "fwd_flops": 1e10,
-                "activation_bytes": 1e8,
-                "activation_memory_bytes": 1e6,
-                "param_bytes": 6.25e7,
-            }
-            for i in range(2)
-        ],
-    }  # fmt: skip
-).arrays()
+PROFILE = two_layer_profile()
 CONFIG = TrainingConfig(batch=8)
 
 
