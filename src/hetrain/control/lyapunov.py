@@ -718,6 +718,12 @@ class LyapunovController:
         self.realized_gain_s += t_old - t_new
         self._audited_slots += 1
 
+    def _used_positions(self, plan: Plan) -> list[int]:
+        """Positions in the observed state of the devices of ``plan``'s active groups (those
+        with a share), group by group; a device the state does not name is left out."""
+        index = self._index
+        return [index[d] for g in plan.groups if g.batch > 0 for d in g.devices if d in index]
+
     def _payback_slots(self, plan: Plan | None = None, state: ClusterState | None = None) -> float:
         """The payback horizon ``H = min(ρ · max(m p^{delay+1}, a + 1), U(plan))`` (slots): the
         expected persistence of the observed state of the devices the change involves, those
@@ -732,21 +738,13 @@ class LyapunovController:
         devices that leave is lost, whatever its age). Capped by ``horizon_slots``."""
         involved = None
         if plan is not None:
-            plans = [plan] if self._current is None else [plan, self._current]
-            involved = sorted(
-                {
-                    self._index[d]
-                    for p in plans
-                    for g in p.groups
-                    if g.batch > 0
-                    for d in g.devices
-                    if d in self._index
-                }
-            )
+            involved = self._used_positions(plan)
+            if self._current is not None:
+                involved = sorted(set(involved) | set(self._used_positions(self._current)))
         h = self.persistence.benefit_slots(self.decision_delay_slots, involved)
         h = max(h, self._refused_slots + 1.0) * self.realized_share()
         if plan is not None and state is not None and self.uptime is not None:
-            used = [self._index[d] for g in plan.groups if g.batch > 0 for d in g.devices]
+            used = self._used_positions(plan)
             h = min(h, self.uptime.set_benefit_slots(state, used, self.decision_delay_slots))
         if self.horizon_slots is not None:
             h = min(h, self.horizon_slots)
@@ -908,8 +906,7 @@ class LyapunovController:
         self, plan: Plan, state: ClusterState, weights: Mapping[str, float]
     ) -> float:
         """Objective cost per second of migration: ``V + Σ_j Q̂_j Σ_{d used} r_{j,d}``."""
-        index = self._index
-        used = [index[d] for g in plan.groups if g.batch > 0 for d in g.devices]
+        used = self._used_positions(plan)
         rate = self.effective_v
         if "money" in weights:
             rate += weights["money"] * float(np.sum(state.price_per_s[used]))
