@@ -89,20 +89,23 @@ def test_decision_delay_shifts_when_a_decision_first_runs():
 
 def test_persistence_estimator_learns_run_lengths():
     state = TWO.state()
+    both = [0, 1]  # the whole cluster
     est = PersistenceEstimator(threshold=0.1, prior_slots=10.0, prior_weight=1.0)
-    for t in range(30):  # a change every third slot
+    for t in range(30):  # both devices halve or restore their speed every third slot
         factor = 0.5 if (t // 3) % 2 else 1.0
         est.update(t, state.with_changes(speed_flops=state.speed_flops * factor))
-    assert est.changes == 9
-    assert est.mean_run_slots() == pytest.approx((30 + 10) / (9 + 1))
-    m = est.mean_run_slots()
-    assert est.benefit_slots(1) == pytest.approx(m * (1 - 1 / m) ** 2)
+    assert est.set_changes(both) == pytest.approx(9.0)
+    # the prior's one change spread over the two devices: one for the pair
+    assert est.mean_run_slots(both) == pytest.approx((30 + 10) / (9 + 1))
+    m = est.mean_run_slots(both)
+    assert est.benefit_slots(1, both) == pytest.approx(m * (1 - 1 / m) ** 2)
     # 5% noise is not a change
     quiet = PersistenceEstimator()
     rng = np.random.default_rng(0)
     for t in range(50):
         quiet.update(t, state.with_changes(speed_flops=state.speed_flops * rng.uniform(0.96, 1.04)))
-    assert quiet.changes == 0
+    assert quiet.set_changes(both) == 0.0
+    assert quiet.mean_run_slots(both) == pytest.approx(50 + 10)
 
 
 # --------------------------------------------------------------------------------------------

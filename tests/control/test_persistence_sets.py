@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetrain.cluster import cluster_from_dict
-from hetrain.control import make_policy
+from hetrain.control import make_policy, plan_of
 from hetrain.control.decision import PersistenceEstimator
 from hetrain.costmodel import TrainingConfig
 from hetrain.sim.simulator import simulate
@@ -104,9 +104,70 @@ def test_churn_outside_a_set_leaves_its_persistence_alone():
         up = np.ones(16, dtype=bool)
         up[4:] = rng.random(12) < 0.5  # the spot devices come and go every other step
         est.update(t, base.with_changes(available=up))
-    assert est.mean_run_slots() < 1.5  # the cluster as a whole never holds a state
+    assert est.mean_run_slots(range(16)) < 1.5  # the cluster as a whole never holds a state
     # the four stable devices: 200 steps and only their share of the prior's one change
     assert est.mean_run_slots([0, 1, 2, 3]) == pytest.approx((200 + 10) / (4 / 16))
+
+
+# PersistenceEstimator.state_dict() as written before the cluster-wide count was removed (it
+# carried "slots", "changes" and "reference"), after six steps on three 1 TFLOP/s devices: d0
+# halves its speed at step 2, d1 leaves at 3 and returns at 5, d2 drops to 0.8 at 4
+OLD_FORMAT = {
+    "threshold": 0.1, "prior_slots": 10.0, "prior_weight": 1.0, "slots": 6, "changes": 4,
+    "last_step": 5,
+    "reference": {
+        "available": [True, True, True], "speed": [5e11, 1e12, 8e11], "nic": [1.25e8] * 3
+    },
+    "window_slots": 1000, "device_slots": 6, "device_count": 3,
+    "device_events": [
+        [3, 0, "speed", 5e11], [4, 1, "available", 0.0], [5, 2, "speed", 2e11],
+        [6, 1, "available", 0.0],
+    ],
+    "device_reference": {
+        "available": [True, True, True], "speed": [5e11, 1e12, 8e11], "nic": [1.25e8] * 3
+    },
+}  # fmt: skip
+
+
+def test_an_older_state_with_the_cluster_wide_count_still_loads():
+    est = PersistenceEstimator(threshold=0.3, prior_slots=2.0)
+    est.load_state_dict(json.loads(json.dumps(OLD_FORMAT)))
+    # the set figures the code that wrote it gave, to the last bit
+    assert est.set_changes([0, 1, 2]) == 3.869565217391304  # min(1, 5/2.3) + 1 + 2/2.3 + 1
+    assert est.mean_run_slots([0, 1, 2]) == 3.2857142857142856
+    assert est.mean_run_slots([1]) == 6.857142857142857
+    assert est.mean_run_slots([0, 2]) == 6.0
+    assert est.benefit_slots(1, [0, 2]) == 4.166666666666667
+    blob = est.state_dict()
+    gone = ("slots", "changes", "reference")
+    assert not set(gone) & set(blob)
+    assert blob == {k: v for k, v in OLD_FORMAT.items() if k not in gone}
+    # the count goes on from where it was: step 5 again is ignored, step 6 adds one slot
+    state = _cluster(3).state().with_changes(speed_flops=np.array([5e11, 1e12, 8e11]))
+    est.update(5, state)
+    assert est.mean_run_slots([0]) == (6 + 10) / (1 + 1 / 3)
+    est.update(6, state)
+    assert est.mean_run_slots([0]) == (7 + 10) / (1 + 1 / 3)
+
+
+def test_a_controller_state_with_the_old_persistence_fields_gives_the_same_decisions():
+    cluster = _cluster(3)
+    config = TrainingConfig(batch=8)
+    speeds = np.array([[1.0, 1.0, 1.0], [1.0, 0.5, 1.0], [0.4, 0.5, 1.0], [0.4, 0.5, 0.9]])
+    pol = make_policy("greedy", TWO_LAYERS, config)
+    base = cluster.state()
+    for t in range(2):
+        pol.decide(t, base.with_changes(speed_flops=base.speed_flops * speeds[t]))
+    blob = pol.state_dict()
+    old = json.loads(json.dumps(blob))
+    old["persistence"].update(slots=2, changes=1, reference=old["persistence"]["device_reference"])
+    twin = make_policy("greedy", TWO_LAYERS, config)
+    twin.load_state_dict(old)
+    assert twin.state_dict() == blob
+    for t in range(2, 4):
+        state = base.with_changes(speed_flops=base.speed_flops * speeds[t])
+        a, b = pol.decide(t, state), twin.decide(t, state)
+        assert plan_of(a) == plan_of(b) and a.persistence_slots == b.persistence_slots
 
 
 TWO_LAYERS = two_layer_profile()

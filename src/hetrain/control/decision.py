@@ -4,9 +4,9 @@
 the plan to run, why, and the figures that justified it, all computed on the
 :class:`Estimates` that chose it (docs/controller.md, "Decisions that hold").
 
-:class:`PersistenceEstimator` learns online how many slots an observed cluster state lasts, so
-that a plan change is weighed against its migration time over the slots it is expected to pay
-back (docs/controller.md, "Persistence").
+:class:`PersistenceEstimator` learns online how many slots the observed state of a set of
+devices lasts, so that a plan change is weighed against its migration time over the slots the
+devices it involves are expected to keep their state (docs/controller.md, "Persistence").
 
 Pure python and numpy (never torch).
 """
@@ -200,42 +200,34 @@ class Decision:
 
 
 class PersistenceEstimator:
-    """How long an observed cluster state lasts, learned online (slots): for the whole cluster
-    and for any set of devices.
+    """How long the observed state of a set of devices lasts, learned online (slots).
 
-    **Cluster.** A *state change* is a step where, relative to the state at the start of the
-    current run, the set of available devices changed or the available devices' speeds or NIC
-    bandwidths (and, when ``watch_prices``, prices or powers) moved by more than ``threshold``
-    in aggregate (``Σ_d |x_d − x_d^ref| > threshold · Σ_d x_d^ref``: one straggler among a
-    thousand devices is not a new state, one of two devices halving its speed is). Runs
-    between changes are modelled as geometric with mean ``m`` estimated by
-    ``m = (slots + prior_slots · prior_weight) / (changes + prior_weight)`` (the maximum
-    likelihood estimate of a geometric mean with censored last run, plus a prior of
-    ``prior_weight`` runs of ``prior_slots``).
-
-    **Devices.** Device ``d`` has an *event* at a step where it came or went, or one of its
-    watched values ``x`` moved by more than ``threshold`` relative to its value at the start of
-    its current run (the move ``|Δx|`` is kept). A set ``S`` of devices changes state at the
-    aggregate rule above restricted to ``S``: a step with events of members counts as
+    Device ``d`` has an *event* at a step where it came or went, or one of its watched values
+    ``x`` (speed and NIC bandwidth; with ``watch_prices`` also price and power) moved by more
+    than ``threshold`` relative to its value at the start of its current run (the move
+    ``|Δx|`` is kept). A set ``S`` of devices changes state at an aggregate rule restricted to
+    ``S``: a step with events of members counts as
     ``min(1, Σ_e |Δx_e| / (threshold · Σ_{d ∈ S} x_d))`` changes of ``S`` (1 where a member
     came or went; ``x`` per watched value), so a member halving its speed is a change of a pair
     and a twentieth of one for a set of a thousand. With ``c_S`` such changes in ``n`` steps,
     runs of ``S`` are geometric with mean
-    ``m_S = (n + prior_weight · prior_slots) / (c_S + prior_weight · |S| / D)`` (the prior
-    spreads the cluster's prior runs evenly over its ``D`` devices). A plan change gains only
-    while the devices of the two plans keep their states, so the payback horizon of a switch is
-    that set's (:meth:`benefit_slots` with ``devices``): availability flapping or stragglers
-    elsewhere in the cluster do not shorten it.
+    ``m_S = (n + prior_weight · prior_slots) / (c_S + prior_weight · |S| / D)`` (the maximum
+    likelihood estimate of a geometric mean with censored last run, plus a prior of
+    ``prior_weight`` runs of ``prior_slots`` for the whole cluster of ``D`` devices, spread
+    evenly over them). A plan change gains only while the devices of the two plans keep their
+    states, so the payback horizon of a switch is that set's (:meth:`benefit_slots`):
+    availability flapping or stragglers elsewhere in the cluster do not shorten it. The whole
+    cluster's figure is the set of all ``D`` devices.
 
     The expected number of slots that a state seen at decision time still holds once a decision
-    applies ``delay`` slots later is ``Σ_{i ≥ delay+1} p^i = m p^{delay+1}`` with
-    ``p = 1 − 1/m`` (:meth:`benefit_slots`).
+    applies ``delay`` slots later is ``Σ_{i ≥ delay+1} p^i = m_S p^{delay+1}`` with
+    ``p = 1 − 1/m_S`` (:meth:`benefit_slots`).
 
     Args:
-        threshold: relative move that counts as a change (default 0.1: above measurement
+        threshold: relative move that counts as an event (default 0.1: above measurement
             noise of a few percent).
         prior_slots, prior_weight: the prior (default one run of 10 slots).
-        window_slots: the set estimates count the last this many steps (``n`` and ``c_S``),
+        window_slots: the estimates count the last this many steps (``n`` and ``c_S``),
             which bounds the events kept (and the checkpointed state) on a long run.
 
     Raises:
@@ -261,10 +253,7 @@ class PersistenceEstimator:
         self.threshold = float(threshold)
         self.prior_slots = float(prior_slots)
         self.prior_weight = float(prior_weight)
-        self.slots = 0
-        self.changes = 0
         self.last_step: int | None = None
-        self._ref: dict[str, np.ndarray] | None = None
         self.device_slots = 0
         self.window_slots = int(window_slots)
         self.device_count = 0
@@ -273,9 +262,13 @@ class PersistenceEstimator:
         self._event_arrays: tuple[np.ndarray, ...] | None = None
         self._device_ref: dict[str, np.ndarray] | None = None
 
-    def update(self, step: int, state: ClusterState, watch_prices: bool = False) -> bool:
-        """Account for the state observed before ``step``; returns whether the cluster's state
-        changed. Calling twice for the same step counts it once."""
+    def update(self, step: int, state: ClusterState, watch_prices: bool = False) -> None:
+        """Account for the state observed before ``step`` (its devices' events). Calling
+        twice for the same step counts it once. A state with another number of devices than
+        the last starts the count afresh."""
+        if self.last_step is not None and step <= self.last_step:
+            return
+        self.last_step = int(step)
         snap = {
             "available": np.asarray(state.available, dtype=bool).copy(),
             "speed": np.asarray(state.speed_flops, dtype=float).copy(),
@@ -284,52 +277,25 @@ class PersistenceEstimator:
         if watch_prices:
             snap["price"] = np.asarray(state.price_per_s, dtype=float).copy()
             snap["power"] = np.asarray(state.power_w, dtype=float).copy()
-        if self.last_step is not None and step <= self.last_step:
-            return False
-        self.last_step = int(step)
-        self._update_devices(snap)
-        if self._ref is None or len(self._ref["speed"]) != len(snap["speed"]):
-            self._ref = snap
-            self.slots += 1
-            return False
-        self.slots += 1
-        changed = not np.array_equal(snap["available"], self._ref["available"])
-        avail = snap["available"] & self._ref["available"]
-        for key in ("speed", "nic", "price", "power"):
-            if changed or key not in snap or key not in self._ref:
-                continue
-            old, new = self._ref[key][avail], snap[key][avail]
-            # aggregate relative move: one straggler among 1000 devices is not a new state,
-            # one of two devices halving its speed is
-            total = float(np.sum(np.abs(old)))
-            if total > 0 and float(np.sum(np.abs(new - old))) > self.threshold * total:
-                changed = True
-        if changed:
-            self.changes += 1
-            self._ref = snap
-        return changed
-
-    def _update_devices(self, snap: dict[str, np.ndarray]) -> None:
-        """Per-device events (class docstring, "Devices")."""
         ref = self._device_ref
         n = len(snap["speed"])
         self._event_arrays = None
         if ref is None or len(ref["speed"]) != n or set(ref) != set(snap):
-            self._device_ref = {k: v.copy() for k, v in snap.items()}
+            self._device_ref = snap
             self.device_slots = 1
             self.device_count = n
             self.device_events = []
             return
         self.device_slots += 1
-        step = self.device_slots
-        if step % self.window_slots == 0:  # drop events older than the window
-            self.device_events = [e for e in self.device_events if e[0] > step - self.window_slots]
+        now = self.device_slots
+        if now % self.window_slots == 0:  # drop events older than the window
+            self.device_events = [e for e in self.device_events if e[0] > now - self.window_slots]
         up = snap["available"]
         came_or_went = up != ref["available"]
         both = up & ref["available"]
         moved = came_or_went.copy()
         for d in np.flatnonzero(came_or_went):
-            self.device_events.append((step, int(d), "available", 0.0))
+            self.device_events.append((now, int(d), "available", 0.0))
         for key, new in snap.items():
             if key == "available":
                 continue
@@ -337,13 +303,13 @@ class PersistenceEstimator:
             over = both & (delta > self.threshold * np.abs(ref[key]))
             moved |= over
             for d in np.flatnonzero(over):
-                self.device_events.append((step, int(d), key, float(delta[d])))
+                self.device_events.append((now, int(d), key, float(delta[d])))
         for key, new in snap.items():
             ref[key][moved] = new[moved]
 
     def set_changes(self, devices: Sequence[int]) -> float:
         """``c_S``: the changes of the set ``devices`` (positions in the observed state) in the
-        window (class docstring, "Devices")."""
+        window (class docstring)."""
         ref = self._device_ref
         if ref is None or not self.device_events:
             return 0.0
@@ -374,14 +340,13 @@ class PersistenceEstimator:
         _, where = np.unique(steps, return_inverse=True)
         return float(np.sum(np.minimum(np.bincount(where, weights=part), 1.0)))
 
-    def mean_run_slots(self, devices: Sequence[int] | None = None) -> float:
-        """Estimated mean number of slots a state lasts, ``m >= 1``: the cluster's, or with
-        ``devices`` (positions in the observed state) that set's ``m_S`` (``math.inf`` for an
-        empty set)."""
-        if devices is None or self._device_ref is None:
-            num = self.slots + self.prior_slots * self.prior_weight
-            den = self.changes + self.prior_weight
-            return max(num / den, 1.0) if den > 0 else math.inf
+    def mean_run_slots(self, devices: Sequence[int]) -> float:
+        """``m_S >= 1``: the estimated mean number of slots the state of the set ``devices``
+        (positions in the observed state) lasts; ``math.inf`` for an empty set. Before any
+        observation, the prior mean ``prior_slots`` whatever the set (``math.inf`` with
+        ``prior_weight`` 0)."""
+        if self._device_ref is None:
+            return self.prior_slots if self.prior_weight > 0 else math.inf
         idx = sorted({int(d) for d in devices})
         if not idx:
             return math.inf
@@ -392,27 +357,23 @@ class PersistenceEstimator:
             return math.inf
         return max(exposure / rate, 1.0)
 
-    def benefit_slots(self, delay_slots: int = 0, devices: Sequence[int] | None = None) -> float:
-        """Expected slots the state seen at decision time still holds once a decision applies
-        ``delay_slots`` slots after the next one: ``m p^{delay+1}``, ``p = 1 − 1/m``, with
-        ``m`` the cluster's or the set ``devices``' (:meth:`mean_run_slots`)."""
+    def benefit_slots(self, delay_slots: int, devices: Sequence[int]) -> float:
+        """Expected slots the state of the set ``devices`` seen at decision time still holds
+        once a decision applies ``delay_slots`` slots after the next one: ``m_S p^{delay+1}``,
+        ``p = 1 − 1/m_S`` (:meth:`mean_run_slots`)."""
         m = self.mean_run_slots(devices)
         if math.isinf(m):
             return math.inf
         return m * (1.0 - 1.0 / m) ** (int(delay_slots) + 1)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state (counts, last step and the reference snapshots)."""
+        """JSON-able state (settings, last step, the window's events and the devices'
+        reference values)."""
         return {
             "threshold": self.threshold,
             "prior_slots": self.prior_slots,
             "prior_weight": self.prior_weight,
-            "slots": self.slots,
-            "changes": self.changes,
             "last_step": self.last_step,
-            "reference": None
-            if self._ref is None
-            else {k: v.tolist() for k, v in self._ref.items()},
             "window_slots": self.window_slots,
             "device_slots": self.device_slots,
             "device_count": self.device_count,
@@ -423,22 +384,14 @@ class PersistenceEstimator:
         }
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
-
-        def arrays(blob: dict | None) -> dict[str, np.ndarray] | None:
-            if blob is None:
-                return None
-            return {
-                k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in blob.items()
-            }
-
+        """Restore :meth:`state_dict`'s output. Fields of other estimates that an older state
+        carries (``slots``, ``changes``, ``reference``: a cluster-wide count no decision reads)
+        are ignored; a state without the device fields restores no events (the count starts
+        at the next :meth:`update`)."""
         self.threshold = float(data["threshold"])
         self.prior_slots = float(data["prior_slots"])
         self.prior_weight = float(data["prior_weight"])
-        self.slots = int(data["slots"])
-        self.changes = int(data["changes"])
         self.last_step = None if data["last_step"] is None else int(data["last_step"])
-        self._ref = arrays(data.get("reference"))
         self.window_slots = int(data.get("window_slots", self.window_slots))
         self.device_slots = int(data.get("device_slots", 0))
         self.device_count = int(data.get("device_count", 0))
@@ -447,7 +400,12 @@ class PersistenceEstimator:
             for step, d, key, delta in data.get("device_events", [])
         ]
         self._event_arrays = None
-        self._device_ref = arrays(data.get("device_reference"))
+        ref = data.get("device_reference")
+        self._device_ref = None
+        if ref is not None:
+            self._device_ref = {
+                k: np.asarray(v, dtype=bool if k == "available" else float) for k, v in ref.items()
+            }
 
 
 class UptimeEstimator:

@@ -26,7 +26,8 @@ changes the structure lasts ``migration_s`` longer and is billed for it. Every d
 through one gate (:meth:`LyapunovController._gate`, docs/controller.md "Decisions that hold"):
 on the estimates that chose it, a change is applied only if its predicted iteration time is
 lower than the current plan's and that gain, summed over the expected persistence of the
-observed state (:class:`hetrain.control.decision.PersistenceEstimator`, learned online) and at
+observed state of the devices of both plans (:class:`hetrain.control.decision
+.PersistenceEstimator`, learned online) and at
 most the expected time the new plan's devices stay up (:class:`~hetrain.control.decision
 .UptimeEstimator`, up-runs per device kind learned from the observed availability), pays for
 its migration time; or, with budgets, if the same holds for the drift-plus-penalty
@@ -196,8 +197,8 @@ class LyapunovController:
             are added as data-parallel groups when that lowers the objective, re-solving only
             the shares; decision figures then use the vectorised cost model.
         search_devices_per_slot: the ration above.
-        persistence_threshold: relative move of a measured speed, NIC (or price/power with
-            budgets) that counts as a state change for the persistence estimate.
+        persistence_threshold: relative move of a device's measured speed, NIC (or price/power
+            with budgets) that counts as an event of its state for the persistence estimate.
         persistence_prior_slots: prior mean persistence (slots, weight of one run).
         uptime_prior_slots: prior mean up-run of a device (slots, weight of one run) of the
             per-kind uptime estimate that caps the payback horizon of a switch by how long
@@ -724,26 +725,24 @@ class LyapunovController:
         index = self._index
         return [index[d] for g in plan.groups if g.batch > 0 for d in g.devices if d in index]
 
-    def _payback_slots(self, plan: Plan | None = None, state: ClusterState | None = None) -> float:
-        """The payback horizon ``H = min(ρ · max(m p^{delay+1}, a + 1), U(plan))`` (slots): the
-        expected persistence of the observed state of the devices the change involves, those
-        of the current plan's and ``plan``'s active groups
-        (:meth:`PersistenceEstimator.benefit_slots`; the whole cluster's without ``plan``), or,
-        when larger, the age ``a`` of a gain that was refused in each of the ``a`` slots before
-        (a gain seen for ``a`` slots is expected to last as many more: the rent-or-buy rule,
-        which switches once the gain forgone equals the migration time; Karlin et al.,
-        *Competitive snoopy caching*, 1988), times the realised share ``ρ``; with ``plan`` (and
-        ``state``) at most ``U``, the expected slots every device of ``plan``'s active groups
-        stays up once the decision runs (:meth:`UptimeEstimator.set_benefit_slots`: a gain on
-        devices that leave is lost, whatever its age). Capped by ``horizon_slots``."""
-        involved = None
-        if plan is not None:
-            involved = self._used_positions(plan)
-            if self._current is not None:
-                involved = sorted(set(involved) | set(self._used_positions(self._current)))
+    def _payback_slots(self, plan: Plan, state: ClusterState) -> float:
+        """The payback horizon ``H = min(ρ · max(m p^{delay+1}, a + 1), U(plan))`` (slots) of a
+        change to ``plan`` on ``state``: the expected persistence of the observed state of the
+        devices the change involves, those of the current plan's and ``plan``'s active groups
+        (:meth:`PersistenceEstimator.benefit_slots`), or, when larger, the age ``a`` of a gain
+        that was refused in each of the ``a`` slots before (a gain seen for ``a`` slots is
+        expected to last as many more: the rent-or-buy rule, which switches once the gain
+        forgone equals the migration time; Karlin et al., *Competitive snoopy caching*, 1988),
+        times the realised share ``ρ``; at most ``U``, the expected slots every device of
+        ``plan``'s active groups stays up once the decision runs
+        (:meth:`UptimeEstimator.set_benefit_slots`: a gain on devices that leave is lost,
+        whatever its age). Capped by ``horizon_slots``."""
+        involved = self._used_positions(plan)
+        if self._current is not None:
+            involved = sorted(set(involved) | set(self._used_positions(self._current)))
         h = self.persistence.benefit_slots(self.decision_delay_slots, involved)
         h = max(h, self._refused_slots + 1.0) * self.realized_share()
-        if plan is not None and state is not None and self.uptime is not None:
+        if self.uptime is not None:
             used = self._used_positions(plan)
             h = min(h, self.uptime.set_benefit_slots(state, used, self.decision_delay_slots))
         if self.horizon_slots is not None:
