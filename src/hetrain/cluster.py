@@ -9,8 +9,9 @@ slot by slot.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -216,6 +217,56 @@ class ClusterState:
     def with_changes(self, **arrays: Any) -> ClusterState:
         """A copy with some fields replaced (e.g. ``speed_flops=..., available=...``)."""
         return replace(self, **arrays)
+
+
+def state_digest(state: ClusterState) -> bytes:
+    """A 20-byte SHA-1 digest of every field of ``state``, bit for bit: two states with equal
+    digests hold the same bits in every field, so every computation on them gives the same
+    result (a cache key, and the test whether a state changed).
+
+    "Bit for bit" means: an array field by its dtype (kind, item size and byte order), shape
+    and the bytes of its elements in C order (a float32 array differs from a float64 one of
+    the same values; a view equals its copy); a scalar field (``intra_node_bytes_per_s``,
+    ``latency_s``) as a 0-d array of its numpy type (float64 for a python float; an int
+    differs from the float of the same value); a tuple of strings (``ids``, ``kinds``) by its
+    length and the UTF-8 bytes of its strings, NUL-separated (length-prefixed when a string
+    holds a NUL). Hence ``-0.0`` and ``0.0`` differ, a NaN
+    equals a NaN with the same bits (sign and payload) and no other, and ``inf`` equals
+    ``inf``. Each field is prefixed by its name, so a value cannot stand in for another
+    field's.
+
+    Raises:
+        TypeError: a field holds objects without a fixed bit pattern (an object array, a
+            tuple of non-strings).
+    """
+    h = hashlib.sha1(usedforsecurity=False)
+    for name in _STATE_FIELDS:
+        value = getattr(state, name)
+        if value is None:
+            h.update(f"{name}:none;".encode())
+        elif isinstance(value, tuple):
+            try:
+                text = "\0".join(value)
+            except TypeError:
+                why = f"state_digest: field {name} holds a tuple of non-strings"
+                raise TypeError(why) from None
+            if text.count("\0") > max(len(value) - 1, 0):  # a NUL in a name: length-prefixed
+                text = "".join(f"{len(x)}:{x}" for x in value)
+                h.update(f"{name}:lstr{len(value)};".encode())
+            else:
+                h.update(f"{name}:str{len(value)};".encode())
+            raw = text.encode("utf-8", "surrogatepass")
+            h.update(b"%d;" % len(raw) + raw)
+        else:
+            arr = np.asarray(value)
+            if arr.dtype.hasobject:
+                raise TypeError(f"state_digest: field {name} holds objects, not numbers")
+            h.update(f"{name}:{arr.dtype.str}{arr.shape};".encode())
+            h.update(arr.tobytes())
+    return h.digest()
+
+
+_STATE_FIELDS = tuple(f.name for f in fields(ClusterState))
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import hetrain.planner
-from hetrain.cluster import cluster_from_dict
+from hetrain.cluster import cluster_from_dict, state_digest
 from hetrain.costmodel import TrainingConfig
 from hetrain.profile import profile_from_dict
 from hetrain.sim.dynamics import generate_trace
-from hetrain.sim.references import compute_references, slot_states, state_key
+from hetrain.sim.references import compute_references, slot_states
 from hetrain.sim.simulator import simulate
 from hetrain.trace import Trace, TraceRow
 
@@ -157,13 +157,13 @@ def test_search_cache_and_stale_only_mode_change_no_figure(seed, monkeypatch):
         )
 
 
-def test_state_key_separates_states_that_differ_anywhere():
+def test_state_digest_separates_the_slot_states_of_a_timeline():
     timeline = _timeline(6, 0)
     actual, observed, _ = slot_states(timeline, 6, measurement_noise=0.02, seed=0)
-    true_keys = {state_key(s) for s in actual}
-    seen_keys = {state_key(s) for s in observed[1:]}  # noisy measurements of slots 0-4
+    true_keys = {state_digest(s) for s in actual}
+    seen_keys = {state_digest(s) for s in observed[1:]}  # noisy measurements of slots 0-4
     assert len(true_keys) == 6 and len(seen_keys) == 5
     assert not true_keys & seen_keys
-    assert state_key(actual[3]) == state_key(timeline.state_at(3))
+    assert state_digest(actual[3]) == state_digest(timeline.state_at(3))
     flipped = actual[3].with_changes(available=~np.asarray(actual[3].available))
-    assert state_key(flipped) != state_key(actual[3])
+    assert state_digest(flipped) != state_digest(actual[3])

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hetrain.cluster import ClusterState
+from hetrain.cluster import ClusterState, state_digest
 from hetrain.control import make_policy
 from hetrain.control.estimates import SpeedEstimates, startup_stage_time_s
 from hetrain.costmodel import TrainingConfig, lower_bound_s
@@ -150,6 +150,8 @@ class PlanController:
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
         self._last_observed: ClusterState | None = None  # the last one made (reused if equal)
+        # its state_digest (None: not taken, reuse was off); states are not changed once made
+        self._last_digest: bytes | None = None
         # observed_state() returns the last state object while the estimates did not move, so
         # that the policy's figures on it (LyapunovController.evaluation) are not recomputed;
         # False: a new object every time (the same values: tests compare both)
@@ -229,15 +231,17 @@ class PlanController:
     def observed_state(self) -> ClusterState:
         """The base state with the measured speeds (computed after each :meth:`observe` and
         :meth:`load_state_dict`). When every field equals, bit for bit, that of the state
-        made before, that same object is returned (with :attr:`reuse_unchanged_state`): the
-        policy then finds its figures of the plans on it already computed (a step whose
-        measurements moved no estimate costs no cost-model evaluation)."""
+        made before (equal :func:`hetrain.cluster.state_digest`), that same object is returned
+        (with :attr:`reuse_unchanged_state`): the policy then finds its figures of the plans
+        on it already computed (a step whose measurements moved no estimate costs no
+        cost-model evaluation)."""
         if self._observed is None:
             state = self.estimates.apply(self.base_state, self.profile)
-            last = self._last_observed
-            if self.reuse_unchanged_state and last is not None and _same_state(last, state):
-                state = last
+            digest = state_digest(state) if self.reuse_unchanged_state else None
+            if digest is not None and digest == self._last_digest:
+                state = self._last_observed
             self._observed = self._last_observed = state
+            self._last_digest = digest
         return self._observed
 
     def predictions(self) -> dict[str, float]:
@@ -529,20 +533,6 @@ class PlanController:
         self.searches_applied = searches
         # the plan in force is the round's (the ranks kept theirs): the policy answers from it
         self._policy_plan = self.current
-
-
-def _same_state(a: ClusterState, b: ClusterState) -> bool:
-    """Whether two cluster states hold the same values, bit for bit (arrays: dtype, shape and
-    bytes; ``-0.0`` and ``0.0`` differ, a NaN equals the same NaN)."""
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            x, y = np.asarray(x), np.asarray(y)
-            if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-                return False
-        elif x != y:
-            return False
-    return True
 
 
 def startup_decision(

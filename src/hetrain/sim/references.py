@@ -56,13 +56,12 @@ draws them for the same seed, so references and policies see the same slots.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from hetrain.cluster import ClusterState
+from hetrain.cluster import ClusterState, state_digest
 from hetrain.control.dual import bisect_multipliers
 from hetrain.control.incremental import (
     StructureArrays,
@@ -113,21 +112,6 @@ class ReferenceResult:
     per_slot_time_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     per_slot_plan: list[Plan | None] = field(default_factory=list, repr=False)
     per_slot_migration_s: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-
-
-def state_key(state: ClusterState) -> str:
-    """A digest of every field of ``state`` (arrays by dtype, shape and bytes): equal keys mean
-    equal states, so a deterministic search on them returns the same plan."""
-    h = hashlib.sha1()
-    for f in fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, np.ndarray):
-            arr = np.ascontiguousarray(value)
-            h.update(f"{f.name}:{arr.dtype.str}:{arr.shape}:".encode())
-            h.update(arr.tobytes())
-        else:
-            h.update(f"{f.name}={value!r};".encode())
-    return h.hexdigest()
 
 
 def slot_states(
@@ -307,7 +291,7 @@ def compute_references(
         key = None
         if cacheable:
             key = (
-                "best_plan", state_key(state), tuple(sorted(eta.items())),
+                "best_plan", state_digest(state), tuple(sorted(eta.items())),
                 None if warm_start is None else warm_start.model_dump_json(),
                 id(profile), repr(config),
             )  # fmt: skip
