@@ -221,8 +221,9 @@ class ClusterState:
 
 def state_digest(state: ClusterState) -> bytes:
     """A 20-byte SHA-1 digest of every field of ``state``, bit for bit: two states with equal
-    digests hold the same bits in every field, so every computation on them gives the same
-    result (a cache key, and the test whether a state changed).
+    digests hold the same bits in every field (barring a SHA-1 collision), so every
+    computation on them gives the same result (a cache key, and the test whether a state
+    changed).
 
     "Bit for bit" means: an array field by its dtype (kind, item size and byte order), shape
     and the bytes of its elements in C order (a float32 array differs from a float64 one of
@@ -230,10 +231,9 @@ def state_digest(state: ClusterState) -> bytes:
     ``latency_s``) as a 0-d array of its numpy type (float64 for a python float; an int
     differs from the float of the same value); a tuple of strings (``ids``, ``kinds``) by its
     length and the UTF-8 bytes of its strings, NUL-separated (length-prefixed when a string
-    holds a NUL). Hence ``-0.0`` and ``0.0`` differ, a NaN
-    equals a NaN with the same bits (sign and payload) and no other, and ``inf`` equals
-    ``inf``. Each field is prefixed by its name, so a value cannot stand in for another
-    field's.
+    holds a NUL). Hence ``-0.0`` and ``0.0`` differ, a NaN equals a NaN with the same bits
+    (sign and payload) and no other, and ``inf`` equals ``inf``. Each field is prefixed by
+    its name, so a value cannot stand in for another field's.
 
     Raises:
         TypeError: a field holds objects without a fixed bit pattern (an object array, a
