@@ -14,18 +14,11 @@ from hypothesis import strategies as st
 
 from hetrain.cluster import ClusterState, state_digest
 
-FLOAT_ARRAYS = (
-    "speed_flops",
-    "memory_bytes",
-    "nic_bytes_per_s",
-    "power_w",
-    "price_per_s",
-    "kappa_s",
-    "layer_overhead_s",
-    "nominal_speed_flops",
-    "measured_extra_s",
-)
 SCALARS = ("intra_node_bytes_per_s", "latency_s")
+NON_FLOAT = ("ids", "kinds", "node", "available")
+# every other field of ClusterState is a per-device float array (a field added later is
+# covered without editing this list)
+FLOAT_ARRAYS = tuple(f.name for f in fields(ClusterState) if f.name not in SCALARS + NON_FLOAT)
 QUIET_NAN = float("nan")
 OTHER_NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_0000_0001))[0]  # another payload
 
