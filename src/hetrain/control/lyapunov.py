@@ -179,8 +179,9 @@ class LyapunovController:
         horizon_slots: optional cap on the payback horizon (slots); ``None``: no cap.
         switch_margin: relative gain of the objective below which a *structure* change is
             never applied (hysteresis against measurement noise).
-        drift_tolerance: relative change of the current plan's predicted ``T/T_LB`` (or of a
-            price, with budgets) that triggers a new search.
+        drift_tolerance: relative change of the current plan's predicted ``T/T_LB`` (``T``
+            with the gradient sync, :meth:`_predicted_time_s`; or of a price, with budgets)
+            that triggers a new search.
         queue_tolerance: change of a queue weight ``Q̂_j Σ_d π_d / V`` (absolute, dimensionless)
             that triggers a new search.
         replan_every: search at least this often (slots).
@@ -478,7 +479,7 @@ class LyapunovController:
             self._refused_slots += 1
         if self._reset_ref or decision.structure_changed:
             t_lb = lower_bound_s(observed, self.profile, self.config.batch)
-            _, t_pred = self._rebalance(decision.plan, observed)
+            t_pred = self._predicted_time_s(decision.plan, observed)
             self._ref_ratio = t_pred / t_lb if t_lb > 0 else math.inf
             self._reset_ref = False
         if decision.structure_changed and self._current is not None:
@@ -1003,7 +1004,8 @@ class LyapunovController:
         predicted_ratio = math.inf
         if self._current is not None:
             if self._usable(self._current, available):
-                current, t_pred = self._rebalance(self._current, observed)
+                current, _ = self._rebalance(self._current, observed)
+                t_pred = self._predicted_time_s(self._current, observed)
                 predicted_ratio = t_pred / t_lb if t_lb > 0 else math.inf
             else:
                 repaired = self._repair(self._current, observed)
@@ -1195,6 +1197,15 @@ class LyapunovController:
         if memo is not None:
             memo.rebalanced[key] = (None if new is plan else new.groups, t_max)
         return new, t_max
+
+    def _predicted_time_s(self, plan: Plan, state: ClusterState) -> float:
+        """The predicted iteration time ``T`` (docs/model.md §3: the slowest group and the
+        gradient sync; seconds) of ``plan``'s structure with shares re-solved for ``state``: what
+        the drift trigger of :meth:`_needs_search` watches, so that a link that slows the sync
+        (a degraded NIC under the all-reduce) calls for a search as a slow device does."""
+        rebalanced, t_max = self._rebalance(plan, state)
+        t = float(self._evaluate_fast(rebalanced, state).iteration_time_s)
+        return t if math.isfinite(t) else t_max
 
     def _rebalance_once(
         self, plan: Plan, state: ClusterState, *, revive: bool
