@@ -230,10 +230,10 @@ def state_digest(state: ClusterState) -> bytes:
     the same values; a view equals its copy); a scalar field (``intra_node_bytes_per_s``,
     ``latency_s``) as a 0-d array of its numpy type (float64 for a python float; an int
     differs from the float of the same value); a tuple of strings (``ids``, ``kinds``) by its
-    length and the UTF-8 bytes of its strings, NUL-separated (length-prefixed when a string
-    holds a NUL). Hence ``-0.0`` and ``0.0`` differ, a NaN equals a NaN with the same bits
-    (sign and payload) and no other, and ``inf`` equals ``inf``. Each field is prefixed by
-    its name, so a value cannot stand in for another field's.
+    length and each string's UTF-8 bytes prefixed by their count. Hence ``-0.0`` and ``0.0``
+    differ, a NaN equals a NaN with the same bits (sign and payload) and no other, and ``inf``
+    equals ``inf``. Each field is prefixed by its name, so a value cannot stand in for another
+    field's.
 
     Raises:
         TypeError: a field holds objects without a fixed bit pattern (an object array, a
@@ -245,18 +245,12 @@ def state_digest(state: ClusterState) -> bytes:
         if value is None:
             h.update(f"{name}:none;".encode())
         elif isinstance(value, tuple):
-            try:
-                text = "\0".join(value)
-            except TypeError:
-                why = f"state_digest: field {name} holds a tuple of non-strings"
-                raise TypeError(why) from None
-            if text.count("\0") > max(len(value) - 1, 0):  # a NUL in a name: length-prefixed
-                text = "".join(f"{len(x)}:{x}" for x in value)
-                h.update(f"{name}:lstr{len(value)};".encode())
-            else:
-                h.update(f"{name}:str{len(value)};".encode())
-            raw = text.encode("utf-8", "surrogatepass")
-            h.update(b"%d;" % len(raw) + raw)
+            if not all(isinstance(x, str) for x in value):
+                raise TypeError(f"state_digest: field {name} holds a tuple of non-strings")
+            h.update(f"{name}:str{len(value)};".encode())
+            for x in value:  # each string by its byte length and bytes
+                raw = x.encode("utf-8", "surrogatepass")
+                h.update(b"%d;" % len(raw) + raw)
         else:
             arr = np.asarray(value)
             if arr.dtype.hasobject:
