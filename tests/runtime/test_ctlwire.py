@@ -19,7 +19,7 @@ from hetrain.costmodel import TrainingConfig
 from hetrain.profile import ProfileArrays, SharedTensor
 from hetrain.runtime.adapt import ControllerThread
 from hetrain.runtime.ctldecision import Decision, even_dp_plan
-from hetrain.runtime.ctlstore import PREFIX, ControllerLink
+from hetrain.runtime.ctlstore import PREFIX, ControllerLink, publish
 from hetrain.runtime.ctlwire import (
     WireError,
     decode_decision,
@@ -152,7 +152,7 @@ def test_the_controller_ignores_a_crafted_pickle_in_its_store(tmp_path, capfd):
             assert time.time() < deadline
             time.sleep(0.02)
         store.set(PREFIX + "m/0/0", blob)
-        store.set(PREFIX + "plan", blob)
+        publish(store, "plan", blob)  # the counter raised too: rank 0's link reads it
         # a hostile init in the middle of a round: refused, the round goes on
         store.set(PREFIX + "init", blob)
         store.set(PREFIX + "init_id", "evil2")

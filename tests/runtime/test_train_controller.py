@@ -395,7 +395,7 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
     """A round whose rank 0 died (a restart) may still have a search running in the controller;
     its decision, written after the next round's start, is ignored by the new round's rank 0
     (it named plan ids and estimates of the old round); the new round's own decision is read."""
-    from hetrain.runtime.ctlstore import PREFIX, _store
+    from hetrain.runtime.ctlstore import PREFIX, _store, publish
     from hetrain.runtime.ctlwire import encode_decision
 
     store = _store("127.0.0.1", 0, master=True)
@@ -419,10 +419,10 @@ def test_a_decision_of_an_ended_round_never_reaches_the_next_round(tmp_path):
             time.sleep(0.01)
         plan = even_dp_plan(DEVICES, 4, BATCH, 8).model_copy(update={"plan_id": 7})
         decision = Decision(plan, "rebalance", 3, 0.2, 0.1, 0.01, 10.0, False)
-        store.set(PREFIX + "plan", encode_decision(old.round_id, decision))  # late, old round
+        publish(store, "plan", encode_decision(old.round_id, decision))  # late, old round
         time.sleep(3 * ControllerLink.REFRESH_S)
         assert new.poll(0) is None
-        store.set(PREFIX + "plan", encode_decision(new.round_id, decision))  # this round's
+        publish(store, "plan", encode_decision(new.round_id, decision))  # this round's
         while new.poll(0) is None:
             assert time.time() < deadline
             time.sleep(0.05)

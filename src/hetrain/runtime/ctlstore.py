@@ -20,12 +20,24 @@ from hetrain.runtime.ctlwire import WireError, decode_decision, encode_init, enc
 
 PREFIX = "hetrain/ctl/"
 
+NEWS_KEY = "news"
+"""A counter the controller raises (``store.add``) after it writes ``plan`` or ``error``: rank
+0's link reads those keys only when the counter moved, one store request per read instead of
+two or three."""
+
 _FORK_LOCK = threading.Lock()
 """Held around every call into a controller store; a fork (the elastic agent forking the ranks
 in the launching process, where the controller thread runs) waits for it. A store call holds
 native mutexes of torch (c10's wait counters): a child forked while another thread is inside
 one inherits the mutex locked and hangs at its first collective (seen: a rank of
 bench/runtime_vs_ddp.py stuck in ``init_process_group``, ``WaitCounterHandle``)."""
+
+
+def publish(store: Any, key: str, value: bytes | str) -> None:
+    """The controller's write of ``plan`` or ``error`` (``key`` without :data:`PREFIX`): the
+    value, then the :data:`NEWS_KEY` counter raised, which tells rank 0's link to read it."""
+    store.set(PREFIX + key, value)
+    store.add(PREFIX + NEWS_KEY, 1)
 
 
 def _after_fork_in_child() -> None:
@@ -124,6 +136,7 @@ class ControllerLink:
         self._decision: Decision | None = None
         self._decision_raw: bytes | None = None
         self._round_id: bytes | None = None  # the init_id of this link's round
+        self._news: int | None = None  # the controller's NEWS_KEY counter when last read
         self._stop = False
         self._thread = threading.Thread(
             target=self._run, args=(timeout_s,), name="hetrain-controller-link", daemon=True
@@ -155,6 +168,10 @@ class ControllerLink:
             self._error = exc
 
     def _refresh(self, store: Any) -> None:
+        news = int(store.add(PREFIX + NEWS_KEY, 0))  # creates it at 0 when absent
+        if news == self._news:
+            return
+        self._news = news
         if store.check([PREFIX + "error"]):
             text = store.get(PREFIX + "error").decode(errors="replace").strip()
             self._failure = text.splitlines()[-1] if text else "unknown error"
@@ -174,6 +191,7 @@ class ControllerLink:
 
     def _send(self, store: Any, kind: str, payload: Any) -> None:
         if kind == "init":
+            self._news = None  # the next refresh reads the (new) round's keys
             for key in ("plan", "done", "error"):
                 if store.check([PREFIX + key]):
                     store.delete_key(PREFIX + key)
