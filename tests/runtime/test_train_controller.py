@@ -4,6 +4,7 @@ protocol, checkpointed controller state, and the main job's story."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import numpy as np
@@ -319,6 +320,15 @@ def test_main_job_moves_work_off_the_slow_rank(tmp_path, capfd):
     err = capfd.readouterr()
     late = _main_job_late_shares(run_dir, err.out + err.err)
     assert not late, late[:3]
+    # the end line's decision delay: per plan change, its first step minus the last step its
+    # decision saw, minus 1 (the unit of hetrain simulate --decision-delay), median
+    replans = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "replan"]
+    assert replans
+    delays = [r["step"] - r["decided_after_step"] - 1 for r in replans]
+    assert min(delays) >= 1  # a decision is carried by a later step's report row
+    median = statistics.median(delays)
+    end = [x for x in err.out.splitlines() if x.startswith("trained ")]
+    assert len(end) == 1 and f"(decision delay {median:g} step" in end[0], end
 
 
 def test_first_decision_keeps_the_slow_device_busy_with_balanced_shares():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -213,6 +214,17 @@ def _cluster_subset(cluster: Path, devices: list[str]) -> dict:
     return raw
 
 
+def decision_delay_text(delays: list[int]) -> str:
+    """`` (decision delay D steps, median)`` of a run's plan changes (``delays``: per change,
+    the first step it ran minus the last step its decision saw, minus 1: the unit of
+    ``hetrain simulate --decision-delay``); empty without changes."""
+    if not delays:
+        return ""
+    median = statistics.median(delays)
+    spread = f", {min(delays)}-{max(delays)}" if min(delays) != max(delays) else ""
+    return f" (decision delay {median:g} {'step' if median == 1 else 'steps'}, median{spread})"
+
+
 def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -> None:
     files: list[str] = []
     if report and job.metrics_out and job.run_dir:
@@ -239,6 +251,7 @@ def _print_summary(summary: dict[str, Any], job, report: bool, json_out: bool) -
     print(
         f"on {plural(ranks, 'rank')} in {wall:.1f}s; "
         f"final loss {summary['final_loss']:.4f}; plan changes {summary['replans']}"
+        + decision_delay_text(summary.get("decision_delay_steps") or [])
         + (
             f"; updates skipped (non-finite loss or gradient norm): {summary['skipped_steps']}"
             if summary.get("skipped_steps")

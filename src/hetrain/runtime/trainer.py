@@ -58,6 +58,9 @@ class Trainer(TrainerSetup):
     def __init__(self, job: Any, Worker: Any, gather_measurements: Any) -> None:
         super().__init__(job, Worker, gather_measurements)
         self.replans = 0
+        # rank 0, per plan change: the first step run under it minus the last step whose
+        # measurements its decision used, minus 1 (``hetrain simulate --decision-delay``'s unit)
+        self.decision_delays: list[int] = []
         self.adapt_time_s = 0.0  # rank 0's time talking to the controller (post + poll)
         self.skipped_steps = 0  # updates skipped for a non-finite loss or gradient norm
         self.timelines: list[dict[str, Any]] = []
@@ -314,6 +317,8 @@ class Trainer(TrainerSetup):
             )
         self.plan = new_plan
         self.replans += 1
+        if decision is not None:  # rank 0: steps between the decision's data and its first step
+            self.decision_delays.append(step - int(decision.decided_after_step))
 
     # ---- checkpoint -----------------------------------------------------------------------
     def checkpoint(self, step: int, stop_signal: str | None) -> Path | None:
@@ -398,6 +403,7 @@ class Trainer(TrainerSetup):
             "quality": job.task.quality_line(quality),
             "quality_reached": job.task.quality_reached(quality),
             "replans": self.replans,
+            "decision_delay_steps": list(self.decision_delays),
             "skipped_steps": self.skipped_steps,
             "adapt_time_s": self.adapt_time_s,
             "final_plan": self.plan.to_json_dict(),
@@ -412,6 +418,7 @@ class Trainer(TrainerSetup):
             metrics=quality,
             wall_time_s=wall,
             replans=self.replans,
+            decision_delay_steps=list(self.decision_delays),
             skipped_steps=self.skipped_steps,
         )
         metrics.close()
