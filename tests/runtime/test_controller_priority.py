@@ -82,14 +82,14 @@ def test_idle_sleep_backs_off_and_follows_the_step_time() -> None:
 
 def test_idle_sleep_waits_for_most_of_a_step_after_one_completes() -> None:
     """Steps 80 ms apart, the last complete at t = 10 s: a pass that finds nothing at 10.01 s
-    sleeps until 10.06 s (0.75 of a step), and from then on at most 4 ms (5 % of a step)
+    sleeps until 10.04 s (half a step), and from then on at most 4 ms (5 % of a step)
     between two checks; a step later than expected is checked for at that pace."""
     service = ControllerService(store=None, poll_s=0.002)
     service._step_gap_s, service._last_seen = 0.08, 10.0
     service._idle_ticks = 0
-    assert service.idle_sleep_s(now=10.01) == pytest.approx(0.05)
+    assert service.idle_sleep_s(now=10.01) == pytest.approx(0.03)
     service._idle_ticks = 5
-    assert service.idle_sleep_s(now=10.061) == pytest.approx(0.004)
+    assert service.idle_sleep_s(now=10.041) == pytest.approx(0.004)
     assert service.idle_sleep_s(now=10.5) == pytest.approx(0.004)
 
 

@@ -36,7 +36,7 @@ class _Counting:
 
 def test_requests_per_step_of_the_service_and_of_rank_0s_link(tmp_path, monkeypatch):
     """30 steps of 4 ranks 40 ms apart with steady times (the controller keeps the plan after
-    its first decisions): the service makes at most 14 store requests per step (about five
+    its first decisions): the service makes at most 14 store requests per step (a few
     checks, one multi_get, 4 deletes, round checks every 0.1 s; a check every 5 ms and a get
     per record made 16-20), and rank
     0's link, between decisions, one request per read (the news counter) and no check."""
