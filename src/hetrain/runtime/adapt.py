@@ -224,6 +224,9 @@ class ControllerService:
                     ctl.base_state.ids
                 ):
                     ctl.load_state_dict(saved)
+                    if ctl.startup_check is not None:
+                        print(f"hetrain: controller: {ctl.startup_check}", file=sys.stderr,
+                              flush=True)  # fmt: skip
             except ValueError as exc:  # CheckpointError too: one line, the round goes on
                 print(f"hetrain: warning: controller state not restored: {exc}", file=sys.stderr)
         self.controller = ctl
