@@ -152,7 +152,11 @@ class PlanController:
         # replays: {asked step: joined step} of the recorded run (searches then run at once
         # and join at the recorded step instead of when a thread finishes)
         self.replay_joins: dict[int, int] | None = None
-        self._first_speeds: dict[str, float] | None = None
+        # the speed estimates (FLOP/s per device) on which the plan in force was chosen: the
+        # start-up calibration's for the round's first plan (the start-up decision's state)
+        self._chosen_speeds: dict[str, float] = dict(
+            zip(base_state.ids, (float(s) for s in base_state.speed_flops), strict=True)
+        )
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
@@ -217,8 +221,6 @@ class PlanController:
         self.estimates.close_step()
         self._observed = None
         self.observed_steps += 1
-        if self._first_speeds is None and self.observed_steps >= self.estimates.window:
-            self._first_speeds = self.estimates.speeds_flops()
 
     def _observe_step_residual(self, iteration_time_s: float) -> None:
         """Residual of one step of the plan in force against its prediction with ``F = 0``
@@ -382,6 +384,7 @@ class PlanController:
         self.plans[int(plan.plan_id)] = plan
         self.next_plan_id = int(plan.plan_id) + 1
         self.current = plan
+        self._chosen_speeds = dict(decision.speeds_flops)
         self.decisions += 1
         return decision
 
@@ -406,17 +409,18 @@ class PlanController:
             self._pending[3].result()
 
     def _why(self, d: Any, state: ClusterState) -> str:
+        """The re-plan line's reason: the kind of change, the controller's reason and the
+        devices whose speed estimates moved relative to the others since the plan in force
+        was chosen (:func:`relative_moves`: a move common to every device, such as the
+        start-up benchmark's bias, names none)."""
         kind = "re-plan (new groups/stages)" if d.structure_changed else "rebalance (shares only)"
         kind += f" [controller: {d.reason}]"
-        ref = self._first_speeds or {}
-        moved = []
-        for dev, s in zip(state.ids, state.speed_flops, strict=True):
-            s0 = ref.get(dev)
-            if s0 and s > 0 and (s0 / s > 1.5 or s / s0 > 1.5):
-                moved.append(
-                    f"{dev} {s0 / s:.1f}x slower" if s < s0 else f"{dev} {s / s0:.1f}x faster"
-                )
-        return kind + (f": {', '.join(moved)} than at start" if moved else "")
+        now = dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True))
+        moved = relative_moves(self._chosen_speeds, now)
+        if not moved:
+            return kind
+        since = f"plan {int(self.current.plan_id or 0)}"
+        return f"{kind}: {moved} than when {since} was chosen, relative to the other devices"
 
     # ---- checkpoints ----
     STATE_FORMAT = "hetrain.controller"
@@ -458,7 +462,7 @@ class PlanController:
             "next_plan_id": self.next_plan_id,
             "observed_steps": self.observed_steps,
             "decisions": self.decisions,
-            "first_speeds": self._first_speeds,
+            "chosen_speeds": dict(self._chosen_speeds),
             "step_residuals_s": list(self._step_residuals_s),
             "searches_applied": list(self.searches_applied),
             "policy": policy,
@@ -539,8 +543,8 @@ class PlanController:
                 for k, v in dict(data["plans"]).items()
             }
             counters = [int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions")]
-            first = data["first_speeds"]
-            first_speeds = None if first is None else {str(d): float(v) for d, v in first.items()}
+            chosen = data.get("chosen_speeds")  # absent in older states
+            chosen = None if chosen is None else per_device(chosen)
             residuals = [float(v) for v in data["step_residuals_s"]]
             searches = [int(v) for v in data["searches_applied"]]
             policy = data["policy"]
@@ -578,7 +582,9 @@ class PlanController:
         self.plans = plans
         self.next_plan_id = max(counters[0], self.next_plan_id)
         self.observed_steps, self.decisions = counters[1:]
-        self._first_speeds = first_speeds
+        self._chosen_speeds = chosen or dict(
+            zip(ids, (float(v) for v in self.base_state.speed_flops), strict=True)
+        )
         self._step_residuals_s = residuals
         self.searches_applied = searches
         # the plan in force is the round's (the ranks kept theirs): the policy answers from it
@@ -662,6 +668,35 @@ class PlanController:
             f"the start-up benchmark measured {', '.join(named)} than the restored estimates "
             "(a loaded machine?): the restored estimates stand until measured steps show a change"
         )
+
+
+def relative_moves(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    """The devices whose speed moved relative to the others between two sets of estimates
+    (FLOP/s per device), as ``"w1 3.0x slower, w2 1.6x faster"`` (empty: none). Each device's
+    move ``after / before`` is divided by the move common to the devices (the middle move;
+    of the two middle ones of an even count the one nearer 1, so that with two devices the
+    one that moved is named), and a device is named when that relative move is beyond 1.5x
+    either way. A factor common to every device (a start-up benchmark that measured all of
+    them 2.5x slow) names none: only relative speeds change a plan's shares."""
+    moves = {
+        d: after[d] / before[d]
+        for d in after
+        if before.get(d, 0) > 0 and after[d] > 0 and math.isfinite(after[d] / before[d])
+    }
+    if len(moves) < 2:
+        return ""
+    ordered = sorted(moves.values())
+    n = len(ordered)
+    middle = ordered[(n - 1) // 2 : n // 2 + 1]
+    common = min(middle, key=lambda m: abs(math.log(m)))
+    named = []
+    for d, m in moves.items():
+        r = m / common
+        if r > 1.5:
+            named.append(f"{d} {r:.1f}x faster")
+        elif r < 1 / 1.5:
+            named.append(f"{d} {1 / r:.1f}x slower")
+    return ", ".join(named)
 
 
 def _whole_model_s(state: ClusterState, profile: ProfileArrays, device: str, batch: int) -> float:
