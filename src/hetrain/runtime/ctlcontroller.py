@@ -665,8 +665,8 @@ class PlanController:
         if not named:
             return None
         return (
-            f"the start-up benchmark measured {', '.join(named)} than the restored estimates "
-            "(a loaded machine?): the restored estimates stand until measured steps show a change"
+            f"the start-up benchmark measured {', '.join(named)} than the restored estimates; "
+            "the restored estimates stand until measured steps show a change"
         )
 
 
