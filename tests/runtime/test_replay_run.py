@@ -42,3 +42,44 @@ def test_replay_of_a_recorded_train_run_gives_its_decisions(tmp_path, capsys):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_replay_of_a_resumed_run_replays_each_round_from_its_own_start(tmp_path, capsys):
+    # round 1: steps 0-23 with checkpoints, equal ranks; round 2: the run resumed to step 48
+    # with w1 3x slower (the controller moves work off it), its rows appended to the same
+    # controller.jsonl
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    for steps, slow in ((24, []), (48, ["--slowdown", "w1=3"])):
+        code = main(["train", "--example", "digits", "--workers", "2", "--steps", str(steps),
+                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "8",
+                     "--no-demo-slowdown", *slow, "--no-progress", "--no-report",
+                     "--run-dir", str(run_dir)])  # fmt: skip
+        assert code == 0
+    capsys.readouterr()
+    rows = [json.loads(line) for line in (run_dir / "controller.jsonl").read_text().splitlines()]
+    # each round's rows tagged with its round (a round's last step may go unlogged: the
+    # controller stops when rank 0 is done)
+    first = [r for r in rows if r["step"] < 24]
+    second = [r for r in rows if r["step"] >= 24]
+    assert rows == first + second and len(first) >= 20 and len(second) >= 20
+    assert {r["round"] for r in first} == {
+        json.loads((run_dir / "controller_init.json").read_text())["round"]
+    }
+    (resumed_round,) = {r["round"] for r in second}
+    assert second[0]["step"] == 24 and resumed_round != first[0]["round"]
+    started = run_dir / f"controller_init-{resumed_round}.json"
+    kept = json.loads(started.read_text())
+    # the restored state: the newest the controller staged by step 24 (one per 8 steps)
+    assert kept["start_step"] == 24 and kept["controller_state"]["observed_steps"] in (16, 24)
+    recorded = recorded_decisions(run_dir)
+    assert any(d["step"] >= 24 for d in recorded), recorded  # the resumed round decided too
+    assert replay_run(run_dir) == recorded
+    assert main(["simulate", "--replay", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["matches_recorded"] is True
+    # without the resumed round's start: one line, exit 2 (bad input)
+    started.unlink()
+    assert main(["simulate", "--replay", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "the run was resumed at step 24; rounds after the first are not replayable" in err[0]
+    assert started.name in err[0]

@@ -33,7 +33,7 @@ plan forms it uses: :mod:`hetrain.runtime.ctldecision`) and the store with rank 
 own modules; this one holds the service that runs them over the store
 (:class:`ControllerService`), in a thread of the launcher (:class:`ControllerThread`) or its own
 process (:func:`spawn_controller_process`, :func:`main`), and where the controller's files go
-(:func:`replay_init_path`, :func:`controller_state_path`).
+(:func:`replay_init_path`, :func:`round_init_path`, :func:`controller_state_path`).
 
 Imports the planning modules only; torch only for the store, lazily. ``Decision``,
 ``even_dp_plan`` and ``ControllerLink`` stay importable from here (benches, launch code).
@@ -46,6 +46,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -113,6 +114,22 @@ def replay_init_path(log_path: str | Path) -> Path:
     JSON start message (:func:`~hetrain.runtime.ctlwire.encode_init`; ``controller_init.json``
     beside ``controller.jsonl``)."""
     return Path(log_path).with_name("controller_init.json")
+
+
+def round_init_path(log_path: str | Path, round_id: str) -> Path:
+    """Where a resumed round's start is kept for replays: its JSON start message with the
+    controller state it restored from its checkpoint as ``controller_state``
+    (``controller_init-<round>.json`` beside ``controller.jsonl``; the round id's characters
+    other than letters, digits, ``-`` and ``_`` written as ``_``)."""
+    safe = re.sub(r"[^0-9A-Za-z_-]", "_", str(round_id))[:64]
+    return Path(log_path).with_name(f"controller_init-{safe}.json")
+
+
+def _write_atomic(path: Path, blob: bytes) -> None:
+    """``blob`` to ``path`` through a temporary file beside it (a reader sees all or none)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
 
 
 def controller_state_path(checkpoint_dir: str | Path, step: int) -> Path:
@@ -232,6 +249,7 @@ class ControllerService:
             for staged in controller_state_path(init["checkpoint_dir"], 0).parent.glob("*.json"):
                 with contextlib.suppress(OSError):
                     staged.unlink()
+        restored = None  # the controller state this round starts from (replays load it)
         if init.get("checkpoint_dir") and start > 0:
             # the state in the checkpoint the ranks resume from (checksum verified, plain
             # JSON): used when it is this round's devices, else the round starts fresh
@@ -243,6 +261,10 @@ class ControllerService:
                     ctl.base_state.ids
                 ):
                     ctl.load_state_dict(saved)
+                    restored = saved
+                    if ctl.startup_check is not None:
+                        print(f"hetrain: controller: {ctl.startup_check}", file=sys.stderr,
+                              flush=True)  # fmt: skip
             except ValueError as exc:  # CheckpointError too: one line, the round goes on
                 print(f"hetrain: warning: controller state not restored: {exc}", file=sys.stderr)
         self.controller = ctl
@@ -255,11 +277,17 @@ class ControllerService:
             Path(init["log_path"]).parent.mkdir(parents=True, exist_ok=True)
             mode = "a" if start > 0 else "w"  # a resumed run appends
             self._log = open(init["log_path"], mode, encoding="utf-8")  # noqa: SIM115
-            if start == 0:  # what a replay rebuilds the controller from (hetrain.sim.replay)
-                blob = encode_init(init)  # JSON (the replay validates it as a round's start)
-                init_path = replay_init_path(init["log_path"])
-                init_path.with_suffix(".tmp").write_bytes(blob)
-                os.replace(init_path.with_suffix(".tmp"), init_path)
+            # what a replay rebuilds the round's controller from (hetrain.sim.replay), JSON
+            # (the replay validates it as a round's start): the run's first round's, and each
+            # resumed round's with the state it restored
+            if start == 0:  # a new log: resumed rounds' starts of an earlier one go
+                for stale in Path(init["log_path"]).parent.glob("controller_init-*.json"):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
+                _write_atomic(replay_init_path(init["log_path"]), encode_init(init))
+            else:
+                blob = encode_init({**init, "controller_state": restored})
+                _write_atomic(round_init_path(init["log_path"], init["round"]), blob)
 
     def _tick(self) -> bool:
         """One pass; False when there was nothing to do. Costs one store request while no
@@ -293,7 +321,7 @@ class ControllerService:
         for k in range(self._last + 1, newest + 1):
             rec = records[k]
             ctl.observe(k, rec["plan_id"], rec["compute_time_s"], rec.get("iteration_time_s"))
-            row = {"step": k, "plan_id": rec["plan_id"]}
+            row = {"step": k, "plan_id": rec["plan_id"], "round": self._init["round"]}
             predicted = ctl.prediction_inputs() if self._log is not None else None
             if every > 0 and (k + 1) % every == 0 and self._init.get("checkpoint_dir"):
                 path = controller_state_path(self._init["checkpoint_dir"], k + 1)

@@ -45,8 +45,14 @@ from hetrain.runtime.ctldecision import (
     predict_iteration_time_s,
     runtime_plan,
 )
+from hetrain.runtime.ctlwire import profile_to_json, state_to_json
 
 _SEARCH_EXECUTOR: Any = None
+
+CALIBRATED_CONFIG = ("group_time_jitter", "update_time_s_per_param_byte")
+"""The :class:`~hetrain.costmodel.TrainingConfig` fields a round's start-up calibration measures
+(:func:`hetrain.runtime.worker_main.startup_measurements`): saved with the controller's state
+and restored with its estimates (:meth:`PlanController.load_state_dict`)."""
 
 
 def _search_executor():
@@ -124,7 +130,8 @@ class PlanController:
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.horizon_steps = int(horizon_steps)
         self.warmup_steps = int(warmup_steps)
-        self.policy = make_policy("lyapunov", profile, config, **{**policy_options(), **options})
+        self._policy_options = {**policy_options(), **options}
+        self.policy = make_policy("lyapunov", profile, config, **self._policy_options)
         self.estimates = SpeedEstimates(
             base_state.ids,
             [float(v) for v in base_state.speed_flops],
@@ -145,7 +152,11 @@ class PlanController:
         # replays: {asked step: joined step} of the recorded run (searches then run at once
         # and join at the recorded step instead of when a thread finishes)
         self.replay_joins: dict[int, int] | None = None
-        self._first_speeds: dict[str, float] | None = None
+        # the speed estimates (FLOP/s per device) on which the plan in force was chosen: the
+        # start-up calibration's for the round's first plan (the start-up decision's state)
+        self._chosen_speeds: dict[str, float] = dict(
+            zip(base_state.ids, (float(s) for s in base_state.speed_flops), strict=True)
+        )
         self.last_check: dict[str, Any] = {}
         self._step_residuals_s: list[float] = []
         self._observed: ClusterState | None = None  # observed_state()'s, until estimates move
@@ -160,6 +171,9 @@ class PlanController:
         self._even_plan: Plan | None = None
         # startup_stage_time_s per (device, start, end, batch, μ): base state and profile fixed
         self._startup_times_s: dict[tuple, float | None] = {}
+        # load_state_dict's comparison of this round's start-up benchmark with the restored
+        # estimates (one line), None when it named no device or nothing was restored
+        self.startup_check: str | None = None
 
     # ---- measurements ----
     def observe(
@@ -207,8 +221,6 @@ class PlanController:
         self.estimates.close_step()
         self._observed = None
         self.observed_steps += 1
-        if self._first_speeds is None and self.observed_steps >= self.estimates.window:
-            self._first_speeds = self.estimates.speeds_flops()
 
     def _observe_step_residual(self, iteration_time_s: float) -> None:
         """Residual of one step of the plan in force against its prediction with ``F = 0``
@@ -372,6 +384,7 @@ class PlanController:
         self.plans[int(plan.plan_id)] = plan
         self.next_plan_id = int(plan.plan_id) + 1
         self.current = plan
+        self._chosen_speeds = dict(decision.speeds_flops)
         self.decisions += 1
         return decision
 
@@ -396,17 +409,18 @@ class PlanController:
             self._pending[3].result()
 
     def _why(self, d: Any, state: ClusterState) -> str:
+        """The re-plan line's reason: the kind of change, the controller's reason and the
+        devices whose speed estimates moved relative to the others since the plan in force
+        was chosen (:func:`relative_moves`: a move common to every device, such as the
+        start-up benchmark's bias, names none)."""
         kind = "re-plan (new groups/stages)" if d.structure_changed else "rebalance (shares only)"
         kind += f" [controller: {d.reason}]"
-        ref = self._first_speeds or {}
-        moved = []
-        for dev, s in zip(state.ids, state.speed_flops, strict=True):
-            s0 = ref.get(dev)
-            if s0 and s > 0 and (s0 / s > 1.5 or s / s0 > 1.5):
-                moved.append(
-                    f"{dev} {s0 / s:.1f}x slower" if s < s0 else f"{dev} {s / s0:.1f}x faster"
-                )
-        return kind + (f": {', '.join(moved)} than at start" if moved else "")
+        now = dict(zip(state.ids, (float(s) for s in state.speed_flops), strict=True))
+        moved = relative_moves(self._chosen_speeds, now)
+        if not moved:
+            return kind
+        since = f"plan {int(self.current.plan_id or 0)}"
+        return f"{kind}: {moved} than when {since} was chosen, relative to the other devices"
 
     # ---- checkpoints ----
     STATE_FORMAT = "hetrain.controller"
@@ -418,11 +432,13 @@ class PlanController:
         per device as ``[time_s, start-up expected_s, micro-batches]`` and the fixed cost per
         kind, the kinds apart from the run's pool and each measurement's step index), the
         plans by id and the next id, the step counters, the learned
-        step overhead residuals, the steps at which searches joined and the policy's own
-        ``state_dict`` (queues, candidate pool).
-        Versioned (``format``, ``version``); restored by :meth:`load_state_dict`. The start-up
-        cluster state, profile and configuration are not in it: a resumed round builds its
-        controller from its own."""
+        step overhead residuals, the steps at which searches joined, the policy's own
+        ``state_dict`` (queues, candidate pool) and ``startup``: the start-up calibration the
+        estimates are relative to (the cluster state, the measured layer times per kind and the
+        calibrated ``group_time_jitter`` and ``update_time_s_per_param_byte``), which a
+        resumed round keeps for its unchanged devices instead of its own start-up benchmark
+        (:meth:`load_state_dict`). Versioned (``format``, ``version``); restored by
+        :meth:`load_state_dict`."""
         est = self.estimates
         policy = self.policy.state_dict() if hasattr(self.policy, "state_dict") else None
         return {
@@ -446,16 +462,34 @@ class PlanController:
             "next_plan_id": self.next_plan_id,
             "observed_steps": self.observed_steps,
             "decisions": self.decisions,
-            "first_speeds": self._first_speeds,
+            "chosen_speeds": dict(self._chosen_speeds),
             "step_residuals_s": list(self._step_residuals_s),
             "searches_applied": list(self.searches_applied),
             "policy": policy,
+            "startup": {
+                "base_state": state_to_json(self.base_state),
+                "measured": profile_to_json(self.profile)["measured"],
+                "config": {k: float(getattr(self.config, k)) for k in CALIBRATED_CONFIG},
+            },
         }
 
     def load_state_dict(self, data: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into this controller (built for the resumed
         round). The plan in force and the run's steps stay this controller's (the round's plan
         joins the known plans); the next plan id is the larger of both.
+
+        The restored estimates are ratios of measured steps over the start-up calibration of
+        the round that measured them, so that calibration (the state's ``startup``) stays
+        the reference of every device whose kind is this round's (an unchanged device): its
+        start-up speed, ``κ``, ``λ`` and nominal speed, its kind's measured layer times and
+        the calibrated configuration fields replace this round's, and this round's own
+        start-up benchmark of it moves no estimate (a benchmark taken while the machine was
+        loaded made every restored device look 2-10x faster, and the controller changed the
+        plan every few steps). A device measured at start-up more than 1.5x away from its
+        restored estimate is named in :attr:`startup_check`; only its measured steps move its
+        estimate, after ``window // 2 + 1`` of them as any lasting change. A device whose kind
+        changed keeps this round's calibration and starts without restored measurements. A
+        state without ``startup`` keeps this round's calibration for every device.
 
         Raises:
             ValueError: one line: not a controller state, another version, other devices than
@@ -509,30 +543,176 @@ class PlanController:
                 for k, v in dict(data["plans"]).items()
             }
             counters = [int(data[k]) for k in ("next_plan_id", "observed_steps", "decisions")]
-            first = data["first_speeds"]
-            first_speeds = None if first is None else {str(d): float(v) for d, v in first.items()}
+            chosen = data.get("chosen_speeds")  # absent in older states
+            chosen = None if chosen is None else per_device(chosen)
             residuals = [float(v) for v in data["step_residuals_s"]]
             searches = [int(v) for v in data["searches_applied"]]
             policy = data["policy"]
+            reference = self._restored_reference(data.get("startup"))
         except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as exc:
             why = " ".join(str(exc).split())[:200]
             raise ValueError(f"controller state: malformed ({type(exc).__name__}: {why})") from None
-        if policy is not None and hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(policy)
+        new_state, new_profile = self.base_state, self.profile
+        changed: set[str] = set()
+        target = self.policy
+        if reference is not None:
+            base, profile, config, changed = reference
+            target = make_policy("lyapunov", profile, config, **self._policy_options)
+            for i, d in enumerate(ids):
+                if d in changed:  # measured against another calibration: this round's
+                    speed[d] = float(base.speed_flops[i])
+                    kappa[d] = float(base.kappa_s[i])
+                    lam[d] = float(base.layer_overhead_s[i])
+                    samples[d], steps[d] = [], []
+            distinct -= changed
+        if policy is not None and hasattr(target, "load_state_dict"):
+            target.load_state_dict(policy)
+        self.policy = target
+        if reference is not None:
+            self.base_state, self.profile, self.config = base, profile, config
         self.estimates.window, self.estimates.long_window = window, long_window
         self.estimates.speed_flops, self.estimates.kappa_s = speed, kappa
         self.estimates.layer_overhead_s = lam
         self.estimates.restore(samples, distinct, fixed, distinct_kinds, steps)
         self._observed = None
+        self._startup_times_s = {}
+        self._even_plan = None
+        self._bare_cache = None
         plans[int(self.current.plan_id or 0)] = self.current
         self.plans = plans
         self.next_plan_id = max(counters[0], self.next_plan_id)
         self.observed_steps, self.decisions = counters[1:]
-        self._first_speeds = first_speeds
+        self._chosen_speeds = chosen or dict(
+            zip(ids, (float(v) for v in self.base_state.speed_flops), strict=True)
+        )
         self._step_residuals_s = residuals
         self.searches_applied = searches
         # the plan in force is the round's (the ranks kept theirs): the policy answers from it
         self._policy_plan = self.current
+        self.startup_check = None
+        if reference is not None:
+            self.startup_check = self._check_startup(new_state, new_profile, changed)
+
+    def _restored_reference(
+        self, startup: Any
+    ) -> tuple[ClusterState, ProfileArrays, TrainingConfig, set[str]] | None:
+        """The calibration this controller plans and estimates with after restoring a state
+        whose start-up calibration is ``startup`` (:meth:`state_dict`'s): ``(state, profile,
+        config, changed)``, each device's start-up rows (speed, ``κ``, ``λ``, nominal speed)
+        and its kind's measured layer times from ``startup`` when its kind is this round's,
+        else this round's (those devices are ``changed``); the calibrated configuration fields
+        from ``startup``. None when ``startup`` is None (a state without it).
+
+        Raises:
+            ValueError: (``WireError`` too) ``startup`` malformed or of other devices or layers.
+        """
+        from hetrain.runtime.ctlwire import profile_from_json, state_from_json
+
+        if startup is None:
+            return None
+        saved = state_from_json(startup["base_state"], "startup.base_state")
+        new = self.base_state
+        if list(saved.ids) != list(new.ids):
+            raise ValueError(f"startup.base_state: devices {list(saved.ids)}")
+        measured = profile_from_json(
+            {**profile_to_json(self.profile), "measured": startup["measured"]}, "startup"
+        ).measured
+        calibrated = {k: float(startup["config"][k]) for k in CALIBRATED_CONFIG}
+        if not all(math.isfinite(v) and v >= 0 for v in calibrated.values()):
+            raise ValueError("startup.config: expected finite numbers >= 0")
+        same = np.array([a.lower() == b.lower() for a, b in zip(saved.kinds, new.kinds,
+                                                                strict=True)])  # fmt: skip
+        changed = {d for d, s in zip(new.ids, same, strict=True) if not s}
+        rows = {
+            key: np.where(same, getattr(saved, key), getattr(new, key)).astype(float)
+            for key in ("speed_flops", "kappa_s", "layer_overhead_s", "nominal_speed_flops")
+        }
+        kept = {k.lower() for k, s in zip(saved.kinds, same, strict=True) if s}
+        profile = dataclasses.replace(
+            self.profile,
+            measured=tuple(m for m in measured if m.kind.lower() in kept)
+            + tuple(m for m in self.profile.measured if m.kind.lower() not in kept),
+        )
+        return (
+            new.with_changes(**rows),
+            profile,
+            dataclasses.replace(self.config, **calibrated),
+            changed,
+        )
+
+    def _check_startup(
+        self, state: ClusterState, profile: ProfileArrays, changed: set[str]
+    ) -> str | None:
+        """This round's start-up benchmark (``state``, ``profile``) against the restored
+        estimates: one line naming each unchanged device whose start-up time for the whole
+        model on a micro-batch of the batch is more than 1.5x its restored estimate's (the
+        reference's start-up time times its measured slow-down ``r̂``), or None."""
+        slowdowns = self.estimates.slowdowns()
+        batch = int(self.config.batch)
+        named = []
+        for d in self.base_state.ids:
+            if d in changed or d not in slowdowns:
+                continue
+            now = _whole_model_s(state, profile, d, batch)
+            restored = _whole_model_s(self.base_state, self.profile, d, batch) * slowdowns[d]
+            if not (now > 0 and restored > 0):
+                continue
+            ratio = now / restored
+            if ratio > 1.5:
+                named.append(f"{d} {ratio:.1f}x slower")
+            elif ratio < 1 / 1.5:
+                named.append(f"{d} {1 / ratio:.1f}x faster")
+        if not named:
+            return None
+        return (
+            f"the start-up benchmark measured {', '.join(named)} than the restored estimates; "
+            "the restored estimates stand until measured steps show a change"
+        )
+
+
+def relative_moves(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    """The devices whose speed moved relative to the others between two sets of estimates
+    (FLOP/s per device), as ``"w1 3.0x slower, w2 1.6x faster"`` (empty: none). Each device's
+    move ``after / before`` is divided by the move common to the devices (the middle move;
+    of the two middle ones of an even count the one nearer 1, so that with two devices the
+    one that moved is named), and a device is named when that relative move is beyond 1.5x
+    either way. A factor common to every device (a start-up benchmark that measured all of
+    them 2.5x slow) names none: only relative speeds change a plan's shares."""
+    moves = {
+        d: after[d] / before[d]
+        for d in after
+        if before.get(d, 0) > 0 and after[d] > 0 and math.isfinite(after[d] / before[d])
+    }
+    if len(moves) < 2:
+        return ""
+    ordered = sorted(moves.values())
+    n = len(ordered)
+    middle = ordered[(n - 1) // 2 : n // 2 + 1]
+    common = min(middle, key=lambda m: abs(math.log(m)))
+    named = []
+    for d, m in moves.items():
+        r = m / common
+        if r > 1.5:
+            named.append(f"{d} {r:.1f}x faster")
+        elif r < 1 / 1.5:
+            named.append(f"{d} {1 / r:.1f}x slower")
+    return ", ".join(named)
+
+
+def _whole_model_s(state: ClusterState, profile: ProfileArrays, device: str, batch: int) -> float:
+    """Start-up seconds of ``device`` in ``state`` for the whole model on one micro-batch of
+    ``batch`` samples: its kind's measured times (:func:`startup_stage_time_s`), else the FLOP
+    model (``flops / speed + κ + λ Σν``)."""
+    t = startup_stage_time_s(state, profile, device, 0, profile.num_layers, batch, batch)
+    if t is not None:
+        return t
+    i = state.index()[device]
+    speed = float(state.speed_flops[i])
+    if not speed > 0:
+        return math.nan
+    units = profile.layer_units(0, profile.num_layers)
+    return (float(profile.train_flops.sum()) * batch / speed + float(state.kappa_s[i])
+            + units * float(state.layer_overhead_s[i]))  # fmt: skip
 
 
 def startup_decision(

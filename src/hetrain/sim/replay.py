@@ -12,7 +12,11 @@ search joined the controller's pool) and the decision it made; and, once per run
 the same measurements in the same order, decides at the same steps, runs each search at the
 step that started it and hands its plan in at the step it joined in the run, and returns every
 decision; with searches reproducible (up to 16 devices, docs/controller.md) they are the run's
-decisions. Only a run that started at step 0 (not a resumed round) can be replayed.
+decisions. A resumed run's log holds every round's rows, each tagged with its round; each
+resumed round's start (its start-up state and the controller state it restored from its
+checkpoint) is kept beside it (:func:`hetrain.runtime.adapt.round_init_path`), and each
+round is replayed from its own start. A log without them (an older version's) replays its
+first round only and says so (:class:`~hetrain.errors.InputError`).
 
 Pure Python over the log (numpy and the planning modules; no torch, no processes).
 """
@@ -65,37 +69,127 @@ def read_controller_log(run: str | Path) -> tuple[dict[str, Any], list[dict[str,
     return init, rows
 
 
+def _round_starts(init: dict[str, Any], rows: list[dict[str, Any]]) -> list[int]:
+    """Indices of ``rows`` at which a round starts (0 first): where the row's ``round``
+    differs from the row before's; in a log whose rows carry no round (an older version's),
+    where the step does not follow the row before's or the plan id is none the round has run
+    or decided (a resumed round takes a new plan id)."""
+    starts = [0]
+    known = {int(init["plan"].plan_id or 0)}
+    for i in range(1, len(rows)):
+        prev, row = rows[i - 1], rows[i]
+        if "round" in row or "round" in prev:
+            new = row.get("round") != prev.get("round")
+        else:
+            new = int(row["step"]) != int(prev["step"]) + 1 or int(row["plan_id"]) not in known
+        if new:
+            starts.append(i)
+            known = {int(row["plan_id"])}
+        known.add(int(row["plan_id"]))
+        if "decision" in row:
+            known.add(int(row["decision"]["plan_id"]))
+    return starts
+
+
+def controller_rounds(run: str | Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """``[(init, rows)]`` per round of a run folder's controller log, in order: the first
+    round's start (``controller_init.json``) and each resumed round's
+    (:func:`hetrain.runtime.adapt.round_init_path`, with the controller state it restored),
+    each with its rows.
+
+    Raises:
+        InputError: see :func:`read_controller_log`; a round after the first whose start is
+            not kept (one line: the run was resumed at step N and rounds after the first are
+            not replayable), or a first round that is not the one ``controller_init.json``
+            started.
+    """
+    from hetrain.runtime.adapt import round_init_path
+    from hetrain.runtime.ctlwire import WireError, decode_init
+
+    init, rows = read_controller_log(run)
+    path = Path(run)
+    log = path / "controller.jsonl" if path.is_dir() else path
+    if not rows:
+        return [(init, rows)]
+    starts = _round_starts(init, rows)
+    first = rows[0].get("round")
+    if first is not None and first != init["round"]:
+        raise InputError(
+            str(log), "line 1", f"rows of round {first!s:.40}, not of the round that "
+            f"{log.with_name('controller_init.json').name} started",
+        )  # fmt: skip
+    out = []
+    for n, (a, b) in enumerate(zip(starts, [*starts[1:], len(rows)], strict=True)):
+        part = rows[a:b]
+        if n == 0:
+            out.append((init, part))
+            continue
+        step = int(part[0]["step"])
+        round_id = part[0].get("round")
+        where = None if round_id is None else round_init_path(log, str(round_id))
+        if where is None or not where.is_file():
+            why = (
+                "the log, an older version's, does not say where each round starts"
+                if where is None
+                else f"{where.name}, the round's start, is missing"
+            )
+            raise InputError(
+                "--replay", str(run), f"the run was resumed at step {step}; rounds after the "
+                f"first are not replayable: {why}",
+            )  # fmt: skip
+        try:
+            start = decode_init(where.read_bytes())
+        except WireError as exc:
+            raise InputError(str(where), "", f"a controller round's start ({exc})") from None
+        if start["round"] != round_id or int(start["start_step"]) > step:
+            raise InputError(str(where), "", f"the start of round {round_id!s:.40} at step {step}")
+        out.append((start, part))
+    return out
+
+
 def replay_run(run: str | Path) -> list[dict[str, Any]]:
     """Every decision of the controller on the run's recorded measurements:
     ``[{"step": k, "plan_id", "shares_after", "structure_changed"}]`` where ``step`` is the
-    measured step after which it was made (the row it is logged in).
+    measured step after which it was made (the row it is logged in). Each round
+    (:func:`controller_rounds`) is replayed by a controller built from its own start, a
+    resumed round's with the controller state it restored.
 
     Raises:
-        InputError: see :func:`read_controller_log`.
+        InputError: see :func:`controller_rounds`; a resumed round's kept controller state
+            that the controller does not take.
     """
     from hetrain.runtime.ctlcontroller import round_controller
 
-    init, rows = read_controller_log(run)
-    ctl = round_controller(init, async_search=True)
-    ctl.replay_joins = {
-        int(r["search_joined"][0]): int(r["search_joined"][1]) for r in rows if "search_joined" in r
-    }
     decisions = []
-    for r in rows:
-        k = int(r["step"])
-        ctl.observe(k, int(r["plan_id"]), r["compute_time_s"], r.get("measured_time_s"))
-        if not r["decided"]:
-            continue
-        made = ctl.decide(k + 1)
-        if made is not None:
-            decisions.append(
-                {
-                    "step": k,
-                    "plan_id": int(made.plan.plan_id),
-                    "shares_after": made.shares_after,
-                    "structure_changed": made.structure_changed,
-                }
-            )
+    for init, rows in controller_rounds(run):
+        ctl = round_controller(init, async_search=True)
+        if int(init["start_step"]) > 0 and init.get("controller_state") is not None:
+            try:
+                ctl.load_state_dict(init["controller_state"])
+            except ValueError as exc:
+                raise InputError(
+                    "--replay", str(run), f"the round resumed at step {init['start_step']}: {exc}"
+                ) from None
+        ctl.replay_joins = {
+            int(r["search_joined"][0]): int(r["search_joined"][1])
+            for r in rows
+            if "search_joined" in r
+        }
+        for r in rows:
+            k = int(r["step"])
+            ctl.observe(k, int(r["plan_id"]), r["compute_time_s"], r.get("measured_time_s"))
+            if not r["decided"]:
+                continue
+            made = ctl.decide(k + 1)
+            if made is not None:
+                decisions.append(
+                    {
+                        "step": k,
+                        "plan_id": int(made.plan.plan_id),
+                        "shares_after": made.shares_after,
+                        "structure_changed": made.structure_changed,
+                    }
+                )
     return decisions
 
 
