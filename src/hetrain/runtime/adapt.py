@@ -19,8 +19,10 @@ data, :mod:`hetrain.runtime.ctlwire`, never a pickle):
   them); the controller observes a step once every rank's record is there; never waited for;
 - ``plan``: ``{"round", "decision"}``: the newest decision (plan with its id, the estimates
   that chose it, the predicted before/after figures) and the round it was made for (a
-  decision of a round whose rank 0 died is ignored by the next round's). A thread of rank 0
-  reads it (rank 0's step never waits on the store) and the step's own combination of sums
+  decision of a round whose rank 0 died is ignored by the next round's); written with
+  ``error`` through :func:`~hetrain.runtime.ctlstore.publish`, which raises the ``news``
+  counter after it. A thread of rank 0 reads the counter (one request) and, when it moved,
+  the decision (rank 0's step never waits on the store) and the step's own combination of sums
   (the gradient all-reduce of a data-parallel step, :meth:`hetrain.runtime.engine.Worker.step`'s
   ``report``) carries whether there is one, so all ranks switch at the same step;
 - ``error``: the controller's failure (rank 0 raises it: adaptation never turns off silently);
