@@ -207,3 +207,30 @@ def test_plan_naming_unavailable_device_is_input_error() -> None:
     )
     with pytest.raises(InputError, match=r"p.json: groups\[0\].devices\[1\]: expected an avail"):
         check_plan_devices(plan, state, "p.json")
+
+
+def test_plan_json_runs_each_one_device_share_as_one_micro_batch(tmp_path, capsys) -> None:
+    """Four CPU-like devices whose fixed costs were measured as 0 for some (every micro-batch
+    size ties for them in the cost model) and a small model: ``hetrain plan --json`` gives every
+    one-device group its whole share as one micro-batch (it gave a rank 22 micro-batches of one
+    sample, which ``hetrain train --plan`` ran as written, 1.5-2.5x slower)."""
+    tflops, kappa_ms = [0.0106, 0.0035, 0.0106, 0.0106], [2.77, 8.96, 0.0, 3.42]
+    devices = [
+        {"id": f"w{i}", "node": "n0", "tflops": tflops[i], "memory_gib": 16, "nic_gbps": 20,
+         "microbatch_overhead_ms": kappa_ms[i]}
+        for i in range(4)
+    ]  # fmt: skip
+    cluster = _write(tmp_path, "c.json", {"links": {"intra_node_gbps": 20, "latency_us": 20},
+                                          "devices": devices})  # fmt: skip
+    small = {"name": "mlp", "layers": [{"name": f"b{i}", "fwd_flops": 1.05e6,
+             "activation_bytes": 2048.0, "activation_memory_bytes": 4096.0,
+             "param_bytes": 1.05e6} for i in range(8)]}  # fmt: skip
+    model = _write(tmp_path, "m.json", small)
+    for batch in (64, 37, 200):
+        code, out, _ = _run(["plan", "--cluster", cluster, "--model", model, "--batch",
+                             str(batch), "--json"], capsys)  # fmt: skip
+        assert code == 0
+        plan = json.loads(out)
+        single = [g for g in plan["groups"] if len(g["devices"]) == 1 and g["batch"] > 0]
+        assert single, plan
+        assert all(g["microbatch_size"] == g["batch"] for g in single), plan

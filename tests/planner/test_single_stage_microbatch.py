@@ -1,7 +1,8 @@
-"""A one-device group runs its share in as few micro-batches as its memory allows: with one
-stage nothing overlaps, so splitting only adds the fixed cost ``κ`` per micro-batch; at ``κ = 0``
-(a fixed cost measured as nothing) every micro-batch size ties in the cost model, and the plan
-must still not split (a runtime runs ``⌈b/μ⌉`` micro-batches of a plan as written)."""
+"""``fewest_microbatches`` (what ``hetrain plan`` prints): a one-device group runs its share in as
+few micro-batches as its memory allows: with one stage nothing overlaps, so splitting only adds
+the fixed cost ``κ`` per micro-batch; at ``κ = 0`` (a fixed cost measured as nothing) every
+micro-batch size ties in the cost model, and the plan must still not split (a runtime runs
+``⌈b/μ⌉`` micro-batches of a plan as written)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from random_inputs import random_profile
 
 from hetrain.catalog import make_mixed_cluster
 from hetrain.costmodel import TrainingConfig, evaluate_plan, profile_prefix, stage_memory_bytes
-from hetrain.planner import best_plan
+from hetrain.planner import best_plan, fewest_microbatches
 from hetrain.profile import profile_from_dict
 
 
@@ -23,9 +24,12 @@ def _small(profile: dict):
 
 
 def _single_device_groups_checked(state, profile, config) -> int:
-    plan = best_plan(state, profile, config)
+    searched = best_plan(state, profile, config)
+    plan = fewest_microbatches(searched, state, profile, config)
     ev = evaluate_plan(plan, state, profile, config)
     assert ev.fits and plan.global_batch == config.batch
+    assert plan.iteration_time_s == ev.iteration_time_s
+    assert plan.iteration_time_s <= searched.iteration_time_s * (1 + 1e-9)
     pre = profile_prefix(profile)
     index = state.index()
     checked = 0
@@ -65,7 +69,8 @@ def test_every_single_device_group_of_a_zero_kappa_cluster_runs_one_micro_batch(
         state = state.with_changes(kappa_s=np.where(np.arange(4) == seed % 4, 0.0, 3e-3))
         rng = np.random.default_rng(seed)
         profile = _small(random_profile(rng, 8, 8))
-        plan = best_plan(state, profile, TrainingConfig(batch=64))
+        config = TrainingConfig(batch=64)
+        plan = fewest_microbatches(best_plan(state, profile, config), state, profile, config)
         for g in plan.groups:
             if g.num_stages == 1 and g.batch > 0:
                 checked += 1

@@ -108,7 +108,7 @@ def run_plan(
     config = training_config(batch, optimizer_state_factor, schedule, norm_block)
     check_v(v)
     state, profile = _load(cluster, model)
-    from hetrain.planner import best_plan
+    from hetrain.planner import best_plan, fewest_microbatches
 
     try:
         plan = best_plan(
@@ -121,6 +121,8 @@ def run_plan(
         )
     except NoFeasiblePlanError as exc:
         raise no_fit_input_error(str(model), exc) from None
+    # the plan as a run executes it (hetrain train --plan runs it as written)
+    plan = fewest_microbatches(plan, state, profile, config)
     if json_out:
         print(plan.to_json())
         return 0

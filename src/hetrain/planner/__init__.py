@@ -39,7 +39,7 @@ from hetrain.planner.search import (
 )
 from hetrain.profile import ProfileArrays
 
-__all__ = ["best_plan", "warm_structure"]
+__all__ = ["best_plan", "fewest_microbatches", "warm_structure"]
 
 STRUCTURES_EXACT_MAX = 1100  # solve every structure when there are at most this many (<= 5 devices;
 # exact over structures, not over split combinations and μ: see exhaustive_is_small)
@@ -253,3 +253,56 @@ def best_plan(
             f"{config.schedule} activations for B = {config.batch}"
         )
     return plan
+
+
+def fewest_microbatches(
+    plan: Plan, state: ClusterState, profile: ProfileArrays, config: TrainingConfig
+) -> Plan:
+    """``plan`` with every one-device group running its share in as few micro-batches as the
+    device's memory allows: ``μ`` raised to the largest size in ``[μ, b]`` whose activations fit
+    beside the stage's fixed memory (docs/model.md §3's ``θ' (2 + o) + φ + μ Σ m_l``, one
+    micro-batch alive), figures re-filled by the cost model; ``plan`` itself when nothing
+    changes or the result is predicted slower (a profile measured at some micro-batch sizes
+    need not scale linearly in ``μ``).
+
+    With one stage nothing overlaps, so splitting a share only adds ``κ`` per extra
+    micro-batch: the predicted time ``⌈b/μ⌉ (κ + μ t)`` never rises with ``μ``, and at
+    ``κ = 0`` (a fixed cost measured as nothing) every ``μ`` ties, so the search may return
+    any; a runtime runs ``⌈b/μ⌉`` micro-batches of a plan as written. This is what the
+    runtime's controller runs too (``hetrain.runtime.ctldecision.runtime_plan``). The search
+    itself keeps its own ``μ`` (its warm starts and pools explore around it).
+    """
+    from hetrain.costmodel import evaluate_plan, profile_prefix
+
+    pre = profile_prefix(profile)
+    index = state.index()
+    groups = []
+    for g in plan.groups:
+        mu, b = int(g.microbatch_size), int(g.batch)
+        if g.num_stages == 1 and b > mu:
+            (lo, hi), d = g.stages[0], index[g.devices[0]]
+            fixed = float(pre.fixed_memory_bytes(np.asarray([lo]), np.asarray([hi]),
+                                                 config.optimizer_state_factor)[0])  # fmt: skip
+            per_sample = float(pre.act_mem_bytes[hi] - pre.act_mem_bytes[lo])
+            room = float(state.memory_bytes[d]) - fixed
+            most = b if per_sample <= 0 else int(room // per_sample)
+            mu = max(mu, min(b, most))
+        groups.append(
+            g if mu == g.microbatch_size else g.model_copy(update={"microbatch_size": mu})
+        )
+    if all(a is b for a, b in zip(groups, plan.groups, strict=True)):
+        return plan
+    merged = plan.model_copy(update={"groups": tuple(groups)})
+    ev = evaluate_plan(merged, state, profile, config)
+    if not ev.fits or (
+        plan.iteration_time_s is not None
+        and ev.iteration_time_s > plan.iteration_time_s * (1 + 1e-9)
+    ):
+        return plan
+    return merged.model_copy(
+        update={
+            "iteration_time_s": ev.iteration_time_s,
+            "lower_bound_s": ev.lower_bound_s,
+            "cost": dict(ev.cost),
+        }  # fmt: skip
+    )

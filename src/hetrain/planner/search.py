@@ -1595,53 +1595,23 @@ def polish_splits(
     )  # fmt: skip
 
 
-def single_stage_microbatch(ctx: SearchContext, device: int, bounds: Sequence[int],
-                            microbatch_size: int, batch: int) -> int:  # fmt: skip
-    """The micro-batch size (samples) a one-device group of ``batch`` samples runs: the largest
-    in ``[microbatch_size, batch]`` whose activations fit the device's memory beside the
-    stage's fixed memory (docs/model.md §3's ``θ' (2 + o) + φ + μ Σ m_l``, one micro-batch
-    alive). With one stage nothing overlaps, so splitting a share only adds ``κ`` per extra
-    micro-batch: the predicted time ``⌈b/μ⌉ (κ + μ t)`` never rises with ``μ``, and at ``κ =
-    0`` (a fixed cost measured as nothing) every ``μ`` ties and the search may have kept any;
-    the runtime would then run ``⌈b/μ⌉`` micro-batches for nothing."""
-    mu, b = int(microbatch_size), int(batch)
-    if b <= mu:
-        return mu
-    pre = ctx.prefix
-    lo, hi = int(bounds[0]), int(bounds[-1])
-    fixed = float(pre.fixed_memory_bytes(np.asarray([lo]), np.asarray([hi]),
-                                         ctx.config.optimizer_state_factor)[0])  # fmt: skip
-    per_sample = float(pre.act_mem_bytes[hi] - pre.act_mem_bytes[lo])
-    room = float(ctx.state.memory_bytes[device]) - fixed
-    if per_sample <= 0:
-        return b
-    return max(mu, min(b, int(room // per_sample)))
-
-
 def candidate_to_plan(ctx: SearchContext, cand: Candidate) -> Plan:
     """A :class:`Plan` of a candidate (idle groups dropped), figures filled by the cost
-    model; a one-device group runs its share in as few micro-batches as its memory allows
-    (:func:`single_stage_microbatch`)."""
+    model."""
     ids = ctx.state.ids
-    groups, merged = [], []
+    groups = []
     for devs, bounds, mu, b in zip(
         cand.groups, cand.bounds, cand.microbatch_sizes, cand.shares, strict=True
     ):
-        stages = tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(len(devs)))
-        one = int(mu)
-        if len(devs) == 1:
-            one = single_stage_microbatch(ctx, int(devs[0]), bounds, int(mu), int(b))
-        for out, size in ((groups, int(mu)), (merged, one)):
-            out.append(GroupPlan(devices=tuple(ids[d] for d in devs), stages=stages,
-                                 microbatch_size=size, batch=int(b)))  # fmt: skip
-    plan = fill_figures(ctx, Plan(schedule=ctx.config.schedule, groups=tuple(groups)))
-    if merged == groups:
-        return plan
-    fewer = fill_figures(ctx, Plan(schedule=ctx.config.schedule, groups=tuple(merged)))
-    # never a worse predicted plan (a profile measured at some micro-batch sizes may not
-    # scale linearly in μ)
-    keep = fewer.iteration_time_s <= plan.iteration_time_s * (1 + 1e-9)
-    return fewer if keep else plan
+        groups.append(
+            GroupPlan(
+                devices=tuple(ids[d] for d in devs),
+                stages=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(len(devs))),
+                microbatch_size=int(mu),
+                batch=int(b),
+            )
+        )
+    return fill_figures(ctx, Plan(schedule=ctx.config.schedule, groups=tuple(groups)))
 
 
 def fill_figures(ctx: SearchContext, plan: Plan) -> Plan:
