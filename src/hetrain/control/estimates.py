@@ -37,6 +37,101 @@ def _median(values: Sequence[float] | np.ndarray) -> float:
     return float(0.0 + s[h]) if n % 2 else float((0.0 + s[h - 1] + s[h]) / 2)
 
 
+def _row_medians(values: np.ndarray) -> np.ndarray:
+    """The median of each row of ``values`` (shape ``(R, C)``) over its non-NaN entries,
+    ``np.nanmedian(values, axis=1)``'s values (each row holds at least one), without its
+    per-call cost on small arrays (its masked-array path: ~0.6 ms a call)."""
+    ordered = np.sort(values, axis=1)  # NaN sorted last
+    count = np.sum(~np.isnan(ordered), axis=1)
+    lo = np.take_along_axis(ordered, ((count - 1) // 2)[:, None], 1)[:, 0]
+    hi = np.take_along_axis(ordered, (count // 2)[:, None], 1)[:, 0]
+    return 0.5 * (lo + hi)
+
+
+def level_segments(
+    log_t: np.ndarray,
+    work: np.ndarray,
+    sigma: float,
+    tolerance: float,
+    z: float,
+    least: int = 2,
+) -> list[slice]:
+    """The pieces of one device's measurements (oldest first) between its changes of speed:
+    a change of level of ``log t`` inside a run of consecutive measurements of the same work
+    (a change of the time per sample at an unchanged share; a change that coincides with a
+    change of share cannot be told from a fixed cost and is not looked for).
+
+    Each run (consecutive rows of ``work`` equal within a relative ``1e-9``, e.g. the
+    start-up time and number of micro-batches) is cut by binary segmentation: the cut that
+    minimises the two sides' sum of absolute deviations from their own medians, each side
+    at least ``least`` measurements, kept where the gap between the two medians exceeds
+    ``tolerance`` (log) and ``z`` standard errors ``1.2533 σ √(1/n₁ + 1/n₂)`` (``σ``:
+    ``sigma``, the noise of ``log t`` within runs); then each side the same way.
+
+    Args:
+        log_t: log of the measured times (shape ``(N,)``).
+        work: what each measurement ran (shape ``(N, K)``); rows equal = the same work.
+        sigma: noise of ``log t`` (standard deviation); ``inf``: no cut.
+        tolerance: least gap (log) between two medians read as a change of speed.
+        z: standard errors of that gap at which it is read as one.
+        least: least measurements on each side of a cut.
+
+    Returns:
+        Slices of ``range(N)``, in order, covering it.
+    """
+    n = len(log_t)
+    if n == 0:
+        return []
+    work = np.asarray(work, dtype=float).reshape(n, -1)
+    same = np.all(np.isclose(work[1:], work[:-1], rtol=1e-9, atol=0.0), axis=1)
+    starts = [0, *(np.flatnonzero(~same) + 1).tolist(), n]
+    cuts: list[int] = []
+
+    def split(lo: int, hi: int) -> None:
+        length = hi - lo
+        if length < 2 * least or not math.isfinite(sigma):
+            return
+        y = np.asarray(log_t[lo:hi], dtype=float)
+        ks = np.arange(least, length - least + 1)
+        cols = np.arange(length)[None, :]
+        left = np.where(cols < ks[:, None], y[None, :], np.nan)
+        right = np.where(cols >= ks[:, None], y[None, :], np.nan)
+        med_l = _row_medians(left)
+        med_r = _row_medians(right)
+        cost = np.nansum(np.abs(left - med_l[:, None]), axis=1) + np.nansum(
+            np.abs(right - med_r[:, None]), axis=1
+        )
+        j = int(np.argmin(cost))
+        k = int(ks[j])
+        gap = abs(float(med_r[j] - med_l[j]))
+        se = 1.2533 * sigma * math.sqrt(1.0 / k + 1.0 / (length - k))
+        if gap > tolerance and gap > z * se:
+            cuts.append(lo + k)
+            split(lo, lo + k)
+            split(lo + k, hi)
+
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        split(a, b)
+    bounds = [0, *sorted(cuts), n]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def run_noise(log_t: Sequence[np.ndarray], work: Sequence[np.ndarray]) -> float:
+    """The noise ``σ`` of ``log t`` within runs of the same work, pooled over series (one per
+    device): ``1.4826 · median |Δ log t| / √2`` over consecutive measurements of the same work
+    (a change of level moves one difference, a descheduled step two); ``inf`` without any
+    such pair."""
+    diffs = []
+    for y, w in zip(log_t, work, strict=True):
+        w = np.asarray(w, dtype=float).reshape(len(y), -1)
+        same = np.all(np.isclose(w[1:], w[:-1], rtol=1e-9, atol=0.0), axis=1)
+        diffs.append(np.abs(np.diff(np.asarray(y, dtype=float)))[same])
+    pooled = np.concatenate(diffs) if diffs else np.zeros(0)
+    if not len(pooled):
+        return math.inf
+    return 1.4826 * _median(pooled) / math.sqrt(2.0)
+
+
 class SpeedEstimates:
     """Per-device slow-downs and per-kind fixed costs from per-iteration compute measurements,
     and the speeds and fixed costs they give.
@@ -60,17 +155,27 @@ class SpeedEstimates:
     for a 3x slow rank of the README main job).
 
     **φ fit** (:meth:`close_step`, per kind): the least-absolute-deviation fit of ``log t -
-    log(e + φ n) - m_d`` over the kind's devices with at least ``window`` measurements (all
+    log(e + φ n) - m_p`` over the kind's devices with at least ``window`` measurements (all
     kept ones of a steady device, the short and long medians of its ratios within
-    ``change_tolerance``; the last ``window`` of another, whose older ones would read a change
-    of level as a share effect), ``m_d`` each device's median of ``log(t / (e + φ n))`` (its
-    ``log r_d`` for that ``φ``); robust to descheduled steps (a step 2-5x its usual time
-    counts by its rank, not its size). The best ``φ`` is searched on a grid of 65 values (0
-    and ``m · 10^[-3, 1.5]``, ``m`` the median start-up time per micro-batch of those
-    measurements), then on 65 evenly spaced values between the best one's two neighbours.
-    ``φ`` only shows where a device's work per micro-batch varies: the kind's ``φ`` is
-    nonzero only where some such device's measurements hold start-up times per micro-batch
-    at least ``1.5x`` apart and the best fit is significantly better than ``φ = 0``
+    ``change_tolerance``; the last ``window`` of another), each device's measurements cut
+    into pieces ``p`` at its changes of speed (:func:`level_segments`: a change of level of
+    ``log t`` by more than ``change_tolerance`` and ``z`` standard errors inside a run of
+    steps of the same work, ``σ`` from :func:`run_noise`), ``m_p`` each piece's median of
+    ``log(t / (e + φ n))`` (its ``log r_d`` for that ``φ``). A device that changes speed and
+    is then given another share (the controller re-balances after the change) has steps at
+    its old speed and old share, its new speed and old share, and its new speed and new
+    share: one level for all of them read the change of speed as a fixed cost (a device 3x
+    slower from step 20 on was given φ = 390 ms, its speed estimate went 3.3 -> 74 -> 3.3
+    GFLOP/s and the controller re-planned twice for nothing); each piece its own level
+    takes ``φ`` from the steps at one speed only. A change of speed at the very step the
+    share changes cannot be told from a fixed cost and is not looked for. Robust to
+    descheduled steps (a step 2-5x its usual time counts by its rank, not its size). The
+    best ``φ`` is searched on a grid of 65 values (0 and ``m · 10^[-3, 1.5]``, ``m`` the
+    median start-up time per micro-batch of those measurements), then on 65 evenly spaced
+    values between the best one's two neighbours. ``φ`` only shows where a device's work per
+    micro-batch varies at one speed: the kind's ``φ`` is nonzero only where some piece holds
+    start-up times per micro-batch at least ``1.5x`` apart and the best fit is
+    significantly better than ``φ = 0``
     (:attr:`FIT_CHI2`), and then the lower end of the best fit's likelihood-ratio interval
     (:attr:`INTERVAL_CHI2`); else 0: the start-up calibration's split is the prior, kept
     until the measurements show otherwise. Refitted at every :meth:`close_step` from the
@@ -310,30 +415,66 @@ class SpeedEstimates:
 
     def _fit_fixed(self, kind: str) -> float | None:
         """The kind's new ``φ`` (class docstring), or None to keep its current one."""
-        rows = []  # per device: (log t, e, n) of its kept measurements
+        series = []  # per device: its kept measurements (time_s, e, n)
         for d in self.ids:
             if self.kinds[d] != kind or len(self._samples[d]) < self.window:
                 continue
             steady = self._medians(self.ratios(d))[2]
-            kept = np.asarray(self._samples[d] if steady else self._samples[d][-self.window :])
-            rows.append((np.log(kept[:, 0]), kept[:, 1], kept[:, 2]))
+            series.append(
+                np.asarray(self._samples[d] if steady else self._samples[d][-self.window :])
+            )
+
+        def spread(kept: np.ndarray) -> bool:
+            per = kept[:, 1] / kept[:, 2]
+            return bool(len(per)) and per.max() >= self.FIT_SPREAD * per.min()
+
+        if not any(spread(kept) for kept in series):
+            return 0.0
+        # per piece of a device's measurements at one speed (level_segments): (log t, e, n)
+        sigma = run_noise([np.log(k[:, 0]) for k in series], [k[:, 1:] for k in series])
+        tolerance = math.log1p(self.change_tolerance)
+        rows = []
+        for kept in series:
+            log_t = np.log(kept[:, 0])
+            for part in level_segments(log_t, kept[:, 1:], sigma, tolerance, self.z):
+                if part.stop - part.start >= 2:
+                    rows.append((log_t[part], kept[part, 1], kept[part, 2]))
         per_mb = [e / n for _, e, n in rows]
         if not any(p.max() >= self.FIT_SPREAD * p.min() for p in per_mb):
             return 0.0
         scale = float(np.median(np.concatenate(per_mb)))
 
-        def centred(phi: np.ndarray) -> list[np.ndarray]:
-            """Per device, ``|log t - log(e + φ n) - m_d|`` at each ``φ`` of ``phi`` (shape
-            ``(G, N_d)``; ``m_d`` the median of the first term at that ``φ``)."""
-            out = []
-            for log_t, e, n in rows:
-                res = log_t[None, :] - np.log(e[None, :] + phi[:, None] * n[None, :])
-                out.append(np.abs(res - np.median(res, axis=1, keepdims=True)))
+        # the pieces side by side, padded (log t NaN, e 1, n 0) to the longest one
+        size = np.array([len(r[0]) for r in rows])
+        width = int(size.max())
+        pad = np.arange(width)[None, :] >= size[:, None]
+        log_t_all = np.full((len(rows), width), np.nan)
+        e_all = np.ones((len(rows), width))
+        n_all = np.zeros((len(rows), width))
+        for i, (log_t, e, n) in enumerate(rows):
+            log_t_all[i, : len(log_t)], e_all[i, : len(e)], n_all[i, : len(n)] = log_t, e, n
+        lo_idx = ((size - 1) // 2)[None, :, None]
+        hi_idx = (size // 2)[None, :, None]
+
+        def centred(phi: np.ndarray) -> np.ndarray:
+            """``|log t - log(e + φ n) - m_p|`` at each ``φ`` of ``phi`` (shape ``(G, P,
+            W)``: ``P`` pieces padded to ``W`` with 0; ``m_p`` the median of the first term
+            over piece ``p`` at that ``φ``)."""
+            res = log_t_all[None] - np.log(e_all[None] + phi[:, None, None] * n_all[None])
+            ordered = np.sort(res, axis=2)  # the padding (NaN) last
+            lo = np.take_along_axis(
+                ordered, np.broadcast_to(lo_idx, (len(phi), *lo_idx.shape[1:])), 2
+            )
+            hi = np.take_along_axis(
+                ordered, np.broadcast_to(hi_idx, (len(phi), *hi_idx.shape[1:])), 2
+            )
+            out = np.abs(res - 0.5 * (lo + hi))
+            out[:, pad] = 0.0
             return out
 
         def loss(phi: np.ndarray) -> np.ndarray:
             """The fit's loss at each ``φ`` of ``phi`` (shape ``(G,)``)."""
-            return np.sum([c.sum(axis=1) for c in centred(phi)], axis=0)
+            return centred(phi).sum(axis=(1, 2))
 
         grid = np.concatenate(([0.0], scale * np.logspace(-3.0, 1.5, 64)))
         values = loss(grid)
@@ -342,9 +483,7 @@ class SpeedEstimates:
         fine_values = loss(fine)
         k = int(np.argmin(fine_values))
         best, best_loss = float(fine[k]), float(fine_values[k])
-        sigma = 1.4826 * float(
-            np.median(np.concatenate([c.ravel() for c in centred(np.array([best]))]))
-        )
+        sigma = 1.4826 * _median(centred(np.array([best]))[0][~pad])
         tau = math.sqrt(math.pi / 2.0) * sigma
         if float(loss(np.zeros(1))[0]) - best_loss <= 0.5 * self.FIT_CHI2 * tau:
             return 0.0
