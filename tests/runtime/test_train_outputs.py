@@ -152,3 +152,44 @@ def test_a_run_folder_hetrain_creates_ignores_its_outputs(tmp_path):
     own.mkdir()
     make_run_dir(own)
     assert not (own / ".gitignore").exists()
+
+
+@pytest.mark.parametrize(
+    "option, name",
+    [("--out", "model.pt"), ("--metrics-out", "m.jsonl"), ("--checkpoint-dir", "ck"),
+     ("--run-dir", "run")],
+)  # fmt: skip
+def test_an_unwritable_output_is_one_line_exit_2_before_any_rank_starts(
+    tmp_path, monkeypatch, capsys, option, name
+) -> None:
+    """An output under a folder this process may not write (a read-only file system: what
+    ``os.access`` says, emulated here for one folder, since a test cannot mount one) is bad
+    input found before training: one line naming the option, exit 2, nothing written (the
+    ranks trained a whole run and lost the model when ``--out`` was found unwritable at the
+    end)."""
+    import os
+
+    import hetrain.runtime.run_outputs as run_outputs
+
+    locked = tmp_path / "readonly"
+    locked.mkdir()
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(path).resolve() == locked.resolve():
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(run_outputs.os, "access", access)
+    run_dir = tmp_path / "r"
+    argv = ["train", "--example", "digits", "--workers", "2", "--steps", "3", "--no-progress"]
+    argv += [option, str(locked / name)]
+    if option != "--run-dir":
+        argv += ["--run-dir", str(run_dir)]
+    if option == "--checkpoint-dir":
+        argv += ["--checkpoint-every", "2"]
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and option in err[0] and "cannot be written" in err[0], err
+    assert not (run_dir / "metrics.jsonl").exists() and not any(locked.iterdir())

@@ -18,8 +18,10 @@ from hetrain.runtime.config import RunConfig
 
 def check_output_path(option: str, path: Path, *, folder: bool) -> None:
     """An output path that training could not write is bad input, found before any rank starts
-    (not after the ranks trained): a folder where a file is expected or the reverse, or a
-    parent that is a file.
+    (not after the ranks trained, whose model or checkpoints would then be lost): a folder
+    where a file is expected or the reverse, a parent that is a file, or a path this process
+    may not write (``os.access(W_OK)`` of the path when it exists, else of its nearest existing
+    parent: no permission, or a read-only file system).
 
     Raises:
         InputError: one line naming the option and the path.
@@ -29,11 +31,18 @@ def check_output_path(option: str, path: Path, *, folder: bool) -> None:
         raise InputError(
             option, "", f"expected {kind}, got {'a file' if folder else 'a folder'}: {path}"
         )
+    target = path if path.exists() else None
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise InputError(option, "", f"expected {kind} path, but {parent} is a file")
+            target = target or parent
             break
+    if target is not None and not os.access(target, os.W_OK):
+        raise InputError(
+            option, "", f"expected a writable path, but {target} cannot be written "
+            "(no permission or a read-only file system)"
+        )  # fmt: skip
 
 
 REPORT_FILES = ("report.txt", "iteration_time.png", "predicted_vs_measured.png")
