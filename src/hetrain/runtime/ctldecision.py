@@ -11,7 +11,7 @@ by the ranks. Imports the planning modules only; no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,10 +108,13 @@ class Decision:
     shares_before: dict[str, int] = field(default_factory=dict)
     shares_after: dict[str, int] = field(default_factory=dict)
 
-    def console_line(self, applied_step: int) -> str:
-        """One line for the console: step, why, shares before -> after, predicted ``T``."""
-        before = " ".join(f"{d}:{b}" for d, b in self.shares_before.items())
-        after = " ".join(f"{d}:{b}" for d, b in self.shares_after.items())
+    def console_line(self, applied_step: int, previous: Plan | None = None) -> str:
+        """One line for the console: step, why, shares before -> after, predicted ``T``. The
+        devices of a pipeline are joined by ``+`` and their group's share given once
+        (``w0+w1:32 w2:0``) where the plan is known: the new plan always, the plan in force
+        before it when ``previous`` is given."""
+        before = shares_text(self.shares_before, previous)
+        after = shares_text(self.shares_after, self.plan)
         return (
             f"re-plan at step {applied_step} (plan {self.plan.plan_id}): {self.reason}; "
             f"shares {before} -> {after}; predicted {self.current_time_s * 1e3:.1f} ms -> "
@@ -136,6 +139,20 @@ class Decision:
             "shares_before": self.shares_before,
             "shares_after": self.shares_after,
         }
+
+
+def shares_text(shares: Mapping[str, int], plan: Plan | None) -> str:
+    """``shares`` (``{device: samples}``, a pipeline's share under each of its devices) as
+    ``"w0+w1:32 w2:0"``: with ``plan``, the devices of each of its groups joined by ``+`` with
+    the group's share once, then the devices it does not name; without it, ``"w0:32 w1:32"``."""
+    parts, done = [], set()
+    for g in plan.groups if plan is not None else ():
+        names = [d for d in g.devices if d in shares]
+        if names:
+            parts.append(f"{'+'.join(names)}:{shares[names[0]]}")
+            done.update(names)
+    parts += [f"{d}:{b}" for d, b in shares.items() if d not in done]
+    return " ".join(parts)
 
 
 def device_shares(plan: Plan, devices: Sequence[str] = ()) -> dict[str, int]:

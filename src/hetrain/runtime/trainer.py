@@ -459,7 +459,7 @@ def _report_replan(metrics, progress, decision: Decision, step: int, old: Plan, 
         migration_time_s=migration.time_s,
         **decision.to_json_dict(),
     )
-    line = "hetrain: " + decision.console_line(step)
+    line = "hetrain: " + decision.console_line(step, old)
     if progress is not None:
         progress.print(line)
     else:
