@@ -136,3 +136,37 @@ def test_the_start_up_plan_names_every_rank(slow, factor, param_bytes):
     busy = {d for g in first.groups if g.batch > 0 for d in g.devices}
     if param_bytes > 1e6 or factor >= 10:  # the slow device is left idle
         assert busy == set(DEVICES) - {slow}, first
+
+
+def test_the_first_re_plan_after_a_start_up_decision_is_plan_1():
+    """The ranks run the start-up decision's plan under the even plan's id 0: the round's
+    controller numbers its next plan 1 (plan ids grow by one with every plan change), in the
+    start-up state and in the decision it takes when a device slows down."""
+    from hetrain.runtime.ctlcontroller import round_controller
+    from hetrain.runtime.ctlwire import decode_init, encode_init
+
+    profile = blocks_profile(4e4)
+    config = TrainingConfig(batch=BATCH, optimizer_state_factor=2.0, sync_overlap=True)
+    calibrated = _state({d: 3.0 if d == "w1" else 1.0 for d in DEVICES})
+    even = even_dp_plan(DEVICES, 8, BATCH, 1).model_copy(update={"plan_id": 0})
+    first, state = startup_decision(calibrated, profile, config, even, 60)
+    assert first != even and first.plan_id == 0
+    assert state["next_plan_id"] == 1 and state["policy"]["last_plan_id"] == 0
+    assert sorted(state["plans"]) == ["0"] and state["current_plan_id"] == 0
+    init = {"round": "r", "world_size": 4, "base_state": calibrated, "profile": profile,
+            "config": config, "plan": first, "steps": 60, "start_step": 0,
+            "optimizer_state_factor": 2.0, "checkpoint_dir": None, "checkpoint_every": 0,
+            "log_path": None, "controller_state": state}  # fmt: skip
+    ctl = round_controller(decode_init(encode_init(init)), async_search=False)
+    assert ctl.next_plan_id == 1
+    # w1 as calibrated (3x slow) until step 10, then w3 5x slower as well
+    rng = np.random.default_rng(1)
+    ids = []
+    for t in range(60):
+        factor = {"w1": 3.0, "w3": 5.0 if t >= 10 else 1.0}
+        factor = {d: factor.get(d, 1.0) for d in DEVICES}
+        ctl.observe(t, int(ctl.current.plan_id), _compute_s(ctl.current, profile, factor, rng))
+        made = ctl.decide(t + 1)
+        if made is not None:
+            ids.append(int(made.plan.plan_id))
+    assert ids and ids == list(range(1, len(ids) + 1)), ids

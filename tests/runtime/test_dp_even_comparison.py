@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetrain.report.run_report import compare_with_dp_even, speedup_bound
+from hetrain.report.run_report import compare_with_dp_even, slowdown_step, speedup_bound
 
 
 def _events(times_s: list[float], slow_from: int) -> list[dict]:
@@ -51,3 +51,49 @@ def test_the_figure_is_capped_at_the_models_lower_bound_on_the_same_estimates():
     cmp = compare_with_dp_even(events, rows)
     assert cmp["speedup_bound"] == pytest.approx(2.2)
     assert cmp["speedup_over_dp_even"] == pytest.approx(2.2)
+
+
+def _steps(first: int, last: int, slowdown: dict[str, float]) -> list[dict]:
+    return [
+        {"event": "step", "step": t, "iteration_time_s": 0.02, "slowdown": dict(slowdown)}
+        for t in range(first, last)
+    ]
+
+
+def _restart(step: int, devices: list[str]) -> dict:
+    return {"event": "restart", "step": step, "path": f"ckpt/step_{step}", "devices": devices}
+
+
+def test_the_slow_down_step_is_found_within_a_round_and_never_at_a_resume():
+    three = {"w0": 1.0, "w1": 1.0, "w2": 1.0}
+    # a real slow-down within one round: w1 3x slower from step 12 on
+    one_round = _steps(0, 12, three) + _steps(12, 30, {**three, "w1": 3.0})
+    assert slowdown_step(one_round) == 12
+    # no emulation at all ({}) is no slow-down; {} then w1 3x slower is one
+    assert slowdown_step(_steps(0, 30, {})) is None
+    assert slowdown_step(_steps(0, 5, {}) + _steps(5, 10, {"w1": 3.0})) == 5
+    # stopped after the checkpoint at step 16 (steps up to 19 logged) and resumed there with
+    # w2 gone: the step records after the resume name other devices, no device slowed
+    two = {"w0": 1.0, "w1": 1.0}
+    resumed = _steps(0, 20, three) + [_restart(16, ["w0", "w1"])] + _steps(16, 30, two)
+    assert slowdown_step(resumed) is None
+    # w2 joining at the resume, slowed by --slowdown w2=3 from the resume on: no slow-down
+    joined = _steps(0, 16, two) + [_restart(16, ["w0", "w1", "w2"])]
+    joined += _steps(16, 30, {**two, "w2": 3.0})
+    assert slowdown_step(joined) is None
+    # a slow-down after the resume is found, in the new round
+    later = resumed + _steps(30, 40, {**two, "w0": 2.0})
+    assert slowdown_step(later) == 30
+    # without the restart record, the step numbers going back start the round
+    assert slowdown_step([e for e in resumed if e["event"] == "step"]) is None
+
+
+def test_no_comparison_for_a_run_resumed_on_fewer_devices():
+    three = {"w0": 1.0, "w1": 1.0, "w2": 1.0}
+    events = _steps(0, 20, three) + [_restart(16, ["w0", "w1"])]
+    events += _steps(16, 30, {"w0": 1.0, "w1": 1.0})
+    rows = [
+        {"step": t, "predicted_time_s": 0.02, "dp_even_time_s": 0.03, "speed_flops": {}}
+        for t in range(30)
+    ]
+    assert compare_with_dp_even(events, rows) is None

@@ -24,6 +24,7 @@ from hetrain.runtime.ctldecision import (
 from hetrain.runtime.ctlstore import ControllerLink
 from hetrain.runtime.metrics import read_metrics
 from hetrain.runtime.worker_main import local_cluster_state
+from hetrain.sim.replay import recorded_decisions, replay_run
 
 DEVICES = ["w0", "w1", "w2", "w3"]
 BATCH = 64
@@ -507,3 +508,38 @@ def test_logged_predictions_are_the_plans_times_with_f_and_cost_two_evaluations(
     # estimates reuse them)
     assert set(per_step) <= {1, 2}
     assert changes >= 1
+
+
+def test_plan_ids_grow_by_one_after_a_start_up_decision(tmp_path, capfd):
+    """An adaptive run whose start-up decision is not even data parallelism (w2 3x slower
+    from the start) and that re-plans later (w1 3x slower from step 10): the plans are
+    numbered 0, 1, 2, ... in the metrics, the console's re-plan lines and report.txt, and a
+    replay of the run gives the same decisions under the same ids."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("slot,device,speed_factor\n10,w1,0.3333333\n")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--example", "digits", "--workers", "3", "--steps", "40",
+            "--slowdown", "w2=3", "--trace", str(trace), "--no-progress",
+            "--run-dir", str(run_dir)]  # fmt: skip
+    assert main(argv) == 0
+    out = capfd.readouterr().err
+    events = read_metrics(run_dir / "metrics.jsonl")
+    first = next(e for e in events if e["event"] == "plan")
+    assert first["plan_id"] == 0
+    shares = [g["batch"] for g in first["plan"]["groups"]]
+    assert max(shares) - min(shares) > 1, shares  # the start-up decision: not even shares
+    replans = [e for e in events if e["event"] == "replan"]
+    assert replans
+    ids = [e["plan_id"] for e in events if e["event"] == "plan"]
+    assert ids == list(range(len(replans) + 1)), ids
+    assert [(r["old_plan_id"], r["plan_id"]) for r in replans] == [(k, k + 1) for k in ids[:-1]]
+    assert sorted({e["plan_id"] for e in events if e["event"] == "step"}) == ids
+    lines = [x for x in out.splitlines() if "re-plan at step" in x]
+    assert [int(x.split("(plan ")[1].split(")")[0]) for x in lines] == ids[1:], lines
+    report = (run_dir / "report.txt").read_text()
+    per_plan = next(x for x in report.splitlines() if x.startswith("median iteration time"))
+    assert [int(p.split(":")[0]) for p in per_plan.split("plan ")[1:]] == ids, per_plan
+    # a replay of the run takes the same decisions under the same ids
+    recorded = recorded_decisions(run_dir)
+    assert [r["plan_id"] for r in recorded] == ids[1:], recorded
+    assert replay_run(run_dir) == recorded

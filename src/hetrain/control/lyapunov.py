@@ -368,6 +368,13 @@ class LyapunovController:
         """The plan of the last decision (what the controller believes runs next)."""
         return self._current
 
+    def number_current(self, plan_id: int) -> None:
+        """The plan of the last decision runs under id ``plan_id`` (an integer >= 0): it
+        carries that id and the next changed plan gets ``plan_id + 1``."""
+        self._last_plan_id = int(plan_id)
+        if self._current is not None:
+            self._current = self._current.model_copy(update={"plan_id": int(plan_id)})
+
     def queue_weights(self) -> dict[str, float]:
         """Current planner weights ``V·η̂_j + Q̂_j`` (seconds per unit of resource j; empty
         without budgets): the learned multiplier plus the normalised backlog

@@ -40,15 +40,34 @@ def controller_log_path(metrics_path: str | Path) -> Path:
 
 
 def slowdown_step(events: list[dict[str, Any]]) -> int | None:
-    """First step whose emulated slow-down factors differ from the first step's (None: no
-    change)."""
-    steps = [e for e in events if e.get("event") == "step"]
-    if not steps:
-        return None
-    first = steps[0].get("slowdown") or {}
-    for e in steps[1:]:
-        if (e.get("slowdown") or {}) != first:
-            return int(e["step"])
+    """First step whose emulated slow-down factors (a step record's ``slowdown``: factor per
+    device) differ from those of the first step of its round (None: no change).
+
+    A round is the part of the metrics file between two ``restart`` records (a resumed run
+    or a restart of the ranks appends to the same file, with a ``restart`` record first; a
+    step number that does not follow the previous one starts a round too). Rounds are not
+    compared with each other: a run resumed with fewer or other devices, or other
+    ``--slowdown`` settings, has no slow-down at its resume. Within a round a device missing
+    from a step's ``slowdown`` (``{}``: no emulation) runs at factor 1.
+    """
+    first: dict[str, float] | None = None
+    previous_step: int | None = None
+    for e in events:
+        kind = e.get("event")
+        if kind == "restart":
+            first = None
+            continue
+        if kind != "step":
+            continue
+        step = int(e["step"])
+        if previous_step is not None and step != previous_step + 1:
+            first = None
+        previous_step = step
+        now = {str(d): float(f) for d, f in (e.get("slowdown") or {}).items()}
+        if first is None:
+            first = now
+        elif any(now.get(d, 1.0) != first.get(d, 1.0) for d in set(now) | set(first)):
+            return step
     return None
 
 

@@ -733,8 +733,9 @@ def startup_decision(
 
     Returns:
         ``(first_plan, controller_state)``: the plan as the ranks run it (single-stage groups
-        one micro-batch, :func:`runtime_plan`) with ``plan``'s id, naming every device of
-        ``plan`` (a device the decision leaves out gets an idle group,
+        one micro-batch, :func:`runtime_plan`) with ``plan``'s id (the controller state
+        records the decided plan under that id, and its next plan id is the one after it),
+        naming every device of ``plan`` (a device the decision leaves out gets an idle group,
         :meth:`~hetrain.plan.Plan.with_idle_groups`: a round's first plan names every
         rank), or ``plan`` when the decision keeps it; and the deciding controller's
         :meth:`PlanController.state_dict` (JSON data), which the round's controller starts
@@ -755,6 +756,14 @@ def startup_decision(
         )
         first = ctl._policy_plan.model_copy(update={"groups": groups, "plan_id": plan.plan_id})
         first = first.with_idle_groups(plan.devices)  # a new structure may leave devices out
+        # the ranks start with the decided plan under ``plan``'s id: the controller's records
+        # name it by that id and its next plan is the one after it (plan ids consecutive)
+        pid = int(plan.plan_id or 0)
+        ctl._policy_plan = ctl._policy_plan.model_copy(update={"plan_id": pid})
+        ctl.current = first.model_copy(update={"plan_id": pid})
+        ctl.plans = {pid: ctl.current}
+        ctl.next_plan_id = pid + 1
+        ctl.policy.number_current(pid)
     return first, ctl.state_dict()
 
 
