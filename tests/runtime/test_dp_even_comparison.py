@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hetrain.report.run_report import compare_with_dp_even, slowdown_step, speedup_bound
+from hetrain.report.run_report import (
+    compare_with_dp_even,
+    slowdown_changes,
+    slowdown_step,
+    speedup_bound,
+)
 
 
 def _events(times_s: list[float], slow_from: int) -> list[dict]:
@@ -97,3 +102,20 @@ def test_no_comparison_for_a_run_resumed_on_fewer_devices():
         for t in range(30)
     ]
     assert compare_with_dp_even(events, rows) is None
+
+
+def test_slowdown_changes_are_within_a_round_and_name_the_new_factors() -> None:
+    """The run plot's dotted markers: a change within a round is marked with the changed
+    devices' new factors; a resume on other devices (or without its restart record) is not."""
+
+    def step(s, slow):
+        return {"event": "step", "step": s, "iteration_time_s": 0.1, "slowdown": slow}
+
+    three = {"w0": 1.0, "w1": 1.0, "w2": 1.0}
+    events = [step(s, three) for s in range(5)]
+    events += [step(s, {**three, "w1": 3.0}) for s in range(5, 8)]  # w1 slowed at 5
+    events.append({"event": "restart", "step": 8})
+    events += [step(s, {"w0": 1.0, "w2": 2.0}) for s in range(8, 11)]  # resumed, w1 gone
+    events += [step(s, {"w0": 1.0, "w2": 1.0}) for s in range(11, 13)]  # w2 back at 11
+    events += [step(s, {"w0": 4.0}) for s in range(3, 5)]  # a step going back: new round
+    assert slowdown_changes(events) == [(5, {"w1": 3.0}), (11, {"w2": 1.0})]

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetrain.report.run_report import slowdown_changes
+
 
 def _plt():
     import matplotlib
@@ -44,23 +46,20 @@ def plot_iteration_times(events: Sequence[dict[str, Any]], path: str | Path) -> 
             fontsize=7,
             color="tab:red",
         )
-    previous: dict[str, float] = {}
-    for e in steps:  # emulated slow-down changes (trace, demo), dotted grey
-        now = e.get("slowdown") or {}
-        changed = [f"{d}x{f:g}" for d, f in now.items() if previous and previous.get(d) != f]
-        if changed:
-            ax.axvline(e["step"] - 0.5, color="tab:gray", ls=":", lw=1.0)
-            ax.annotate(
-                " ".join(changed),
-                (e["step"] - 0.5, 0.0),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                va="bottom",
-                ha="right",
-                fontsize=7,
-                color="tab:gray",
-            )
-        previous = now
+    # emulated slow-down changes (trace, demo) within a round, dotted grey (a resume on other
+    # devices is not one: run_report.slowdown_changes)
+    for step, changed in slowdown_changes(events):
+        ax.axvline(step - 0.5, color="tab:gray", ls=":", lw=1.0)
+        ax.annotate(
+            " ".join(f"{d}x{f:g}" for d, f in changed.items()),
+            (step - 0.5, 0.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="bottom",
+            ha="right",
+            fontsize=7,
+            color="tab:gray",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("iteration time (s)")
     ax.set_ylim(bottom=0)

@@ -39,9 +39,10 @@ def controller_log_path(metrics_path: str | Path) -> Path:
     return Path(metrics_path).with_name("controller.jsonl")
 
 
-def slowdown_step(events: list[dict[str, Any]]) -> int | None:
-    """First step whose emulated slow-down factors (a step record's ``slowdown``: factor per
-    device) differ from those of the first step of its round (None: no change).
+def slowdown_changes(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
+    """The steps whose emulated slow-down factors (a step record's ``slowdown``: factor per
+    device) differ from those of the step before in the same round, each with the factors
+    that changed (``{device: new factor}``), in step order.
 
     A round is the part of the metrics file between two ``restart`` records (a resumed run
     or a restart of the ranks appends to the same file, with a ``restart`` record first; a
@@ -50,25 +51,38 @@ def slowdown_step(events: list[dict[str, Any]]) -> int | None:
     ``--slowdown`` settings, has no slow-down at its resume. Within a round a device missing
     from a step's ``slowdown`` (``{}``: no emulation) runs at factor 1.
     """
-    first: dict[str, float] | None = None
+    out: list[tuple[int, dict[str, float]]] = []
+    previous: dict[str, float] | None = None
     previous_step: int | None = None
     for e in events:
         kind = e.get("event")
         if kind == "restart":
-            first = None
+            previous = None
             continue
         if kind != "step":
             continue
         step = int(e["step"])
         if previous_step is not None and step != previous_step + 1:
-            first = None
+            previous = None
         previous_step = step
         now = {str(d): float(f) for d, f in (e.get("slowdown") or {}).items()}
-        if first is None:
-            first = now
-        elif any(now.get(d, 1.0) != first.get(d, 1.0) for d in set(now) | set(first)):
-            return step
-    return None
+        if previous is not None:
+            changed = {
+                d: now.get(d, 1.0)
+                for d in sorted(set(now) | set(previous))
+                if now.get(d, 1.0) != previous.get(d, 1.0)
+            }
+            if changed:
+                out.append((step, changed))
+        previous = now
+    return out
+
+
+def slowdown_step(events: list[dict[str, Any]]) -> int | None:
+    """First step whose emulated slow-down factors differ from those of the first step of its
+    round (None: no change): the first of :func:`slowdown_changes` (rounds as there)."""
+    changes = slowdown_changes(events)
+    return changes[0][0] if changes else None
 
 
 def compare_with_dp_even(
