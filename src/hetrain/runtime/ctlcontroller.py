@@ -33,7 +33,7 @@ import numpy as np
 from hetrain.cluster import ClusterState, state_digest
 from hetrain.control import make_policy
 from hetrain.control.estimates import SpeedEstimates, startup_stage_time_s
-from hetrain.costmodel import TrainingConfig, lower_bound_s
+from hetrain.costmodel import TrainingConfig, lower_bound_s, profile_prefix, stage_compute_s
 from hetrain.plan import Plan
 from hetrain.profile import ProfileArrays
 from hetrain.runtime.ctldecision import (
@@ -388,6 +388,17 @@ class PlanController:
         self.decisions += 1
         return decision
 
+    def number_first_plan(self, first: Plan, plan_id: int) -> None:
+        """The ranks start with ``first`` (this controller's decision before step 0, as the
+        runtime runs it) under ``plan_id``, the id of the plan it replaced: the controller's
+        records name it by that id, it is the only known plan, and the next plan is
+        ``plan_id + 1`` (plan ids consecutive)."""
+        self._policy_plan = self._policy_plan.model_copy(update={"plan_id": plan_id})
+        self.current = first.model_copy(update={"plan_id": plan_id})
+        self.plans = {plan_id: self.current}
+        self.next_plan_id = plan_id + 1
+        self.policy.number_current(plan_id)
+
     def _collect_search(self, step: int) -> None:
         """Hand a finished search's plan to the controller (its failure is raised here)."""
         if self._pending is None:
@@ -701,18 +712,14 @@ def relative_moves(before: Mapping[str, float], after: Mapping[str, float]) -> s
 
 def _whole_model_s(state: ClusterState, profile: ProfileArrays, device: str, batch: int) -> float:
     """Start-up seconds of ``device`` in ``state`` for the whole model on one micro-batch of
-    ``batch`` samples: its kind's measured times (:func:`startup_stage_time_s`), else the FLOP
-    model (``flops / speed + κ + λ Σν``)."""
-    t = startup_stage_time_s(state, profile, device, 0, profile.num_layers, batch, batch)
-    if t is not None:
-        return t
+    ``batch`` samples (:func:`hetrain.costmodel.stage_compute_s`: its kind's measured times,
+    else the FLOP model); NaN for a device of speed 0."""
     i = state.index()[device]
-    speed = float(state.speed_flops[i])
-    if not speed > 0:
+    if not float(state.speed_flops[i]) > 0:
         return math.nan
-    units = profile.layer_units(0, profile.num_layers)
-    return (float(profile.train_flops.sum()) * batch / speed + float(state.kappa_s[i])
-            + units * float(state.layer_overhead_s[i]))  # fmt: skip
+    layers = profile.num_layers
+    return float(stage_compute_s(state, profile_prefix(profile), np.array([i]), np.array([0]),
+                                 np.array([layers]), batch)[0])  # fmt: skip
 
 
 def startup_decision(
@@ -756,14 +763,7 @@ def startup_decision(
         )
         first = ctl._policy_plan.model_copy(update={"groups": groups, "plan_id": plan.plan_id})
         first = first.with_idle_groups(plan.devices)  # a new structure may leave devices out
-        # the ranks start with the decided plan under ``plan``'s id: the controller's records
-        # name it by that id and its next plan is the one after it (plan ids consecutive)
-        pid = int(plan.plan_id or 0)
-        ctl._policy_plan = ctl._policy_plan.model_copy(update={"plan_id": pid})
-        ctl.current = first.model_copy(update={"plan_id": pid})
-        ctl.plans = {pid: ctl.current}
-        ctl.next_plan_id = pid + 1
-        ctl.policy.number_current(pid)
+        ctl.number_first_plan(first, int(plan.plan_id or 0))
     return first, ctl.state_dict()
 
 
