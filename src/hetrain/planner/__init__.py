@@ -272,7 +272,7 @@ def fewest_microbatches(
     runtime's controller runs too (``hetrain.runtime.ctldecision.runtime_plan``). The search
     itself keeps its own ``μ`` (its warm starts and pools explore around it).
     """
-    from hetrain.costmodel import evaluate_plan, profile_prefix
+    from hetrain.costmodel import evaluate_plan, profile_prefix, stage_memory_bytes
 
     pre = profile_prefix(profile)
     index = state.index()
@@ -280,11 +280,14 @@ def fewest_microbatches(
     for g in plan.groups:
         mu, b = int(g.microbatch_size), int(g.batch)
         if g.num_stages == 1 and b > mu:
-            (lo, hi), d = g.stages[0], index[g.devices[0]]
-            fixed = float(pre.fixed_memory_bytes(np.asarray([lo]), np.asarray([hi]),
-                                                 config.optimizer_state_factor)[0])  # fmt: skip
-            per_sample = float(pre.act_mem_bytes[hi] - pre.act_mem_bytes[lo])
-            room = float(state.memory_bytes[d]) - fixed
+            # the stage's memory is linear in μ (one micro-batch alive): fixed + μ · per sample
+            fixed, one = (
+                float(stage_memory_bytes(pre, g.stages[0], size, 1,
+                                         config.optimizer_state_factor, config.schedule)[0])
+                for size in (0, 1)
+            )  # fmt: skip
+            per_sample = one - fixed
+            room = float(state.memory_bytes[index[g.devices[0]]]) - fixed
             most = b if per_sample <= 0 else int(room // per_sample)
             mu = max(mu, min(b, most))
         groups.append(
