@@ -34,32 +34,21 @@ def plot_iteration_times(events: Sequence[dict[str, Any]], path: str | Path) -> 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     xs = [e["step"] for e in steps]
     ax.plot(xs, [e["iteration_time_s"] for e in steps], lw=1.2, label="iteration time (s)")
+
+    def mark(step: int, text: str, color: str, ls: str, lw: float, top: bool) -> None:
+        """A vertical line before ``step`` labelled ``text`` at the top or the bottom."""
+        ax.axvline(step - 0.5, color=color, ls=ls, lw=lw)
+        ax.annotate(text, (step - 0.5, 1.0 if top else 0.0), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top" if top else "bottom", ha="right", fontsize=7,
+                    color=color)  # fmt: skip
+
     for r in replans:
-        ax.axvline(r["step"] - 0.5, color="tab:red", ls="--", lw=0.9)
-        ax.annotate(
-            f"plan {r['plan_id']}",
-            (r["step"] - 0.5, 1.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color="tab:red",
-        )
+        mark(r["step"], f"plan {r['plan_id']}", "tab:red", "--", 0.9, top=True)
     # emulated slow-down changes (trace, demo) within a round, dotted grey (a resume on other
     # devices is not one: run_report.slowdown_changes)
     for step, changed in slowdown_changes(events):
-        ax.axvline(step - 0.5, color="tab:gray", ls=":", lw=1.0)
-        ax.annotate(
-            " ".join(f"{d}x{f:g}" for d, f in changed.items()),
-            (step - 0.5, 0.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="bottom",
-            ha="right",
-            fontsize=7,
-            color="tab:gray",
-        )
+        text = " ".join(f"{d}x{f:g}" for d, f in changed.items())
+        mark(step, text, "tab:gray", ":", 1.0, top=False)
     ax.set_xlabel("step")
     ax.set_ylabel("iteration time (s)")
     ax.set_ylim(bottom=0)
