@@ -424,11 +424,12 @@ class SpeedEstimates:
                 np.asarray(self._samples[d] if steady else self._samples[d][-self.window :])
             )
 
-        def spread(kept: np.ndarray) -> bool:
-            per = kept[:, 1] / kept[:, 2]
-            return bool(len(per)) and per.max() >= self.FIT_SPREAD * per.min()
+        def spread(per_mb: np.ndarray) -> bool:
+            """Start-up times per micro-batch at least ``FIT_SPREAD`` apart."""
+            return bool(len(per_mb)) and per_mb.max() >= self.FIT_SPREAD * per_mb.min()
 
-        if not any(spread(kept) for kept in series):
+        # (a piece's spread is at most its device's: none there, none in any piece)
+        if not any(spread(kept[:, 1] / kept[:, 2]) for kept in series):
             return 0.0
         # per piece of a device's measurements at one speed (level_segments): (log t, e, n)
         sigma = run_noise([np.log(k[:, 0]) for k in series], [k[:, 1:] for k in series])
@@ -440,7 +441,7 @@ class SpeedEstimates:
                 if part.stop - part.start >= 2:
                     rows.append((log_t[part], kept[part, 1], kept[part, 2]))
         per_mb = [e / n for _, e, n in rows]
-        if not any(p.max() >= self.FIT_SPREAD * p.min() for p in per_mb):
+        if not any(spread(p) for p in per_mb):
             return 0.0
         scale = float(np.median(np.concatenate(per_mb)))
 
@@ -453,22 +454,14 @@ class SpeedEstimates:
         n_all = np.zeros((len(rows), width))
         for i, (log_t, e, n) in enumerate(rows):
             log_t_all[i, : len(log_t)], e_all[i, : len(e)], n_all[i, : len(n)] = log_t, e, n
-        lo_idx = ((size - 1) // 2)[None, :, None]
-        hi_idx = (size // 2)[None, :, None]
 
         def centred(phi: np.ndarray) -> np.ndarray:
             """``|log t - log(e + φ n) - m_p|`` at each ``φ`` of ``phi`` (shape ``(G, P,
             W)``: ``P`` pieces padded to ``W`` with 0; ``m_p`` the median of the first term
             over piece ``p`` at that ``φ``)."""
             res = log_t_all[None] - np.log(e_all[None] + phi[:, None, None] * n_all[None])
-            ordered = np.sort(res, axis=2)  # the padding (NaN) last
-            lo = np.take_along_axis(
-                ordered, np.broadcast_to(lo_idx, (len(phi), *lo_idx.shape[1:])), 2
-            )
-            hi = np.take_along_axis(
-                ordered, np.broadcast_to(hi_idx, (len(phi), *hi_idx.shape[1:])), 2
-            )
-            out = np.abs(res - 0.5 * (lo + hi))
+            m = _row_medians(res.reshape(-1, width)).reshape(len(phi), len(rows), 1)
+            out = np.abs(res - m)
             out[:, pad] = 0.0
             return out
 
